@@ -1,0 +1,177 @@
+"""`colibri convert`: Hugging Face checkpoints (safetensors f32/bf16/f16) and GGUF files ->
+colibri containers (container.py).
+
+Quantization rule at --bits 4 (one rule, so a conversion is reproducible anywhere):
+embeddings and lm_head int8 g32 (q8_0); routers and gates (`mlp.gate`, `shared_expert_gate`),
+norms and biases f32; every other matrix int4 g64 along its input dimension when that is a
+multiple of 64, else f32. --bits 8: matrices q8_0. --bits 32: everything f32 (the exact path).
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from colibri.errors import ColibriError
+from colibri.io.container import EXPERT_PROJECTIONS, ContainerWriter
+from colibri.io.safetensors_io import SafetensorsFile
+from colibri.kernels.quant import QTensor, quantize
+
+BITS = (4, 8, 32)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
+
+_EXPERT = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<e>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_FUSED_EXPERTS = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<proj>gate_up_proj|down_proj)$")
+_ROUTER = re.compile(r"\.(gate|shared_expert_gate)\.weight$")
+_EMBEDDING = re.compile(r"(embed_tokens|lm_head)\.weight$")
+_LAYER = re.compile(r"layers\.(\d+)\.")
+_MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_SKIP = re.compile(r"rotary_emb\.inv_freq$")
+
+
+def scheme_for(name: str, shape: tuple[int, ...], bits: int) -> str:
+    """The quantization scheme the --bits rule assigns to one tensor."""
+    if len(shape) != 2 or bits == 32:
+        return "f32"
+    cols = shape[1]
+    if _EMBEDDING.search(name):
+        return "q8_0" if cols % 32 == 0 else "f32"
+    if _ROUTER.search(name):
+        return "f32"
+    if bits == 4:
+        return "int4_g64" if cols % 64 == 0 else "f32"
+    return "q8_0" if cols % 32 == 0 else "f32"
+
+
+def convert(src: str | Path, dst: str | Path, bits: int = 4, progress: bool = True) -> Path:
+    """Convert SRC (HF checkpoint directory or .gguf file) into the container directory DST.
+
+    Written into a temporary sibling directory and renamed at the end, so an interrupted
+    conversion never leaves a half-written container under DST.
+    """
+    src, dst = Path(src), Path(dst)
+    if bits not in BITS:
+        raise ColibriError(f"--bits must be one of {', '.join(map(str, BITS))}, not {bits}")
+    if not src.exists():
+        raise ColibriError(f"{src} does not exist")
+    if dst.exists() and any(dst.iterdir()):
+        raise ColibriError(f"{dst} already exists and is not empty; choose a new output directory")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    try:
+        if src.is_file():
+            if src.suffix != ".gguf":
+                raise ColibriError(f"{src}: expected a .gguf file or a Hugging Face checkpoint directory")
+            _convert_gguf(src, tmp, progress)
+        else:
+            _convert_hf(src, tmp, bits, progress)
+        if dst.exists():
+            dst.rmdir()
+        tmp.rename(dst)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dst
+
+
+def _progress(enabled: bool) -> Progress:
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), disable=not enabled, transient=False)
+
+
+def _num_experts(config: dict) -> int | None:
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if config.get(key):
+            return int(config[key])
+    return None
+
+
+def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
+    from colibri.models import family
+
+    try:
+        config = json.loads((src / "config.json").read_text())
+    except FileNotFoundError:
+        raise ColibriError(f"{src} has no config.json; is it a Hugging Face checkpoint directory?") from None
+    except ValueError as e:
+        raise ColibriError(f"{src}/config.json is not valid JSON ({e})") from None
+    family(config.get("model_type"))  # unknown model_type: fail before reading any weights
+    shards = sorted(src.glob("*.safetensors"))
+    if not shards:
+        raise ColibriError(f"{src} holds no .safetensors files")
+    files = [SafetensorsFile(p) for p in shards]
+    names = [(f, n) for f in files for n in f.keys() if not _SKIP.search(n)]
+    n_experts = _num_experts(config)
+    writer = ContainerWriter(out, bits, source=str(src))
+    pending: dict[str, dict[int, dict[str, QTensor]]] = defaultdict(lambda: defaultdict(dict))
+
+    def add_expert(prefix: str, e: int, proj: str, w: np.ndarray) -> None:
+        pending[prefix][e][proj] = quantize(w, scheme_for(f"{prefix}.{proj}", w.shape, bits))
+        layer = pending[prefix]
+        if n_experts and len(layer) == n_experts and all(len(p) == 3 for p in layer.values()):
+            _flush_layer(writer, prefix, pending.pop(prefix))
+
+    with _progress(progress) as bar:
+        task = bar.add_task(f"converting {src.name} (--bits {bits})", total=len(names))
+        for f, name in names:
+            w = f.float32(name)
+            if m := _EXPERT.match(name):
+                add_expert(m["prefix"], int(m["e"]), _MIXTRAL_NAMES.get(m["proj"], m["proj"]), w)
+            elif m := _FUSED_EXPERTS.match(name):  # transformers v5 layout: [E, 2I, D] / [E, D, I]
+                for e in range(w.shape[0]):
+                    if m["proj"] == "down_proj":
+                        add_expert(m["prefix"], e, "down_proj", w[e])
+                    else:
+                        gate, up = np.split(w[e], 2, axis=0)
+                        add_expert(m["prefix"], e, "gate_proj", gate)
+                        add_expert(m["prefix"], e, "up_proj", up)
+            else:
+                writer.add_dense(name, quantize(w, scheme_for(name, w.shape, bits)) if w.ndim == 2 else w)
+            bar.advance(task)
+    for prefix, layer in pending.items():
+        _flush_layer(writer, prefix, layer)
+    writer.finish(config, _tokenizer_files(src))
+
+
+def _flush_layer(writer: ContainerWriter, prefix: str, layer: dict[int, dict[str, QTensor]]) -> None:
+    ids = sorted(layer)
+    if ids != list(range(len(ids))) or any(set(layer[e]) != set(EXPERT_PROJECTIONS) for e in ids):
+        raise ColibriError(f"{prefix}: incomplete experts in the checkpoint (found {len(ids)} experts)")
+    m = _LAYER.search(prefix + ".")
+    writer.add_expert_layer(prefix, int(m.group(1)) if m else len(writer.experts), [layer[e] for e in ids])
+
+
+def _tokenizer_files(src: Path) -> dict[str, str]:
+    files = {n: (src / n).read_text() for n in TOKENIZER_FILES if (src / n).exists()}
+    # transformers >= 4.43 may keep the chat template in its own file; the container keeps it
+    # in tokenizer_config.json, where every tool looks first.
+    template = src / "chat_template.jinja"
+    if template.exists():
+        cfg = json.loads(files.get("tokenizer_config.json", "{}"))
+        cfg.setdefault("chat_template", template.read_text())
+        files["tokenizer_config.json"] = json.dumps(cfg, indent=2, ensure_ascii=False)
+    return files
+
+
+def _convert_gguf(path: Path, out: Path, progress: bool) -> None:
+    from colibri.io.gguf_import import read_gguf
+
+    ckpt = read_gguf(path)
+    writer = ContainerWriter(out, bits=0, source=str(path))
+    with _progress(progress) as bar:
+        task = bar.add_task(f"repacking {path.name}", total=len(ckpt.tensors))
+        for name, t in ckpt.tensors.items():
+            writer.add_dense(name, t)
+            bar.advance(task)
+    files = {
+        "tokenizer.json": ckpt.tokenizer_json,
+        "tokenizer_config.json": json.dumps(ckpt.tokenizer_config, indent=2, ensure_ascii=False),
+        "generation_config.json": json.dumps(ckpt.generation_config, indent=2),
+    }
+    writer.finish(ckpt.config, files)

@@ -1,0 +1,188 @@
+"""Quantization schemes: the in-memory tensor format the kernels read, plus plain numpy
+quantizers and dequantizers that every numba kernel is tested against.
+
+Layouts (all groups run along the input dimension, rows are output channels):
+- int4_g64 (colibri default): symmetric, s = amax/7, q = clip(rint(w/s), -8, 7), stored as
+  the nibble q+8; w = (nibble - 8) * s.
+- q4_0 (GGUF Q4_0): group 32, w = (nibble - 8) * d.
+- q4_1 (GGUF Q4_1): group 32, w = nibble * d + m.
+- q8_0 (GGUF Q8_0): group 32, int8 q, w = q * d.
+- f32 / f16 / bf16: unquantized; bf16 is kept as its raw uint16 bits (numpy has no bf16).
+
+Nibble order within a group of g elements (g/2 bytes): byte k holds element k in its low
+nibble and element k + g/2 in its high nibble. That is GGUF's own Q4_0/Q4_1 order, so GGUF
+import is a byte copy, and it lets a kernel expand one byte into two contiguous half-group
+runs (DESIGN.md section 6: ~10x faster in numba than interleaved even/odd nibbles).
+Scales and mins are float32 (GGUF's f16 scales widen exactly).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+GROUP_SIZE = {"int4_g64": 64, "q4_0": 32, "q4_1": 32, "q8_0": 32}
+FLOAT_SCHEMES = ("f32", "f16", "bf16")
+SCHEMES = tuple(GROUP_SIZE) + FLOAT_SCHEMES
+INT4_SCHEMES = ("int4_g64", "q4_0", "q4_1")
+
+
+@dataclass
+class QTensor:
+    """A 2-D weight matrix [out, in] in one of SCHEMES.
+
+    q:      int4 schemes: uint8 [out, in // 2] packed nibbles; q8_0: int8 [out, in];
+            f32: float32 [out, in]; f16: float16 [out, in]; bf16: uint16 [out, in] raw bits.
+    scales: float32 [out, in // group] for quantized schemes, else None.
+    mins:   float32 [out, in // group] for q4_1, else None.
+    """
+
+    scheme: str
+    shape: tuple[int, int]
+    q: np.ndarray
+    scales: np.ndarray | None = None
+    mins: np.ndarray | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.q, self.scales, self.mins) if a is not None)
+
+    def parts(self) -> dict[str, np.ndarray]:
+        """The arrays that make up this tensor, by part name ("q", "scales", "mins")."""
+        out = {"q": self.q}
+        if self.scales is not None:
+            out["scales"] = self.scales
+        if self.mins is not None:
+            out["mins"] = self.mins
+        return out
+
+    def rows(self, start: int, stop: int) -> "QTensor":
+        """Rows [start, stop) as a view (no copy): a slice of output channels."""
+        return QTensor(
+            self.scheme,
+            (stop - start, self.shape[1]),
+            self.q[start:stop],
+            None if self.scales is None else self.scales[start:stop],
+            None if self.mins is None else self.mins[start:stop],
+        )
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """Raw bfloat16 bits (uint16) -> float32, exactly."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> raw bfloat16 bits (uint16), round to nearest even (as torch does)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounding = ((u >> 16) & 1) + np.uint32(0x7FFF)
+    return ((u + rounding) >> 16).astype(np.uint16)
+
+
+def pack_nibbles(nib: np.ndarray, group: int) -> np.ndarray:
+    """nibbles uint8 [out, in] (values 0..15) -> packed uint8 [out, in // 2] in group order."""
+    out, n = nib.shape
+    g = nib.reshape(out, n // group, 2, group // 2)  # [O, G, half, g/2]
+    return (g[:, :, 0, :] | (g[:, :, 1, :] << 4)).reshape(out, n // 2).astype(np.uint8)
+
+
+def unpack_nibbles(packed: np.ndarray, group: int) -> np.ndarray:
+    """packed uint8 [out, in // 2] -> nibbles uint8 [out, in]."""
+    out, half_n = packed.shape
+    p = packed.reshape(out, (2 * half_n) // group, group // 2)  # [O, G, g/2]
+    return np.concatenate([p & 0x0F, p >> 4], axis=2).reshape(out, 2 * half_n)
+
+
+def _check_2d(w: np.ndarray, group: int) -> np.ndarray:
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"expected a 2-D matrix, got shape {w.shape}")
+    if w.shape[1] % group:
+        raise ValueError(f"input dimension {w.shape[1]} is not a multiple of the group size {group}")
+    return w
+
+
+def _f16_round(a: np.ndarray) -> np.ndarray:
+    """float32 -> nearest float16 value, widened back to float32 (how GGUF stores scales)."""
+    return a.astype(np.float16).astype(np.float32)
+
+
+def _round_half_away(v: np.ndarray) -> np.ndarray:
+    """C roundf: halves away from zero (np.rint rounds them to even). Written as floor of the
+    magnitude plus a half-step test, like gguf-py's np_roundf, so v + 0.5 never rounds."""
+    a = np.abs(v)
+    r = np.floor(a)
+    r += np.floor(2 * (a - r))
+    return np.copysign(r, v)
+
+
+def quantize(w: np.ndarray, scheme: str) -> QTensor:
+    """Quantize a float matrix [out, in] (numpy reference; also what `convert` uses)."""
+    if scheme == "f32":
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        return QTensor(scheme, w.shape, w)
+    if scheme == "f16":
+        w = np.ascontiguousarray(w, dtype=np.float16)
+        return QTensor(scheme, w.shape, w)
+    if scheme == "bf16":
+        return QTensor(scheme, w.shape, f32_to_bf16(w))
+    if scheme not in GROUP_SIZE:
+        raise ValueError(f"unknown quantization scheme {scheme!r}; known: {', '.join(SCHEMES)}")
+    g = GROUP_SIZE[scheme]
+    w = _check_2d(w, g)
+    out, n = w.shape
+    blocks = w.reshape(out, n // g, g)  # [O, G, g]
+    if scheme == "int4_g64":
+        amax = np.abs(blocks).max(axis=2)
+        s = (amax / np.float32(7.0)).astype(np.float32)
+        inv = np.divide(1.0, s, out=np.zeros_like(s), where=s != 0)
+        q = np.clip(np.rint(blocks * inv[:, :, None]), -8, 7)
+        nib = (q + 8).astype(np.uint8).reshape(out, n)
+        return QTensor(scheme, (out, n), pack_nibbles(nib, g), s)
+    if scheme == "q4_0":
+        # ggml quantize_row_q4_0_ref: d = max / -8 where max is the signed value of largest |w|.
+        # As in ggml, q uses the float32 d; only the stored d is rounded to f16 (bit-exact
+        # with gguf-py, tests/kernels/test_quant.py).
+        idx = np.abs(blocks).argmax(axis=2)
+        mx = np.take_along_axis(blocks, idx[:, :, None], axis=2)[:, :, 0]
+        d = mx / np.float32(-8.0)
+        inv = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
+        nib = np.minimum(15, np.trunc(blocks * inv[:, :, None] + np.float32(8.5))).astype(np.uint8)
+        return QTensor(scheme, (out, n), pack_nibbles(nib.reshape(out, n), g), _f16_round(d))
+    if scheme == "q4_1":
+        # ggml quantize_row_q4_1_ref: q from the float32 d and min, stored rounded to f16.
+        mn = blocks.min(axis=2)
+        mx = blocks.max(axis=2)
+        d = (mx - mn) / np.float32(15.0)
+        inv = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
+        nib = np.clip(np.trunc((blocks - mn[:, :, None]) * inv[:, :, None] + np.float32(0.5)), 0, 15)
+        packed = pack_nibbles(nib.astype(np.uint8).reshape(out, n), g)
+        return QTensor(scheme, (out, n), packed, _f16_round(d), _f16_round(mn))
+    # q8_0, ggml quantize_row_q8_0_ref: q = roundf(w / d) (half away from zero) with the
+    # float32 d; the stored d is rounded to f16.
+    amax = np.abs(blocks).max(axis=2)
+    d = amax / np.float32(127.0)
+    inv = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
+    q = np.clip(_round_half_away(blocks * inv[:, :, None]), -127, 127).astype(np.int8).reshape(out, n)
+    return QTensor(scheme, (out, n), q, _f16_round(d))
+
+
+def dequantize(t: QTensor) -> np.ndarray:
+    """QTensor -> float32 [out, in]. The reference every kernel is tested against."""
+    out, n = t.shape
+    if t.scheme == "f32":
+        return np.asarray(t.q, dtype=np.float32)
+    if t.scheme == "f16":
+        return t.q.astype(np.float32)
+    if t.scheme == "bf16":
+        return bf16_to_f32(t.q)
+    g = GROUP_SIZE[t.scheme]
+    if t.scheme == "q8_0":
+        vals = t.q.astype(np.float32).reshape(out, n // g, g)
+        return (vals * t.scales[:, :, None]).reshape(out, n)
+    nib = unpack_nibbles(t.q, g).reshape(out, n // g, g)
+    if t.scheme == "q4_1":
+        vals = nib.astype(np.float32) * t.scales[:, :, None] + t.mins[:, :, None]
+    else:
+        vals = (nib.astype(np.float32) - np.float32(8.0)) * t.scales[:, :, None]
+    return vals.reshape(out, n).astype(np.float32)

@@ -1,0 +1,408 @@
+"""Pieces shared by the decoder-only families (llama, mixtral, olmoe, qwen2_moe, qwen3_moe):
+config parsing, RMSNorm, RoPE variants, GQA attention over a KV cache, SwiGLU MLP, softmax
+top-k routed experts. Numerics follow the transformers implementations (float32 throughout)
+so greedy tokens match; the heavy matrix work goes through colibri.kernels.
+
+Shape letters: L tokens, D hidden, H query heads, KV key/value heads, G = H // KV, Dh head
+dim, N cached positions, E experts, K top-k.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+
+from colibri.errors import ColibriError
+from colibri.kernels import embedding, matmul, matvec
+from colibri.kernels.quant import QTensor
+
+
+# ----------------------------------------------------------------------------- config
+
+@dataclass
+class ModelArgs:
+    """The config.json fields the shared decoder reads; families subclass and add theirs."""
+
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    intermediate_size: int = 0
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    rope_theta: float | None = None
+    rope_scaling: dict | None = None
+    rope_parameters: dict | None = None
+    partial_rotary_factor: float = 1.0
+    bos_token_id: int | list | None = None
+    eos_token_id: int | list | None = None
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, cfg: dict):
+        names = {f.name for f in fields(cls)}
+        known = {k: v for k, v in cfg.items() if k in names and k != "extra"}
+        args = cls(**known, extra={k: v for k, v in cfg.items() if k not in names})
+        return args
+
+    def __post_init__(self):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.hidden_act != "silu":
+            raise ColibriError(f"config field hidden_act={self.hidden_act!r} is not implemented (only 'silu')")
+
+    # Family hooks -------------------------------------------------------------
+    def mlp_kind(self, layer: int) -> str:
+        """'dense' or 'moe' for decoder layer `layer`."""
+        return "dense"
+
+    def rope_params(self) -> dict:
+        """transformers v5 keeps rope settings in `rope_parameters`; v4 in rope_theta/rope_scaling."""
+        p = dict(self.rope_parameters or {})
+        if self.rope_scaling:
+            p = {**self.rope_scaling, **p}
+        if "rope_theta" not in p:
+            p["rope_theta"] = self.rope_theta if self.rope_theta is not None else 10000.0
+        p.setdefault("rope_type", p.get("type", "default"))
+        p.setdefault("partial_rotary_factor", self.partial_rotary_factor)
+        return p
+
+
+# ----------------------------------------------------------------------------- elementwise
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x [..., D] -> weight * x / sqrt(mean(x^2) + eps), as transformers' RMSNorm in float32."""
+    var = np.mean(x * x, axis=-1, keepdims=True, dtype=np.float32)
+    return weight * (x * (np.float32(1.0) / np.sqrt(var + np.float32(eps))))
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (np.float32(1.0) + np.exp(-x))
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    m = np.max(x, axis=axis, keepdims=True)
+    e = np.exp(x - m)
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def linear(x: np.ndarray, w: QTensor, bias: np.ndarray | None = None) -> np.ndarray:
+    """x [L, in] -> [L, out]. Decode (L == 1) takes the matvec kernel, prefill the matmul one."""
+    if x.shape[0] == 1:
+        y = matvec(w, x[0])[None, :]
+    else:
+        y = matmul(w, x)
+    if bias is not None:
+        y += bias
+    return y
+
+
+# ----------------------------------------------------------------------------- RoPE
+
+@dataclass
+class Rope:
+    inv_freq: np.ndarray       # [R/2] float32
+    attention_scaling: float   # multiplies cos and sin (YaRN's mscale)
+    rotary_dim: int            # R: rotated leading dims of each head (partial rotary)
+
+    def cos_sin(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        freqs = positions.astype(np.float32)[:, None] * self.inv_freq[None, :]  # [L, R/2]
+        emb = np.concatenate([freqs, freqs], axis=-1)                          # [L, R]
+        s = np.float32(self.attention_scaling)
+        return np.cos(emb) * s, np.sin(emb) * s
+
+
+def build_rope(args: ModelArgs, head_dim: int | None = None) -> Rope:
+    """inv_freq for the rope variants these configs use, as transformers' modeling_rope_utils."""
+    p = args.rope_params()
+    head_dim = head_dim or args.head_dim
+    dim = int(head_dim * p.get("partial_rotary_factor", 1.0))
+    base = float(p["rope_theta"])
+    rope_type = p["rope_type"]
+    exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    inv_freq = (np.float32(1.0) / (np.float32(base) ** exponent)).astype(np.float32)
+    scaling = 1.0
+    if rope_type == "default":
+        pass
+    elif rope_type == "linear":
+        inv_freq = inv_freq / np.float32(p["factor"])
+    elif rope_type == "llama3":
+        factor, lo, hi = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+        old_ctx = p["original_max_position_embeddings"]
+        low_wl, high_wl = old_ctx / lo, old_ctx / hi
+        wavelen = 2 * math.pi / inv_freq
+        inv_l = np.where(wavelen > low_wl, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
+        medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
+        inv_freq = np.where(medium, smoothed, inv_l).astype(np.float32)
+    elif rope_type == "yarn":
+        inv_freq, scaling = _yarn(p, dim, base, args.max_position_embeddings)
+    else:
+        raise ColibriError(f"config field rope_scaling.rope_type={rope_type!r} is not implemented "
+                           "(supported: default, linear, llama3, yarn)")
+    return Rope(inv_freq.astype(np.float32), float(scaling), dim)
+
+
+def _yarn(p: dict, dim: int, base: float, max_pos: int) -> tuple[np.ndarray, float]:
+    factor = p.get("factor")
+    orig = p.get("original_max_position_embeddings") or max_pos
+    if factor is None:
+        factor = max_pos / orig
+
+    def get_mscale(scale, mscale=1.0):
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        ms, ms_all = p.get("mscale"), p.get("mscale_all_dim")
+        attention_factor = get_mscale(factor, ms) / get_mscale(factor, ms_all) if ms and ms_all else get_mscale(factor)
+    beta_fast = p.get("beta_fast") or 32
+    beta_slow = p.get("beta_slow") or 1
+
+    def correction_dim(rot):
+        return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    pos_freqs = np.float32(base) ** (np.arange(0, dim, 2).astype(np.float32) / np.float32(dim))
+    extrap = np.float32(1.0) / pos_freqs
+    interp = np.float32(1.0) / (np.float32(factor) * pos_freqs)
+    extrap_factor = 1 - ramp
+    inv_freq = interp * (1 - extrap_factor) + extrap * extrap_factor
+    return inv_freq.astype(np.float32), float(attention_factor)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rotary_dim: int) -> np.ndarray:
+    """x [L, H, Dh]; cos/sin [L, R]. transformers' rotate_half convention on the first R dims."""
+    rot = x[..., :rotary_dim]
+    half = rotary_dim // 2
+    rotated = np.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+    out = rot * cos[:, None, :] + rotated * sin[:, None, :]
+    if rotary_dim == x.shape[-1]:
+        return out
+    return np.concatenate([out, x[..., rotary_dim:]], axis=-1)
+
+
+# ----------------------------------------------------------------------------- KV cache
+
+class KVCache:
+    """Per-layer K and V for one sequence, grown by doubling up to `max_tokens`."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_tokens: int, v_dim: int | None = None):
+        self.max_tokens = max_tokens
+        self.length = 0
+        self._shape = (num_kv_heads, head_dim, v_dim or head_dim)
+        cap = min(max_tokens, 256)
+        self.k = [np.zeros((num_kv_heads, cap, head_dim), np.float32) for _ in range(num_layers)]
+        self.v = [np.zeros((num_kv_heads, cap, v_dim or head_dim), np.float32) for _ in range(num_layers)]
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[1]
+
+    def reserve(self, n: int) -> None:
+        if n > self.max_tokens:
+            raise ColibriError(f"context full: {n} tokens needed, the context holds {self.max_tokens}")
+        if n <= self.capacity:
+            return
+        cap = min(self.max_tokens, max(n, 2 * self.capacity))
+        for store in (self.k, self.v):
+            for i, a in enumerate(store):
+                grown = np.zeros((a.shape[0], cap, a.shape[2]), np.float32)
+                grown[:, : self.length] = a[:, : self.length]
+                store[i] = grown
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n positions (prefix reuse)."""
+        self.length = min(self.length, n)
+
+    @property
+    def bytes_per_token(self) -> int:
+        kvh, dk, dv = self._shape
+        return len(self.k) * kvh * (dk + dv) * 4
+
+
+# ----------------------------------------------------------------------------- blocks
+
+class Attention:
+    """Grouped-query attention with optional q/k bias and q/k RMSNorm (per head or over all heads)."""
+
+    def __init__(self, args: ModelArgs, w, prefix: str, rope: Rope, qk_norm: str | None = None,
+                 clip_qkv: float | None = None):
+        self.h, self.kv, self.dh = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        self.eps = args.rms_norm_eps
+        self.rope = rope
+        self.q_proj, self.k_proj = w.tensor(f"{prefix}.q_proj.weight"), w.tensor(f"{prefix}.k_proj.weight")
+        self.v_proj, self.o_proj = w.tensor(f"{prefix}.v_proj.weight"), w.tensor(f"{prefix}.o_proj.weight")
+        self.q_bias, self.k_bias, self.v_bias = (
+            w.tensor(f"{prefix}.{p}.bias") if w.has(f"{prefix}.{p}.bias") else None
+            for p in ("q_proj", "k_proj", "v_proj"))
+        self.o_bias = w.tensor(f"{prefix}.o_proj.bias") if w.has(f"{prefix}.o_proj.bias") else None
+        self.qk_norm = qk_norm  # None, "head" (qwen3: over Dh) or "full" (olmoe: over H*Dh)
+        if qk_norm:
+            self.q_norm, self.k_norm = w.tensor(f"{prefix}.q_norm.weight"), w.tensor(f"{prefix}.k_norm.weight")
+        self.clip_qkv = clip_qkv
+        self.scale = np.float32(self.dh ** -0.5)
+
+    def __call__(self, x: np.ndarray, cache: KVCache, layer: int, pos0: int, cos, sin) -> np.ndarray:
+        L = x.shape[0]
+        q = linear(x, self.q_proj, self.q_bias)  # [L, H*Dh]
+        k = linear(x, self.k_proj, self.k_bias)  # [L, KV*Dh]
+        v = linear(x, self.v_proj, self.v_bias)  # [L, KV*Dh]
+        if self.qk_norm == "full":
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        if self.clip_qkv is not None:  # after the norm, as transformers' olmoe does
+            c = np.float32(self.clip_qkv)
+            q, k, v = np.clip(q, -c, c), np.clip(k, -c, c), np.clip(v, -c, c)
+        q = q.reshape(L, self.h, self.dh)
+        k = k.reshape(L, self.kv, self.dh)
+        if self.qk_norm == "head":
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        q = apply_rope(q, cos, sin, self.rope.rotary_dim)
+        k = apply_rope(k, cos, sin, self.rope.rotary_dim)
+        kc, vc = cache.k[layer], cache.v[layer]
+        kc[:, pos0 : pos0 + L] = k.transpose(1, 0, 2)
+        vc[:, pos0 : pos0 + L] = v.reshape(L, self.kv, self.dh).transpose(1, 0, 2)
+        out = attend(q, kc[:, : pos0 + L], vc[:, : pos0 + L], pos0, self.scale)  # [L, H*Dh]
+        return linear(out, self.o_proj, self.o_bias)
+
+
+def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale: np.float32) -> np.ndarray:
+    """Causal softmax attention. q [L, H, Dk]; k [KV, N, Dk]; v [KV, N, Dv] -> [L, H*Dv].
+
+    Query i sits at position pos0 + i and sees keys 0 .. pos0 + i.
+    """
+    L, H, _ = q.shape
+    KV, N, Dv = v.shape
+    G = H // KV
+    qg = q.reshape(L, KV, G, -1).transpose(1, 2, 0, 3)               # [KV, G, L, Dk]
+    scores = np.matmul(qg, k.transpose(0, 2, 1)[:, None]) * scale     # [KV, G, L, N]
+    if L > 1:
+        future = np.arange(N)[None, :] > (pos0 + np.arange(L))[:, None]  # [L, N]
+        scores = np.where(future, np.float32(-np.inf), scores)
+    probs = softmax(scores).astype(np.float32)
+    out = np.matmul(probs, v[:, None])                                # [KV, G, L, Dv]
+    return out.transpose(2, 0, 1, 3).reshape(L, H * Dv)
+
+
+class MLP:
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, gate: QTensor, up: QTensor, down: QTensor):
+        self.gate, self.up, self.down = gate, up, down
+
+    @classmethod
+    def from_weights(cls, w, prefix: str) -> "MLP":
+        return cls(*(w.tensor(f"{prefix}.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")))
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return linear(silu(linear(x, self.gate)) * linear(x, self.up), self.down)
+
+
+def swiglu_expert(x: np.ndarray, e: dict[str, QTensor]) -> np.ndarray:
+    return linear(silu(linear(x, e["gate_proj"])) * linear(x, e["up_proj"]), e["down_proj"])
+
+
+def softmax_topk(logits: np.ndarray, k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Router logits [L, E] -> (weights [L, K], expert ids [L, K]), highest probability first."""
+    probs = softmax(logits.astype(np.float32))
+    ids = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    weights = np.take_along_axis(probs, ids, axis=-1)
+    if normalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return weights.astype(np.float32), ids
+
+
+class SparseMoE:
+    """Routed SwiGLU experts (softmax top-k), optionally plus a shared expert with a sigmoid gate."""
+
+    def __init__(self, args, w, experts, prefix: str, top_k: int, norm_topk_prob: bool,
+                 shared: MLP | None = None, shared_gate: QTensor | None = None):
+        self.router = w.tensor(f"{prefix}.gate.weight")  # [E, D] float32
+        self.experts = experts
+        self.prefix = prefix
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.shared, self.shared_gate = shared, shared_gate
+
+    def route(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return softmax_topk(linear(x, self.router), self.top_k, self.norm_topk_prob)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        weights, ids = self.route(x)  # [L, K], [L, K]
+        out = run_experts(x, weights, ids, self.experts, self.prefix)
+        if self.shared is not None:
+            gate = linear(x, self.shared_gate)                      # [L, 1]
+            out += (np.float32(1.0) / (np.float32(1.0) + np.exp(-gate))) * self.shared(x)
+        return out
+
+
+def run_experts(x: np.ndarray, weights: np.ndarray, ids: np.ndarray, experts, prefix: str) -> np.ndarray:
+    """Sum of routed expert outputs. Tokens are grouped by expert, so in prefill every selected
+    expert is fetched once and applied to all its tokens as one matrix x matrix product."""
+    out = np.zeros_like(x)
+    unique = np.unique(ids)
+    fetched = experts.get_many(prefix, unique.tolist())
+    for e, ew in zip(unique, fetched):
+        tok, slot = np.nonzero(ids == e)
+        y = swiglu_expert(np.ascontiguousarray(x[tok]), ew)
+        out[tok] += y * weights[tok, slot][:, None]
+    return out
+
+
+# ----------------------------------------------------------------------------- model
+
+class DecoderLayer:
+    def __init__(self, args: ModelArgs, attn: Attention, mlp, prefix: str, w):
+        self.attn, self.mlp = attn, mlp
+        self.eps = args.rms_norm_eps
+        self.input_norm = w.tensor(f"{prefix}.input_layernorm.weight")
+        self.post_norm = w.tensor(f"{prefix}.post_attention_layernorm.weight")
+
+    def __call__(self, x, cache, layer, pos0, cos, sin):
+        x = x + self.attn(rms_norm(x, self.input_norm, self.eps), cache, layer, pos0, cos, sin)
+        return x + self.mlp(rms_norm(x, self.post_norm, self.eps))
+
+
+class DecoderModel:
+    """Embedding -> decoder layers -> final norm -> lm_head. Families build the layers."""
+
+    def __init__(self, args: ModelArgs, w, layers: list, rope: Rope):
+        self.args = args
+        self.layers = layers
+        self.rope = rope
+        self.embed = w.tensor("model.embed_tokens.weight")
+        self.norm = w.tensor("model.norm.weight")
+        self.lm_head = w.tensor("lm_head.weight") if w.has("lm_head.weight") else self.embed
+
+    def new_cache(self, max_tokens: int) -> KVCache:
+        a = self.args
+        return KVCache(len(self.layers), a.num_key_value_heads, a.head_dim, max_tokens)
+
+    def forward(self, ids: np.ndarray, cache: KVCache, all_logits: bool = False) -> np.ndarray:
+        """Run tokens `ids` [L] after the cache's current contents; returns logits [L or 1, V]."""
+        ids = np.asarray(ids, dtype=np.int64)
+        L, pos0 = ids.shape[0], cache.length
+        cache.reserve(pos0 + L)
+        cos, sin = self.rope.cos_sin(np.arange(pos0, pos0 + L))
+        x = embedding(self.embed, ids)  # [L, D]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cache, i, pos0, cos, sin)
+        cache.length = pos0 + L
+        if not all_logits:
+            x = x[-1:]
+        return linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)

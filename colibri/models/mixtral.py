@@ -1,0 +1,37 @@
+"""Mixtral (softmax top-k routed SwiGLU experts, always renormalized), after transformers'
+models/mixtral/modeling_mixtral.py. Checkpoint names its experts w1 (gate), w3 (up), w2 (down);
+`colibri convert` stores them as gate_proj / up_proj / down_proj."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from colibri.errors import ColibriError
+from colibri.models import common
+
+
+@dataclass
+class ModelArgs(common.ModelArgs):
+    num_local_experts: int = 8
+    num_experts_per_tok: int = 2
+    sliding_window: int | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.sliding_window:
+            raise ColibriError(f"config field sliding_window={self.sliding_window} is not implemented for mixtral")
+
+    def mlp_kind(self, layer: int) -> str:
+        return "moe"
+
+
+def build(config: dict, weights, experts) -> common.DecoderModel:
+    args = ModelArgs.from_dict(config)
+    rope = common.build_rope(args)
+    layers = []
+    for i in range(args.num_hidden_layers):
+        p = f"model.layers.{i}"
+        attn = common.Attention(args, weights, f"{p}.self_attn", rope)
+        moe = common.SparseMoE(args, weights, experts, f"{p}.block_sparse_moe",
+                               top_k=args.num_experts_per_tok, norm_topk_prob=True)
+        layers.append(common.DecoderLayer(args, attn, moe, p, weights))
+    return common.DecoderModel(args, weights, layers, rope)

@@ -1,0 +1,24 @@
+"""llama (dense) against transformers' LlamaForCausalLM."""
+import pytest
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from harness import check_against_transformers, prompts_for
+
+CASES = {
+    "gqa": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
+    "mha_llama3_rope": dict(hidden_size=128, intermediate_size=192, num_attention_heads=2, num_key_value_heads=2,
+                            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                             "original_max_position_embeddings": 64}),
+    "tied_linear_rope": dict(hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=1,
+                             tie_word_embeddings=True,
+                             rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
+}
+
+
+@pytest.mark.parametrize("bits", [32, 4])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_llama_matches_transformers(tmp_path, case, bits):
+    seed = sorted(CASES).index(case) + 11
+    cfg = LlamaConfig(vocab_size=160, num_hidden_layers=2, max_position_embeddings=512, **CASES[case])
+    check_against_transformers(LlamaForCausalLM, cfg, tmp_path, seed, bits, prompts_for(160, seed))
