@@ -29,6 +29,8 @@ def run(
     seed: Optional[int] = typer.Option(None, "--seed"),
     raw: bool = typer.Option(False, "--raw", help="Feed the prompt as plain text, no chat template."),
     system: Optional[str] = typer.Option(None, "--system", help="System message."),
+    max_context: Optional[int] = typer.Option(None, "--max-context", help="Context length in tokens "
+                                              "(default: the model's, at most 8192)."),
     stats: bool = typer.Option(False, "--stats", help="Print speed figures to stderr at the end."),
 ):
     """Generate an answer to PROMPT, printed as it streams."""
@@ -36,7 +38,7 @@ def run(
 
     if max_tokens < 0:
         raise ColibriError(f"--max-tokens must be >= 0, not {max_tokens}")
-    engine = Engine.load(model, progress=True)
+    engine = Engine.load(model, progress=True, max_context=max_context)
     for ev in engine.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, seed=seed, raw=raw, system=system):
         sys.stdout.write(ev.text)

@@ -26,6 +26,7 @@ class EngineConfig:
     """Runtime knobs (never mixed into a model's ModelArgs)."""
 
     max_context: int | None = None  # tokens; default: the model's, capped at DEFAULT_MAX_CONTEXT
+    kv_slots: int = 1               # independent conversations kept warm (1-16)
 
 
 DEFAULT_MAX_CONTEXT = 8192
@@ -34,20 +35,22 @@ DEFAULT_MAX_CONTEXT = 8192
 @dataclass
 class TokenEvent:
     token_id: int
-    text: str  # the text this token completes (may be "" while a UTF-8 character is pending)
+    text: str  # text this token completes (may be "" while a UTF-8 character or a possible stop string is pending)
+    logprob: float | None = None                        # log p(token) when logprobs were asked for
+    top_logprobs: list[tuple[int, float]] | None = None  # the most likely alternatives, best first
 
 
 @dataclass
 class Generation:
     token_ids: list[int]
     text: str
-    finish_reason: str                  # "stop" (end-of-sequence token) or "length"
+    finish_reason: str                  # "stop" (end-of-sequence token or stop string) or "length"
     prompt_tokens: int
     prompt_tokens_reused: int           # served from the KV cache, not prefilled
     ttft_s: float                       # request start -> first token sampled
     prefill_s: float
     decode_s: float
-    timings: dict = field(default_factory=dict)
+    slot: int = 0
 
     @property
     def completion_tokens(self) -> int:
@@ -64,6 +67,15 @@ class Generation:
         return n / self.prefill_s if self.prefill_s > 0 else 0.0
 
 
+@dataclass
+class KVSlot:
+    """One conversation's context: its KV cache and exactly the token ids it holds."""
+
+    cache: object
+    ids: list[int] = field(default_factory=list)
+    last_used: float = 0.0
+
+
 class Engine:
     def __init__(self, container: Container, tokenizer: Tokenizer | None, model, config: EngineConfig,
                  load_s: float = 0.0):
@@ -74,20 +86,26 @@ class Engine:
         self.load_s = load_s
         model_max = int(container.config.get("max_position_embeddings") or DEFAULT_MAX_CONTEXT)
         self.max_context = config.max_context or min(model_max, DEFAULT_MAX_CONTEXT)
-        self.cache = model.new_cache(self.max_context)
-        self.cached_ids: list[int] = []
+        if self.max_context < 1:
+            raise ColibriError(f"max_context must be at least 1, not {self.max_context}")
+        if not 1 <= config.kv_slots <= 16:
+            raise ColibriError(f"kv_slots must be between 1 and 16, not {config.kv_slots}")
+        self.slots = [KVSlot(model.new_cache(self.max_context)) for _ in range(config.kv_slots)]
         self.last: Generation | None = None
 
     @classmethod
     def load(cls, model_dir: str | Path | None = None, progress: bool = False, **options) -> "Engine":
         """Load a container directory; with no directory, the embedded default model
-        (converted into the user's cache directory on first use)."""
+        (converted into the user's cache directory on first use). `options` are EngineConfig fields."""
         t0 = time.perf_counter()
         if model_dir is None:
             from colibri.default_model import default_model_dir
 
             model_dir = default_model_dir(progress=progress)
-        config = EngineConfig(**options)
+        unknown = set(options) - set(EngineConfig.__dataclass_fields__)
+        if unknown:
+            raise TypeError(f"unknown Engine option(s): {', '.join(sorted(unknown))}")
+        config = EngineConfig(**{k: v for k, v in options.items() if v is not None})
         container = Container(model_dir)
         module = family(container.config.get("model_type"))
         experts = ResidentExperts(container)
@@ -96,11 +114,21 @@ class Engine:
         tokenizer = Tokenizer.from_dir(model_dir) if tok_path.exists() else None
         return cls(container, tokenizer, model, config, load_s=time.perf_counter() - t0)
 
-    # ------------------------------------------------------------------ prompts
+    # ------------------------------------------------------------------ facts
     @property
     def model_type(self) -> str:
         return self.container.config.get("model_type", "?")
 
+    @property
+    def model_id(self) -> str:
+        return self.container.dir.name
+
+    @property
+    def cache(self):
+        """Slot 0's KV cache (single-conversation callers)."""
+        return self.slots[0].cache
+
+    # ------------------------------------------------------------------ prompts
     def encode_prompt(self, prompt: str | list[int] | list[dict], raw: bool = False,
                       system: str | None = None, **template_kwargs) -> list[int]:
         """str -> chat template (unless raw) -> ids; list[dict] -> messages; list[int] -> as is."""
@@ -121,39 +149,87 @@ class Engine:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    # ------------------------------------------------------------------ slots
+    def pick_slot(self, ids: list[int]) -> int:
+        """The slot sharing the longest token prefix with `ids`, else the least recently used."""
+        best, best_len = None, 0
+        for i, s in enumerate(self.slots):
+            n = _common_prefix(s.ids, ids)
+            if n > best_len:
+                best, best_len = i, n
+        if best is not None:
+            return best
+        return min(range(len(self.slots)), key=lambda i: self.slots[i].last_used)
+
+    def reset(self, slot: int | None = None) -> None:
+        for s in self.slots if slot is None else [self.slots[slot]]:
+            s.cache.truncate(0)
+            s.ids = []
+
+    def save_slot(self, slot: int, path: str | Path) -> None:
+        from colibri.io.kv_store import save_kv
+
+        s = self.slots[slot]
+        save_kv(path, s.ids, s.cache, self.model_id)
+
+    def load_slot(self, slot: int, path: str | Path) -> int:
+        """Restore a slot saved by save_slot; returns how many tokens it holds."""
+        from colibri.io.kv_store import load_kv
+
+        s = self.slots[slot]
+        try:
+            s.ids = load_kv(path, s.cache, self.model_id)
+        except ColibriError:
+            self.reset(slot)
+            raise
+        s.last_used = time.time()
+        return len(s.ids)
+
     # ------------------------------------------------------------------ generation
     def stream(self, prompt, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, seed: int | None = None, raw: bool = False, system: str | None = None,
+               stop: list[str] | None = None, logprobs: int | None = None, slot: int | None = None,
                stop_at_eos: bool = True, **template_kwargs) -> Iterator[TokenEvent]:
-        """Yield tokens as they are produced. When the iterator is exhausted, `self.last`
-        holds the finished Generation (text, finish reason, timings)."""
+        """Yield tokens as they are produced. When the iterator is exhausted, `self.last` holds
+        the finished Generation. Closing the iterator early (a client went away) leaves the
+        slot holding exactly the tokens computed so far."""
         if max_tokens < 0:
             raise ColibriError(f"max_tokens must be >= 0, not {max_tokens}")
         if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
             raise ColibriError("sampling needs temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
+        if logprobs is not None and not 0 <= logprobs <= 20:
+            raise ColibriError(f"logprobs must be between 0 and 20, not {logprobs}")
         t_start = time.perf_counter()
         ids = self.encode_prompt(prompt, raw=raw, system=system, **template_kwargs)
         if not ids:
             raise ColibriError("the prompt is empty")
-        if len(ids) + max_tokens > self.max_context:
-            if len(ids) >= self.max_context:
-                raise ColibriError(f"the prompt has {len(ids)} tokens; the context holds {self.max_context}")
-            max_tokens = self.max_context - len(ids)
+        if len(ids) >= self.max_context:
+            raise ColibriError(f"the prompt has {len(ids)} tokens; the context holds {self.max_context}")
+        max_tokens = min(max_tokens, self.max_context - len(ids))
+        if slot is None:
+            slot = self.pick_slot(ids)
+        elif not 0 <= slot < len(self.slots):
+            raise ColibriError(f"slot {slot} does not exist (this engine has {len(self.slots)})")
+        kv = self.slots[slot]
+        kv.last_used = time.time()
         params = gen.SamplingParams(temperature, top_p, top_k, seed)
         rng = np.random.default_rng(seed)
         eos = self.tokenizer.eos_token_ids if (self.tokenizer and stop_at_eos) else set()
         decoder = self.tokenizer.stream_decoder() if self.tokenizer else None
+        stops = gen.StopMatcher(stop or [])
 
-        reused = self._reuse_prefix(ids)
+        reused = self._reuse_prefix(kv, ids)
         out: list[int] = []
+        text_parts: list[str] = []
         finish = "length"
+        hit = False
         t_prefill0 = time.perf_counter()
         ttft = prefill_s = 0.0
         t_decode0 = t_prefill0
         try:
             if max_tokens > 0:
-                logits = gen.prefill(self.model, self.cache, ids[reused:])
-                self.cached_ids = list(ids)
+                logits = gen.prefill(self.model, kv.cache, ids[reused:])
+                kv.ids = list(ids)
                 prefill_s = time.perf_counter() - t_prefill0
                 t_decode0 = time.perf_counter()
                 while True:
@@ -164,39 +240,58 @@ class Engine:
                         finish = "stop"
                         break
                     out.append(tok)
-                    yield TokenEvent(tok, decoder.feed(tok) if decoder else "")
+                    piece, hit = stops.feed(decoder.feed(tok) if decoder else "")
+                    text_parts.append(piece)
+                    yield self._event(tok, piece, logits, logprobs)
+                    if hit:
+                        finish = "stop"
+                        break
                     if len(out) >= max_tokens:
                         break
-                    logits = gen.decode_one(self.model, self.cache, tok)
-                    self.cached_ids.append(tok)
+                    logits = gen.decode_one(self.model, kv.cache, tok)
+                    kv.ids.append(tok)
+            if not hit:  # text held back for a possible stop string (or a split character) is real
+                tail = stops.feed(decoder.flush() if decoder else "")[0] + stops.flush()
+                if tail:
+                    text_parts.append(tail)
         finally:
-            # The cache holds exactly the tokens in cached_ids, also when the consumer stops early.
-            self.cache.truncate(len(self.cached_ids))
-        text = self.tokenizer.decode(out) if self.tokenizer else ""
-        self.last = Generation(out, text, finish, len(ids), reused, ttft, prefill_s,
-                               time.perf_counter() - t_decode0)
+            # The cache holds exactly the tokens in kv.ids, also when the consumer stops early.
+            kv.cache.truncate(len(kv.ids))
+        self.last = Generation(out, "".join(text_parts), finish, len(ids), reused, ttft, prefill_s,
+                               time.perf_counter() - t_decode0, slot)
+
+    @staticmethod
+    def _event(tok: int, text: str, logits: np.ndarray, logprobs: int | None) -> TokenEvent:
+        if logprobs is None:
+            return TokenEvent(tok, text)
+        lp = gen.log_softmax(logits)
+        top = np.argsort(-lp, kind="stable")[:logprobs] if logprobs else []
+        return TokenEvent(tok, text, float(lp[tok]), [(int(i), float(lp[i])) for i in top])
 
     def generate(self, prompt, max_tokens: int = 256, **kwargs) -> Generation:
         for _ in self.stream(prompt, max_tokens=max_tokens, **kwargs):
             pass
         return self.last
 
-    def _reuse_prefix(self, ids: list[int]) -> int:
+    @staticmethod
+    def _reuse_prefix(kv: KVSlot, ids: list[int]) -> int:
         """Keep the cached tokens shared with `ids` (at least one token is left to prefill,
         since its logits are needed); returns how many were reused."""
-        n = 0
-        limit = min(len(self.cached_ids), len(ids) - 1)
-        while n < limit and self.cached_ids[n] == ids[n]:
-            n += 1
-        self.cache.truncate(n)
-        self.cached_ids = self.cached_ids[:n]
+        n = min(_common_prefix(kv.ids, ids), len(ids) - 1)
+        kv.cache.truncate(n)
+        kv.ids = kv.ids[:n]
         return n
-
-    def reset(self) -> None:
-        self.cache.truncate(0)
-        self.cached_ids = []
 
     def logits(self, ids: list[int]) -> np.ndarray:
         """Logits [L, V] for every position of `ids` in a fresh context (tests, scoring)."""
         cache = self.model.new_cache(max(len(ids), 1))
         return self.model.forward(np.asarray(ids, dtype=np.int64), cache, all_logits=True)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -47,3 +47,38 @@ def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator) -> i
         probs = np.where(mask, probs, 0.0)
         probs /= probs.sum()
     return int(rng.choice(probs.size, p=probs))
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64)
+    m = z.max()
+    return z - m - np.log(np.exp(z - m).sum())
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text without ever emitting any part of one: text that
+    could be the start of a stop string is held back until the next token decides it."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """-> (text safe to emit, whether a stop string was hit)."""
+        buf = self.pending + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.pending = ""
+            return buf[: min(hits)], True
+        keep = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(buf)), 0, -1):
+                if buf.endswith(s[:n]):
+                    keep = max(keep, n)
+                    break
+        self.pending = buf[len(buf) - keep:] if keep else ""
+        return buf[: len(buf) - keep], False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out

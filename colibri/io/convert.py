@@ -64,6 +64,7 @@ def convert(src: str | Path, dst: str | Path, bits: int = 4, progress: bool = Tr
         raise ColibriError(f"{dst} already exists and is not empty; choose a new output directory")
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; a model directory is an ordinary one
     try:
         if src.is_file():
             if src.suffix != ".gguf":
