@@ -16,7 +16,8 @@ import numpy as np
 from colibri import generate as gen
 from colibri.errors import ColibriError
 from colibri.io.container import Container
-from colibri.io.experts import ResidentExperts
+from colibri.io.expert_store import ExpertStore
+from colibri.io.experts import open_experts
 from colibri.models import family
 from colibri.tokenizer import Tokenizer
 
@@ -27,6 +28,12 @@ class EngineConfig:
 
     max_context: int | None = None  # tokens; default: the model's, capped at DEFAULT_MAX_CONTEXT
     kv_slots: int = 1               # independent conversations kept warm (1-16)
+    ram_gb: float | None = None     # budget for resident weights (dense + cached experts); None = planned
+    expert_io: str = "pread"        # how missed experts are read: pread | direct (O_DIRECT) | mmap
+    stream_experts: bool | None = None  # None: stream only when the experts do not fit the budget
+    prefetch: bool = True           # read the next layer's predicted experts ahead
+    hot_set: bool = True            # pin each layer's historically hottest experts
+    read_threads: int = 2           # readahead threads
 
 
 DEFAULT_MAX_CONTEXT = 8192
@@ -51,6 +58,7 @@ class Generation:
     prefill_s: float
     decode_s: float
     slot: int = 0
+    experts: dict | None = None         # this turn's expert-cache figures when experts stream
 
     @property
     def completion_tokens(self) -> int:
@@ -78,8 +86,9 @@ class KVSlot:
 
 class Engine:
     def __init__(self, container: Container, tokenizer: Tokenizer | None, model, config: EngineConfig,
-                 load_s: float = 0.0):
+                 load_s: float = 0.0, experts=None):
         self.container = container
+        self.experts = experts
         self.tokenizer = tokenizer
         self.model = model
         self.config = config
@@ -108,11 +117,12 @@ class Engine:
         config = EngineConfig(**{k: v for k, v in options.items() if v is not None})
         container = Container(model_dir)
         module = family(container.config.get("model_type"))
-        experts = ResidentExperts(container)
+        experts = open_experts(container, config)
         model = module.build(container.config, container, experts)
+        model.prefetch = isinstance(experts, ExpertStore) and config.prefetch
         tok_path = Path(model_dir) / "tokenizer.json"
         tokenizer = Tokenizer.from_dir(model_dir) if tok_path.exists() else None
-        return cls(container, tokenizer, model, config, load_s=time.perf_counter() - t0)
+        return cls(container, tokenizer, model, config, load_s=time.perf_counter() - t0, experts=experts)
 
     # ------------------------------------------------------------------ facts
     @property
@@ -218,6 +228,7 @@ class Engine:
         decoder = self.tokenizer.stream_decoder() if self.tokenizer else None
         stops = gen.StopMatcher(stop or [])
 
+        stats0 = self._store_stats()
         reused = self._reuse_prefix(kv, ids)
         out: list[int] = []
         text_parts: list[str] = []
@@ -258,7 +269,9 @@ class Engine:
             # The cache holds exactly the tokens in kv.ids, also when the consumer stops early.
             kv.cache.truncate(len(kv.ids))
         self.last = Generation(out, "".join(text_parts), finish, len(ids), reused, ttft, prefill_s,
-                               time.perf_counter() - t_decode0, slot)
+                               time.perf_counter() - t_decode0, slot, _turn_stats(stats0, self._store_stats()))
+        if isinstance(self.experts, ExpertStore):
+            self.experts.save_history()
 
     @staticmethod
     def _event(tok: int, text: str, logits: np.ndarray, logprobs: int | None) -> TokenEvent:
@@ -282,6 +295,15 @@ class Engine:
         kv.ids = kv.ids[:n]
         return n
 
+    # ------------------------------------------------------------------ telemetry
+    def _store_stats(self) -> dict | None:
+        return self.experts.stats.as_dict() if isinstance(self.experts, ExpertStore) else None
+
+    @property
+    def expert_stats(self) -> dict | None:
+        """Cumulative expert-cache figures (hit rate, bytes read, disk wait) when streaming."""
+        return self._store_stats()
+
     def logits(self, ids: list[int]) -> np.ndarray:
         """Logits [L, V] for every position of `ids` in a fresh context (tests, scoring)."""
         cache = self.model.new_cache(max(len(ids), 1))
@@ -295,3 +317,12 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
+
+
+def _turn_stats(before: dict | None, after: dict | None) -> dict | None:
+    if before is None or after is None:
+        return None
+    d = {k: after[k] - before[k] for k in ("hits", "misses", "prefetch_hits", "bytes_read", "reads", "wait_s")}
+    asked = d["hits"] + d["misses"]
+    d["hit_rate"] = d["hits"] / asked if asked else 0.0
+    return d

@@ -106,6 +106,14 @@ class Container:
             raise ColibriError(f"{self.dir}: {len(missing)} tensors of the manifest are missing from "
                                f"{self.manifest['dense_file']} (first: {missing[0]}); re-convert the model")
 
+    @property
+    def dense_bytes(self) -> int:
+        return sum(t.nbytes for t in self.dense.tensors.values())
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(l.blob_bytes * l.num_experts for l in self.expert_layouts.values())
+
     def has(self, name: str) -> bool:
         return name in self.manifest["tensors"]
 

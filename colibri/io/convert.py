@@ -155,7 +155,7 @@ def _tokenizer_files(src: Path) -> dict[str, str]:
     template = src / "chat_template.jinja"
     if template.exists():
         cfg = json.loads(files.get("tokenizer_config.json", "{}"))
-        cfg.setdefault("chat_template", template.read_text())
+        cfg["chat_template"] = template.read_text()  # the separate file wins, as in transformers
         files["tokenizer_config.json"] = json.dumps(cfg, indent=2, ensure_ascii=False)
     return files
 

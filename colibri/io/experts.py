@@ -1,13 +1,17 @@
 """Routed-expert sources: what a MoE block asks for its experts.
 
 `ResidentExperts` reads every expert blob into RAM once at load (one pread per expert into
-one preallocated array per layer). The streaming store of a later issue (disk -> RAM LRU,
-readahead, hot set) implements the same `get_many` contract, so models never know where an
-expert came from.
+one preallocated array per layer): the fastest choice when every expert fits the budget.
+`expert_store.ExpertStore` (disk -> RAM LRU, readahead, hot set, prefetch) implements the same
+`iter_experts` / `prefetch` contract, so models never know where an expert came from.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import warnings
+from pathlib import Path
 
 import numpy as np
 
@@ -33,6 +37,111 @@ class ResidentExperts:
             self.layers[prefix] = [layout.unpack(store[e]) for e in range(layout.num_experts)]
             self.bytes_resident += store.nbytes
 
+    def iter_experts(self, prefix: str, ids: list[int]):
+        experts = self.layers[prefix]
+        for e in ids:
+            yield e, experts[e]
+
     def get_many(self, prefix: str, ids: list[int]) -> list[dict]:
         experts = self.layers[prefix]
         return [experts[e] for e in ids]
+
+    def prefetch(self, prefix: str, ids) -> None:
+        """Everything is resident: nothing to fetch ahead."""
+
+
+GiB = 1 << 30
+
+
+def available_memory() -> int:
+    """Bytes this process may still use: MemAvailable, lowered by a cgroup-v1/v2 memory limit."""
+    avail = None
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    limit = _cgroup_limit()
+    candidates = [v for v in (avail, limit) if v]
+    return min(candidates) if candidates else 8 * GiB
+
+
+def _cgroup_limit() -> int | None:
+    """The tightest memory limit on this process's cgroup (page cache counts against it there, so
+    the budget planned below it leaves room for reads in flight)."""
+    try:
+        lines = open("/proc/self/cgroup").read().splitlines()
+    except OSError:
+        return None
+    found = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        try:
+            if controllers == "":  # cgroup v2
+                base = f"/sys/fs/cgroup{path}"
+                raw = open(f"{base}/memory.max").read().strip()
+                if raw != "max":
+                    found.append(int(raw))
+            elif "memory" in controllers.split(","):
+                base = f"/sys/fs/cgroup/memory{path}"
+                limit = int(open(f"{base}/memory.limit_in_bytes").read())
+                if limit < (1 << 60):
+                    found.append(limit)
+        except (OSError, ValueError):
+            continue
+    return min(found) if found else None
+
+
+def plan_budget(dense_bytes: int, ram_gb: float | None) -> int:
+    """The RAM budget for resident weights: explicit, else available memory less headroom
+    (15%, at least 1 GiB) so the process never runs the machine out of memory."""
+    if ram_gb is not None:
+        if ram_gb <= 0:
+            raise ColibriError(f"--ram-gb must be positive, not {ram_gb}")
+        return int(ram_gb * GiB)
+    avail = available_memory()
+    return max(0, avail - max(GiB, int(0.15 * avail)))
+
+
+def open_experts(container: Container, config):
+    """Resident experts when they all fit the budget (or streaming is off), else an ExpertStore
+    holding what the budget allows. Raises when the dense part alone does not fit."""
+    from colibri.io.expert_store import ExpertStore, StoreConfig
+
+    dense = container.dense_bytes
+    expert_total = container.expert_bytes
+    budget = plan_budget(dense, config.ram_gb)
+    if dense > budget:
+        raise ColibriError(f"the dense weights need {dense / GiB:.2f} GiB but the RAM budget is "
+                           f"{budget / GiB:.2f} GiB; raise --ram-gb to at least {dense / GiB + 0.1:.1f}")
+    stream = config.stream_experts
+    if stream is None:
+        stream = expert_total > budget - dense or config.expert_io != "pread"
+    if not stream or not container.expert_layouts:
+        return ResidentExperts(container)
+    history = load_history(history_path(container))
+    store_cfg = StoreConfig(ram_bytes=budget - dense, io=config.expert_io, threads=config.read_threads,
+                            hot_fraction=0.5 if config.hot_set else 0.0, prefetch=config.prefetch,
+                            history=history)
+    return ExpertStore(container, store_cfg)
+
+
+def history_path(container: Container) -> Path:
+    """Routing history lives in the user's cache directory, keyed by the model's path."""
+    from colibri.default_model import cache_root
+
+    key = hashlib.sha1(str(container.dir.resolve()).encode()).hexdigest()[:10]
+    return cache_root() / "history" / f"{container.dir.name}-{key}.json"
+
+
+def load_history(path: Path) -> dict:
+    """Routing counts per MoE layer; a missing file is empty, a corrupt one is ignored with a warning."""
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        return {k: [int(c) for c in v] for k, v in data["counts"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        warnings.warn(f"ignoring unreadable routing history {path}: {e}", stacklevel=2)
+        return {}

@@ -342,6 +342,12 @@ class SparseMoE:
     def route(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return softmax_topk(linear(x, self.router), self.top_k, self.norm_topk_prob)
 
+    def prefetch_for(self, x: np.ndarray, norm: np.ndarray, eps: float) -> None:
+        """Before this layer's attention runs, guess its experts by routing the residual stream
+        as it enters the layer (attention changes it a little), and start reading them."""
+        _, ids = self.route(rms_norm(x, norm, eps))
+        self.experts.prefetch(self.prefix, np.unique(ids).tolist())
+
     def __call__(self, x: np.ndarray) -> np.ndarray:
         weights, ids = self.route(x)  # [L, K], [L, K]
         out = run_experts(x, weights, ids, self.experts, self.prefix)
@@ -355,9 +361,8 @@ def run_experts(x: np.ndarray, weights: np.ndarray, ids: np.ndarray, experts, pr
     """Sum of routed expert outputs. Tokens are grouped by expert, so in prefill every selected
     expert is fetched once and applied to all its tokens as one matrix x matrix product."""
     out = np.zeros_like(x)
-    unique = np.unique(ids)
-    fetched = experts.get_many(prefix, unique.tolist())
-    for e, ew in zip(unique, fetched):
+    # Experts arrive as the store has them ready (RAM hits first would reorder sums: keep id order).
+    for e, ew in experts.iter_experts(prefix, np.unique(ids).tolist()):
         tok, slot = np.nonzero(ids == e)
         y = swiglu_expert(np.ascontiguousarray(x[tok]), ew)
         out[tok] += y * weights[tok, slot][:, None]
@@ -388,6 +393,7 @@ class DecoderModel:
         self.embed = w.tensor("model.embed_tokens.weight")
         self.norm = w.tensor("model.norm.weight")
         self.lm_head = w.tensor("lm_head.weight") if w.has("lm_head.weight") else self.embed
+        self.prefetch = False  # set by the engine when experts stream from disk
 
     def new_cache(self, max_tokens: int) -> KVCache:
         a = self.args
@@ -401,6 +407,8 @@ class DecoderModel:
         cos, sin = self.rope.cos_sin(np.arange(pos0, pos0 + L))
         x = embedding(self.embed, ids)  # [L, D]
         for i, layer in enumerate(self.layers):
+            if self.prefetch and isinstance(layer.mlp, SparseMoE):
+                layer.mlp.prefetch_for(x, layer.post_norm, self.args.rms_norm_eps)
             x = layer(x, cache, i, pos0, cos, sin)
         cache.length = pos0 + L
         if not all_logits:

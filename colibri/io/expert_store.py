@@ -1,0 +1,326 @@
+"""The expert store: serves each routed expert (layer, e) from the fastest tier holding it —
+a RAM cache under one byte budget, else disk — so models larger than RAM run.
+
+- One read per expert: each expert is one contiguous, 4096-aligned blob in the container, read
+  with a single `os.preadv` into a preallocated buffer (no per-token allocation). `io="direct"`
+  opens with O_DIRECT (aligned buffers, bypasses the page cache, so the budget is the only
+  cache); `io="mmap"` maps the files instead and lets the kernel page cache do the caching
+  (kept for comparison: it is llama.cpp's approach).
+- Readahead threads: misses are read by a thread pool while the caller computes the previous
+  expert (the read syscall releases the GIL).
+- Placement, each part switchable so it can be measured: a per-layer LRU (the budget split
+  evenly over MoE layers); a pinned hot set per layer chosen from persisted routing history;
+  prefetch of the next layer's likely experts (the model calls `prefetch`).
+
+Placement changes speed, never tokens: the bytes served are the container's bytes.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import threading
+import time
+import warnings
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from colibri.errors import ColibriError
+from colibri.io.container import Container, ExpertLayout
+
+IO_MODES = ("pread", "direct", "mmap")
+_ALIGN = 4096
+
+
+def aligned_buffer(nbytes: int) -> np.ndarray:
+    """uint8 [nbytes] whose data pointer is 4096-aligned (O_DIRECT needs it)."""
+    raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+    off = (-raw.ctypes.data) % _ALIGN
+    return raw[off: off + nbytes]
+
+
+@dataclass
+class StoreConfig:
+    ram_bytes: int = 0              # RAM budget for cached experts (pinned hot set + LRU)
+    io: str = "pread"               # "pread" | "direct" (O_DIRECT) | "mmap"
+    threads: int = 2                # readahead threads
+    hot_fraction: float = 0.5       # share of each layer's slots pinned to its historically hottest experts
+    prefetch: bool = True           # read the next layer's predicted experts during attention
+    history: dict = field(default_factory=dict)  # prefix -> routing counts [E] (from usage history)
+
+
+@dataclass
+class StoreStats:
+    hits: int = 0                # served from RAM without waiting
+    prefetch_hits: int = 0       # served from a prefetch (counted in hits once its read was done)
+    misses: int = 0              # had to be read (or waited on) when asked for
+    bytes_read: int = 0
+    reads: int = 0
+    wait_s: float = 0.0          # time the compute thread spent blocked on disk
+
+    def as_dict(self) -> dict:
+        asked = self.hits + self.misses
+        return {"hits": self.hits, "misses": self.misses, "prefetch_hits": self.prefetch_hits,
+                "hit_rate": self.hits / asked if asked else 0.0, "bytes_read": self.bytes_read,
+                "reads": self.reads, "wait_s": self.wait_s}
+
+
+class _Layer:
+    """The RAM tier of one MoE layer: fixed slots, an LRU map expert -> slot, pinned experts."""
+
+    def __init__(self, layout: ExpertLayout, n_slots: int):
+        self.layout = layout
+        self.buffers = [aligned_buffer(layout.blob_bytes) for _ in range(n_slots)]
+        self.lru: OrderedDict[int, int] = OrderedDict()     # expert -> slot, oldest first
+        self.pinned: dict[int, int] = {}                    # expert -> slot, never evicted
+        self.loading: dict[int, Future] = {}                # expert -> read in flight into its slot
+        self.free = list(range(n_slots))
+        self.counts = np.zeros(layout.num_experts, dtype=np.int64)  # routing heat (this process)
+
+    def slot_of(self, e: int) -> int | None:
+        s = self.pinned.get(e)
+        return s if s is not None else self.lru.get(e)
+
+    def take_slot(self, protect: set[int]) -> int | None:
+        """A free slot, else evict the least recently used expert not in `protect`."""
+        if self.free:
+            return self.free.pop()
+        for e in self.lru:
+            if e in protect:
+                continue
+            fut = self.loading.get(e)
+            if fut is not None and not fut.done():
+                continue  # a read is still writing into that slot
+            self.loading.pop(e, None)
+            return self.lru.pop(e)
+        return None
+
+
+class ExpertStore:
+    def __init__(self, container: Container, config: StoreConfig):
+        if config.io not in IO_MODES:
+            raise ColibriError(f"unknown expert io mode {config.io!r}; choose one of {', '.join(IO_MODES)}")
+        self.container = container
+        self.config = config
+        self.stats = StoreStats()
+        self._lock = threading.Lock()
+        self._fds: dict[str, int] = {}
+        self._maps: dict[str, np.ndarray] = {}
+        prefixes = list(container.expert_layouts)
+        blob_total = sum(l.blob_bytes for l in container.expert_layouts.values())
+        # The budget is split evenly across MoE layers: each gets the same number of slots.
+        per_layer = int(config.ram_bytes // blob_total) if blob_total else 0
+        self.slots_per_layer = 0 if config.io == "mmap" else min(
+            per_layer, max((l.num_experts for l in container.expert_layouts.values()), default=0))
+        self.layers = {p: _Layer(container.expert_layouts[p], self.slots_per_layer) for p in prefixes}
+        # Staging buffers serve misses that have no RAM slot (budget 0, or every slot in use by
+        # this very call); 2 per reader keeps the pipeline full.
+        max_blob = max((l.blob_bytes for l in container.expert_layouts.values()), default=0)
+        self._staging = [aligned_buffer(max_blob) for _ in range(2 * max(1, config.threads))] if max_blob else []
+        self._pool = ThreadPoolExecutor(max_workers=max(1, config.threads), thread_name_prefix="colibri-read")
+        for p in prefixes:
+            self._open(p)
+        if config.hot_fraction > 0 and config.history:
+            self._pin_hot_set()
+
+    # ------------------------------------------------------------------ files
+    def _open(self, prefix: str) -> None:
+        path, _, _ = self.container.expert_range(prefix, 0)
+        key = str(path)
+        if key in self._fds or key in self._maps:
+            return
+        if self.config.io == "mmap":
+            with open(path, "rb") as f:
+                self._maps[key] = np.frombuffer(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ), dtype=np.uint8)
+            return
+        flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if self.config.io == "direct" else 0)
+        try:
+            self._fds[key] = os.open(path, flags)
+        except OSError as e:
+            raise ColibriError(f"cannot open expert file {path} ({e.strerror}); "
+                               "try --expert-io pread if the filesystem refuses O_DIRECT") from None
+
+    def _read(self, prefix: str, e: int, buf: np.ndarray) -> np.ndarray:
+        path, offset, nbytes = self.container.expert_range(prefix, e)
+        try:
+            n = os.preadv(self._fds[str(path)], [memoryview(buf[:nbytes])], offset)
+        except OSError as err:
+            raise ColibriError(f"reading expert {e} of {prefix} from {path} failed: {err.strerror}") from None
+        if n != nbytes:
+            raise ColibriError(f"{path}: short read of expert {e} of {prefix} ({n} of {nbytes} bytes); "
+                               "the file is truncated: re-convert the model")
+        with self._lock:
+            self.stats.bytes_read += nbytes
+            self.stats.reads += 1
+        return buf
+
+    # ------------------------------------------------------------------ placement
+    def _pin_hot_set(self) -> None:
+        """Load each layer's historically hottest experts into pinned slots (start-up warm-up)."""
+        n_hot = int(self.slots_per_layer * self.config.hot_fraction)
+        if n_hot <= 0:
+            return
+        for prefix, layer in self.layers.items():
+            counts = np.asarray(self.config.history.get(prefix, []), dtype=np.float64)
+            if counts.size != layer.layout.num_experts or counts.sum() <= 0:
+                continue
+            hot = [int(e) for e in np.argsort(-counts, kind="stable")[:n_hot] if counts[e] > 0]
+            futures = []
+            for e in hot:
+                slot = layer.free.pop()
+                layer.pinned[e] = slot
+                futures.append(self._pool.submit(self._read, prefix, e, layer.buffers[slot]))
+            for f in futures:
+                f.result()
+
+    def prefetch(self, prefix: str, ids) -> None:
+        """Start reading experts the next layer will probably ask for into RAM slots."""
+        if not self.config.prefetch or self.slots_per_layer == 0:
+            return
+        layer = self.layers[prefix]
+        protect = set(int(e) for e in ids)
+        for e in protect:
+            if layer.slot_of(e) is not None:
+                continue
+            slot = layer.take_slot(protect)
+            if slot is None:
+                return
+            layer.lru[e] = slot
+            layer.loading[e] = self._pool.submit(self._read, prefix, e, layer.buffers[slot])
+
+    def iter_experts(self, prefix: str, ids: list[int]):
+        """Yield (expert id, {projection: QTensor}) for `ids` in order. A yielded expert's buffer
+        stays valid until the next one is requested (staging buffers are reused after that)."""
+        layer = self.layers[prefix]
+        layout = layer.layout
+        for e in ids:
+            layer.counts[e] += 1
+        if self.config.io == "mmap":
+            path, _, _ = self.container.expert_range(prefix, 0)
+            mm = self._maps[str(path)]
+            for e in ids:
+                _, off, n = self.container.expert_range(prefix, e)
+                self.stats.hits += 1  # the page cache decides; counted as served
+                yield e, layout.unpack(mm[off: off + n])
+            return
+        protect = set(ids)
+        plan = []  # (expert, buffer or None, future or None, hit?)
+        for e in ids:
+            slot = layer.slot_of(e)
+            if slot is not None:
+                fut = layer.loading.get(e)
+                if e in layer.lru:
+                    layer.lru.move_to_end(e)
+                plan.append((e, layer.buffers[slot], fut, fut is None or fut.done()))
+                continue
+            slot = layer.take_slot(protect)
+            if slot is not None:
+                layer.lru[e] = slot
+                fut = self._pool.submit(self._read, prefix, e, layer.buffers[slot])
+                layer.loading[e] = fut
+                plan.append((e, layer.buffers[slot], fut, False))
+            else:
+                plan.append((e, None, None, False))  # staged: read just ahead of use
+        staged = [i for i, p in enumerate(plan) if p[1] is None]
+        staged_futs: dict[int, Future] = {}
+        next_stage = 0
+
+        def submit_staged(upto: int):
+            nonlocal next_stage
+            while next_stage < len(staged) and next_stage < upto:
+                i = staged[next_stage]
+                buf = self._staging[next_stage % len(self._staging)]
+                staged_futs[i] = self._pool.submit(self._read, prefix, plan[i][0], buf)
+                next_stage += 1
+
+        submit_staged(len(self._staging))
+        done_staged = 0
+        for i, (e, buf, fut, hit) in enumerate(plan):
+            if i in staged_futs or (buf is None):
+                fut = staged_futs[i]
+            if hit and (fut is None or fut.done()):
+                self.stats.hits += 1
+                if fut is not None:
+                    self.stats.prefetch_hits += 1
+            else:
+                self.stats.misses += 1
+            if fut is not None:
+                t0 = time.perf_counter()
+                try:
+                    buf = fut.result()
+                except ColibriError:
+                    self._forget(layer, e)
+                    raise
+                self.stats.wait_s += time.perf_counter() - t0
+                layer.loading.pop(e, None)
+            yield e, layout.unpack(buf)
+            if i in staged_futs:
+                done_staged += 1
+                # The consumer is done with this staging buffer: reuse it for the next miss.
+                submit_staged(done_staged + len(self._staging))
+
+    def _forget(self, layer: _Layer, e: int) -> None:
+        """After a failed read, the slot must not claim to hold the expert."""
+        layer.loading.pop(e, None)
+        slot = layer.lru.pop(e, None)
+        if slot is not None:
+            layer.free.append(slot)
+
+    def get_many(self, prefix: str, ids: list[int]) -> list[dict]:
+        """All at once (copies staged experts; for callers that need them together)."""
+        out = []
+        for _, ew in self.iter_experts(prefix, ids):
+            out.append({k: _copy(t) for k, t in ew.items()})
+        return out
+
+    # ------------------------------------------------------------------ history
+    def save_history(self) -> None:
+        """Persist routing counts (earlier history + this process) crash-safely; called at every
+        turn end so the next start pins the right hot set."""
+        from colibri.io.experts import history_path
+
+        path = history_path(self.container)
+        merged = {p: (np.asarray(self.config.history.get(p, np.zeros_like(l.counts)), dtype=np.int64)
+                      + l.counts).tolist() if len(self.config.history.get(p, [])) in (0, l.counts.size)
+                  else l.counts.tolist() for p, l in self.layers.items()}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps({"version": 1, "counts": merged}))
+            os.replace(tmp, path)
+        except OSError as e:
+            warnings.warn(f"could not save routing history to {path}: {e}", stacklevel=2)
+
+    # ------------------------------------------------------------------ telemetry
+    def routing_counts(self) -> dict[str, list[int]]:
+        return {p: l.counts.tolist() for p, l in self.layers.items()}
+
+    def tiers(self) -> dict[str, dict[str, list[int]]]:
+        """Per layer: which experts are pinned, in the LRU, or on disk only."""
+        out = {}
+        for p, l in self.layers.items():
+            in_ram = set(l.pinned) | set(l.lru)
+            out[p] = {"pinned": sorted(l.pinned), "lru": sorted(l.lru),
+                      "disk": [e for e in range(l.layout.num_experts) if e not in in_ram]}
+        return out
+
+    @property
+    def bytes_resident(self) -> int:
+        return sum(sum(b.nbytes for b in l.buffers) for l in self.layers.values()) + \
+            sum(b.nbytes for b in self._staging)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def _copy(t):
+    from colibri.kernels.quant import QTensor
+
+    return QTensor(t.scheme, t.shape, t.q.copy(), None if t.scales is None else t.scales.copy(),
+                   None if t.mins is None else t.mins.copy())

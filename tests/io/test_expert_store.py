@@ -1,0 +1,140 @@
+"""Expert streaming: placement (budget, prefetch, hot set, io mode) never changes tokens; the
+upcycled SmolLM2-MoE speaks as the dense model does; faults give clear errors; history persists."""
+import importlib.util
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from colibri import ColibriError, Engine
+from colibri.io.container import Container
+
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+GiB = 1 << 30
+
+
+def load_tool(name):
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    """Routing history goes to the user's cache directory: keep each test's apart."""
+    monkeypatch.setenv("COLIBRI_HOME", str(tmp_path / "home"))
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    """A tiny random OLMoE-shaped model: every expert distinct, so a misplaced expert shows."""
+    return load_tool("synthetic_moe").write_container(tmp_path_factory.mktemp("syn") / "m", "tiny", progress=False)
+
+
+@pytest.fixture(scope="module")
+def upcycled(smollm2_container, tmp_path_factory):
+    return load_tool("upcycle").upcycle(smollm2_container, tmp_path_factory.mktemp("up") / "m", experts=8, top_k=2)
+
+
+def budget_gb(model: Path, experts_per_layer: float) -> float:
+    c = Container(model)
+    per_layer = sum(l.blob_bytes for l in c.expert_layouts.values())
+    return (c.dense_bytes + experts_per_layer * per_layer) / GiB
+
+
+def run(engine: Engine, seq: list[int]) -> tuple[list[int], np.ndarray]:
+    """Greedy tokens after a fixed prompt (decode path) and logits over a forced sequence
+    (prefill path, every position)."""
+    engine.reset()
+    toks = engine.generate(seq[:5], max_tokens=12, stop_at_eos=False).token_ids
+    return toks, engine.logits(seq)
+
+
+SEQ = np.random.default_rng(3).integers(0, 49152, size=40).tolist()
+
+
+@pytest.mark.parametrize("experts_per_layer", [0, 3, 8])
+@pytest.mark.parametrize("io", ["pread", "direct", "mmap"])
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_placement_never_changes_tokens(synthetic, experts_per_layer, io, prefetch):
+    ref_tokens, ref_logits = run(Engine.load(synthetic, stream_experts=False), SEQ)
+    e = Engine.load(synthetic, ram_gb=budget_gb(synthetic, experts_per_layer + 0.5), stream_experts=True,
+                    expert_io=io, prefetch=prefetch)
+    if io != "mmap":
+        assert e.experts.slots_per_layer == experts_per_layer
+    tokens, logits = run(e, SEQ)
+    assert tokens == ref_tokens
+    assert np.array_equal(logits, ref_logits)  # the same bytes through the same kernels: bit-identical
+    stats = e.expert_stats
+    if io != "mmap" and experts_per_layer == 0:
+        assert stats["hits"] == 0 and stats["bytes_read"] > 0
+
+
+def test_upcycled_moe_speaks_as_the_dense_model(smollm2_container, upcycled):
+    dense = Engine.load(smollm2_container)
+    moe = Engine.load(upcycled, ram_gb=budget_gb(upcycled, 3), stream_experts=True)
+    for prompt in ("What is the capital of France?", "Write a haiku about the sea.", "Name three fruits."):
+        a, b = dense.generate(prompt, max_tokens=24), moe.generate(prompt, max_tokens=24)
+        assert a.text == b.text
+        assert b.experts["bytes_read"] > 0 and 0 <= b.experts["hit_rate"] <= 1
+
+
+def test_hot_set_is_learned_from_history(synthetic):
+    e = Engine.load(synthetic, ram_gb=budget_gb(synthetic, 4), stream_experts=True, prefetch=False)
+    e.generate(SEQ[:20], max_tokens=10, stop_at_eos=False)
+    counts = e.experts.routing_counts()
+    again = Engine.load(synthetic, ram_gb=budget_gb(synthetic, 4), stream_experts=True, prefetch=False)
+    for prefix, tiers in again.experts.tiers().items():
+        hottest = np.argsort(-np.asarray(counts[prefix]), kind="stable")[:2]  # half of 4 slots pinned
+        assert sorted(tiers["pinned"]) == sorted(int(x) for x in hottest if counts[prefix][x] > 0)
+    assert again.generate(SEQ[:20], max_tokens=10, stop_at_eos=False).token_ids == \
+        e.generate(SEQ[:20], max_tokens=10, stop_at_eos=False).token_ids
+
+
+def test_corrupt_history_is_ignored_with_a_warning(synthetic, tmp_path):
+    from colibri.io.experts import history_path
+
+    path = history_path(Container(synthetic))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("{ not json")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        e = Engine.load(synthetic, ram_gb=budget_gb(synthetic, 2), stream_experts=True)
+    assert any("routing history" in str(w.message) for w in caught)
+    assert e.generate(SEQ[:5], max_tokens=3, stop_at_eos=False).completion_tokens == 3
+    assert json.loads(path.read_text())["version"] == 1  # rewritten at the turn end
+
+
+def test_truncated_expert_file_fails_the_request_not_the_engine(synthetic, tmp_path):
+    model = tmp_path / "m"
+    shutil.copytree(synthetic, model)
+    ref = Engine.load(synthetic, stream_experts=False).generate(SEQ[:5], max_tokens=6, stop_at_eos=False)
+    layer0 = model / Container(model).expert_layouts["model.layers.0.mlp"].file
+    original = layer0.read_bytes()
+    e = Engine.load(model, ram_gb=budget_gb(model, 0.5), stream_experts=True)
+    with open(layer0, "r+b") as f:  # the file loses its upper experts while the engine runs
+        f.truncate(len(original) // 2)
+    with pytest.raises(ColibriError, match="truncated|short read"):
+        for seed in range(8):  # some prompt routes to a lost expert
+            e.generate(np.random.default_rng(seed).integers(0, 49152, 30).tolist(), max_tokens=4)
+    layer0.write_bytes(original)  # the engine itself is still fine once the data is back
+    assert e.generate(SEQ[:5], max_tokens=6, stop_at_eos=False).token_ids == ref.token_ids
+
+
+def test_truncated_expert_file_is_refused_at_load(synthetic, tmp_path):
+    model = tmp_path / "m"
+    shutil.copytree(synthetic, model)
+    layer0 = model / Container(model).expert_layouts["model.layers.0.mlp"].file
+    with open(layer0, "r+b") as f:
+        f.truncate(layer0.stat().st_size - 4096)
+    with pytest.raises(ColibriError, match="truncated"):
+        Engine.load(model, stream_experts=True)
+
+
+def test_dense_part_must_fit_the_budget(synthetic):
+    with pytest.raises(ColibriError, match="dense weights need"):
+        Engine.load(synthetic, ram_gb=0.001)
