@@ -1,0 +1,656 @@
+"""CPU kernels (numba) over QTensor: matvec for decode, matmul for prefill, embedding lookup.
+Each is checked against `quant.dequantize` (tests/kernels/test_cpu.py); DESIGN.md section 6.
+
+Why the loops look as they do (timings: this repo's 2-core AMD EPYC sandbox, one thread):
+- Decode is bound by streaming weights, so matvec never materialises a dequantized row. An
+  int4 byte k of a group expands into element k (low nibble) and element k + g/2 (high
+  nibble): two contiguous half-group runs of x, which LLVM vectorizes. The offset (-8*s, or
+  q4_1's min m) does not depend on the nibble, so it leaves the inner loop:
+  dot(w_g, x_g) = s * dot(nib, x_g) + c * sum(x_g), with the group sums of x taken once
+  per call and c = -8*s (symmetric) or m (q4_1).
+- Quantized matvec keeps per-lane accumulators across groups and reduces once per row, over
+  blocks of eight rows that share each load of x (see _int4_block8: 1.3-2x over one
+  reduction per group).
+- Nibble, int8 and half-float decoding are LLVM IR intrinsics: numba widens small integers
+  to int64, and int64->float conversion is slow in SIMD (absent on AVX2); ~35% measured.
+- Prefill (matmul) is compute bound: a tile of rows is dequantized once, exactly, into a
+  per-thread buffer and used for all L activation rows by a 4x4 register-blocked kernel.
+- Every kernel is parallel over output rows (prange); the wrappers check shapes and dtypes
+  so that numba only ever sees contiguous arrays of the expected types.
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import get_num_threads, njit, prange, types
+from numba.extending import intrinsic
+
+from .quant import GROUP_SIZE, SCHEMES, QTensor
+
+# reassoc lets LLVM split each reduction over vector lanes; contract fuses to FMA. Sums
+# change only by float32 rounding.
+_FAST = {"reassoc", "contract", "nsz"}
+# Rows dequantized per matmul tile: 16 rows x 4096 inputs x 4 B = 256 KB, L2-resident.
+_TILE = 16
+
+_I32 = ir.IntType(32)
+
+
+def _i32(v: int) -> ir.Constant:
+    return ir.Constant(_I32, v)
+
+
+# --- bit-level decoding, written in LLVM IR so every lane stays 32 bits wide -------------
+
+
+@intrinsic
+def _nib_lo(typingctx, b):
+    """uint8 -> float32 of its low nibble."""
+    def codegen(context, builder, sig, args):
+        v = builder.and_(builder.zext(args[0], _I32), _i32(15))
+        return builder.uitofp(v, ir.FloatType())
+    return types.float32(types.uint8), codegen
+
+
+@intrinsic
+def _nib_hi(typingctx, b):
+    """uint8 -> float32 of its high nibble."""
+    def codegen(context, builder, sig, args):
+        v = builder.lshr(builder.zext(args[0], _I32), _i32(4))
+        return builder.uitofp(v, ir.FloatType())
+    return types.float32(types.uint8), codegen
+
+
+@intrinsic
+def _i8(typingctx, b):
+    """int8 -> float32 through int32 lanes."""
+    def codegen(context, builder, sig, args):
+        return builder.sitofp(builder.sext(args[0], _I32), ir.FloatType())
+    return types.float32(types.int8), codegen
+
+
+@intrinsic
+def _bf16(typingctx, h):
+    """Raw bfloat16 bits (uint16) -> float32: the bits are the top half of a float32."""
+    def codegen(context, builder, sig, args):
+        v = builder.shl(builder.zext(args[0], _I32), _i32(16))
+        return builder.bitcast(v, ir.FloatType())
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def _f16(typingctx, h):
+    """Raw IEEE half bits (uint16) -> float32, exact for every input (numba has no float16).
+
+    Integer-only (no F16C dependence, no libcall): rebias the exponent; half subnormals are
+    renormalised by subtracting 2^-14 in float32 (exact, and never touches float32
+    subnormals); inf/NaN get the float32 all-ones exponent.
+    """
+    def codegen(context, builder, sig, args):
+        f32 = ir.FloatType()
+        h = builder.zext(args[0], _I32)
+        o = builder.shl(builder.and_(h, _i32(0x7FFF)), _i32(13))
+        exp = builder.and_(o, _i32(0x0F800000))
+        o = builder.add(o, _i32(112 << 23))
+        o_special = builder.add(o, _i32(112 << 23))
+        o_sub = builder.fsub(builder.bitcast(builder.add(o, _i32(1 << 23)), f32),
+                             ir.Constant(f32, 2.0 ** -14))
+        o_sub = builder.bitcast(o_sub, _I32)
+        o = builder.select(builder.icmp_unsigned("==", exp, _i32(0x0F800000)), o_special, o)
+        o = builder.select(builder.icmp_unsigned("==", exp, _i32(0)), o_sub, o)
+        o = builder.or_(o, builder.shl(builder.and_(h, _i32(0x8000)), _i32(16)))
+        return builder.bitcast(o, f32)
+    return types.float32(types.uint16), codegen
+
+
+# --- exact row dequantizers (no fastmath: embedding equals quant.dequantize bit for bit) --
+
+
+@njit(cache=True)
+def _deq_int4_row(qr, sr, mr, half, has_min, dst):
+    for g in range(sr.shape[0]):
+        s = sr[g]
+        b0 = g * half
+        x0 = 2 * b0
+        if has_min:
+            m = mr[g]
+            for k in range(half):
+                b = qr[b0 + k]
+                dst[x0 + k] = _nib_lo(b) * s + m
+                dst[x0 + half + k] = _nib_hi(b) * s + m
+        else:
+            for k in range(half):
+                b = qr[b0 + k]
+                dst[x0 + k] = (_nib_lo(b) - np.float32(8.0)) * s
+                dst[x0 + half + k] = (_nib_hi(b) - np.float32(8.0)) * s
+
+
+@njit(cache=True)
+def _deq_q8_row(qr, sr, group, dst):
+    for g in range(sr.shape[0]):
+        s = sr[g]
+        x0 = g * group
+        for k in range(group):
+            dst[x0 + k] = _i8(qr[x0 + k]) * s
+
+
+@njit(cache=True)
+def _deq_u16_row(wr, is_bf16, dst):
+    if is_bf16:
+        for k in range(wr.shape[0]):
+            dst[k] = _bf16(wr[k])
+    else:
+        for k in range(wr.shape[0]):
+            dst[k] = _f16(wr[k])
+
+
+# --- matvec: the decode hot path ---------------------------------------------------------
+
+
+@njit(cache=True, fastmath=_FAST)
+def _group_sums(x, group):
+    xs = np.empty(x.shape[0] // group, np.float32)
+    for g in range(xs.shape[0]):
+        a = np.float32(0.0)
+        x0 = g * group
+        for k in range(group):
+            a += x[x0 + k]
+        xs[g] = a
+    return xs
+
+
+@njit(cache=True, fastmath=_FAST)
+def _finish(acc, offs, coef, xs):
+    """Sum of one row's lane accumulators plus coef * dot(offs, group sums of x)."""
+    a = np.float32(0.0)
+    for k in range(acc.shape[0]):
+        a += acc[k]
+    o = np.float32(0.0)
+    for g in range(xs.shape[0]):
+        o += offs[g] * xs[g]
+    return a + coef * o
+
+
+# The hot path of decode. acc[j, k] collects lane k of row r+j across all groups: a scalar
+# accumulator per group would cost one horizontal vector reduction per (row, group), which
+# measured 1.3-2x slower. Eight rows per block keep eight independent acc chains in flight
+# and share each load of x (unrolled by hand: a loop over the rows measured 1.5-3x slower;
+# a constant trip count, e.g. range(16), lets LLVM unroll before vectorizing: 30x slower).
+# inline="always" so LLVM sees acc as the caller's own allocation (q4_0 ran 1.5x faster).
+@njit(cache=True, fastmath=_FAST, inline="always")
+def _int4_block8(q, scales, r, half, x, acc):
+    acc[:] = 0.0
+    for g in range(scales.shape[1]):
+        b0 = g * half
+        x0 = 2 * b0
+        s0 = scales[r, g]
+        s1 = scales[r + 1, g]
+        s2 = scales[r + 2, g]
+        s3 = scales[r + 3, g]
+        s4 = scales[r + 4, g]
+        s5 = scales[r + 5, g]
+        s6 = scales[r + 6, g]
+        s7 = scales[r + 7, g]
+        for k in range(half):
+            xl = x[x0 + k]
+            xh = x[x0 + half + k]
+            c0 = q[r, b0 + k]
+            c1 = q[r + 1, b0 + k]
+            c2 = q[r + 2, b0 + k]
+            c3 = q[r + 3, b0 + k]
+            c4 = q[r + 4, b0 + k]
+            c5 = q[r + 5, b0 + k]
+            c6 = q[r + 6, b0 + k]
+            c7 = q[r + 7, b0 + k]
+            acc[0, k] += (_nib_lo(c0) * xl + _nib_hi(c0) * xh) * s0
+            acc[1, k] += (_nib_lo(c1) * xl + _nib_hi(c1) * xh) * s1
+            acc[2, k] += (_nib_lo(c2) * xl + _nib_hi(c2) * xh) * s2
+            acc[3, k] += (_nib_lo(c3) * xl + _nib_hi(c3) * xh) * s3
+            acc[4, k] += (_nib_lo(c4) * xl + _nib_hi(c4) * xh) * s4
+            acc[5, k] += (_nib_lo(c5) * xl + _nib_hi(c5) * xh) * s5
+            acc[6, k] += (_nib_lo(c6) * xl + _nib_hi(c6) * xh) * s6
+            acc[7, k] += (_nib_lo(c7) * xl + _nib_hi(c7) * xh) * s7
+
+
+@njit(cache=True, fastmath=_FAST)
+def _int4_row(q, scales, r, half, x, acc):
+    acc[:] = 0.0
+    for g in range(scales.shape[1]):
+        b0 = g * half
+        x0 = 2 * b0
+        s = scales[r, g]
+        for k in range(half):
+            c = q[r, b0 + k]
+            acc[k] += (_nib_lo(c) * x[x0 + k] + _nib_hi(c) * x[x0 + half + k]) * s
+
+
+@njit(parallel=True, cache=True, fastmath=_FAST)
+def _matvec_int4(q, scales, offs, coef, half, x, y, nthreads):
+    """int4_g64 / q4_0 / q4_1: y[r] = sum_g s[r,g] * dot(nib, x_g) + coef * dot(offs[r], xsum).
+
+    Symmetric schemes pass offs = scales, coef = -8 (w = (nib - 8) * s); q4_1 passes
+    offs = mins, coef = 1 (w = nib * d + m).
+    """
+    out = q.shape[0]
+    xs = _group_sums(x, 2 * half)
+    nblk = out // 8
+    per = (nblk + nthreads - 1) // nthreads
+    # A contiguous run of blocks per thread, so each thread allocates its acc once.
+    for t in prange(nthreads):
+        acc = np.empty((8, half), np.float32)
+        for blk in range(t * per, min(nblk, (t + 1) * per)):
+            r = 8 * blk
+            _int4_block8(q, scales, r, half, x, acc)
+            for j in range(8):
+                y[r + j] = _finish(acc[j], offs[r + j], coef, xs)
+    acc1 = np.empty(half, np.float32)
+    for r in range(8 * nblk, out):
+        _int4_row(q, scales, r, half, x, acc1)
+        y[r] = _finish(acc1, offs[r], coef, xs)
+
+
+@njit(cache=True, fastmath=_FAST, inline="always")
+def _q8_block8(q, scales, r, group, x, acc):
+    acc[:] = 0.0
+    for g in range(scales.shape[1]):
+        x0 = g * group
+        s0 = scales[r, g]
+        s1 = scales[r + 1, g]
+        s2 = scales[r + 2, g]
+        s3 = scales[r + 3, g]
+        s4 = scales[r + 4, g]
+        s5 = scales[r + 5, g]
+        s6 = scales[r + 6, g]
+        s7 = scales[r + 7, g]
+        for k in range(group):
+            xk = x[x0 + k]
+            acc[0, k] += _i8(q[r, x0 + k]) * xk * s0
+            acc[1, k] += _i8(q[r + 1, x0 + k]) * xk * s1
+            acc[2, k] += _i8(q[r + 2, x0 + k]) * xk * s2
+            acc[3, k] += _i8(q[r + 3, x0 + k]) * xk * s3
+            acc[4, k] += _i8(q[r + 4, x0 + k]) * xk * s4
+            acc[5, k] += _i8(q[r + 5, x0 + k]) * xk * s5
+            acc[6, k] += _i8(q[r + 6, x0 + k]) * xk * s6
+            acc[7, k] += _i8(q[r + 7, x0 + k]) * xk * s7
+
+
+@njit(cache=True, fastmath=_FAST)
+def _q8_row(q, scales, r, group, x, acc):
+    acc[:] = 0.0
+    for g in range(scales.shape[1]):
+        x0 = g * group
+        s = scales[r, g]
+        for k in range(group):
+            acc[k] += _i8(q[r, x0 + k]) * x[x0 + k] * s
+
+
+@njit(parallel=True, cache=True, fastmath=_FAST)
+def _matvec_q8(q, scales, group, x, y, nthreads):
+    """q8_0, shaped like _matvec_int4 (no offsets: w = q * d)."""
+    out = q.shape[0]
+    xs = np.zeros(0, np.float32)
+    nblk = out // 8
+    per = (nblk + nthreads - 1) // nthreads
+    for t in prange(nthreads):
+        acc = np.empty((8, group), np.float32)
+        for blk in range(t * per, min(nblk, (t + 1) * per)):
+            r = 8 * blk
+            _q8_block8(q, scales, r, group, x, acc)
+            for j in range(8):
+                y[r + j] = _finish(acc[j], xs, np.float32(0.0), xs)
+    acc1 = np.empty(group, np.float32)
+    for r in range(8 * nblk, out):
+        _q8_row(q, scales, r, group, x, acc1)
+        y[r] = _finish(acc1, xs, np.float32(0.0), xs)
+
+
+@njit(cache=True, fastmath=_FAST)
+def _f32_rows_dot4(w, r, x, y, yl, y0):
+    """y[yl, y0 : y0+4] = w[r : r+4] @ x; w is float32."""
+    a0 = np.float32(0.0)
+    a1 = np.float32(0.0)
+    a2 = np.float32(0.0)
+    a3 = np.float32(0.0)
+    for k in range(x.shape[0]):
+        xk = x[k]
+        a0 += w[r, k] * xk
+        a1 += w[r + 1, k] * xk
+        a2 += w[r + 2, k] * xk
+        a3 += w[r + 3, k] * xk
+    y[yl, y0] = a0
+    y[yl, y0 + 1] = a1
+    y[yl, y0 + 2] = a2
+    y[yl, y0 + 3] = a3
+
+
+@njit(cache=True, fastmath=_FAST)
+def _f32_row_dot(w, r, x):
+    a = np.float32(0.0)
+    for k in range(x.shape[0]):
+        a += w[r, k] * x[k]
+    return a
+
+
+@njit(parallel=True, cache=True, fastmath=_FAST)
+def _matvec_f32(w, x, y):
+    out = w.shape[0]
+    y2 = y.reshape((1, out))
+    for blk in prange((out + 3) // 4):
+        r = 4 * blk
+        if r + 4 > out:
+            for rr in range(r, out):
+                y[rr] = _f32_row_dot(w, rr, x)
+        else:
+            _f32_rows_dot4(w, r, x, y2, 0, r)
+
+
+@njit(cache=True, fastmath=_FAST)
+def _u16_row_dot(w, r, is_bf16, x):
+    a = np.float32(0.0)
+    if is_bf16:
+        for k in range(x.shape[0]):
+            a += _bf16(w[r, k]) * x[k]
+    else:
+        for k in range(x.shape[0]):
+            a += _f16(w[r, k]) * x[k]
+    return a
+
+
+@njit(parallel=True, cache=True, fastmath=_FAST)
+def _matvec_u16(w, is_bf16, x, y):
+    """f16 and bf16 weights, both held as raw uint16 bits."""
+    out = w.shape[0]
+    for blk in prange((out + 3) // 4):
+        r = 4 * blk
+        if r + 4 > out:
+            for rr in range(r, out):
+                y[rr] = _u16_row_dot(w, rr, is_bf16, x)
+            continue
+        a0 = np.float32(0.0)
+        a1 = np.float32(0.0)
+        a2 = np.float32(0.0)
+        a3 = np.float32(0.0)
+        # The branch sits outside the k loop so each loop body is a single conversion.
+        if is_bf16:
+            for k in range(x.shape[0]):
+                xk = x[k]
+                a0 += _bf16(w[r, k]) * xk
+                a1 += _bf16(w[r + 1, k]) * xk
+                a2 += _bf16(w[r + 2, k]) * xk
+                a3 += _bf16(w[r + 3, k]) * xk
+        else:
+            for k in range(x.shape[0]):
+                xk = x[k]
+                a0 += _f16(w[r, k]) * xk
+                a1 += _f16(w[r + 1, k]) * xk
+                a2 += _f16(w[r + 2, k]) * xk
+                a3 += _f16(w[r + 3, k]) * xk
+        y[r] = a0
+        y[r + 1] = a1
+        y[r + 2] = a2
+        y[r + 3] = a3
+
+
+# --- matmul: prefill, a dequantized tile of rows against all L activation rows ------------
+
+
+# Four weight rows x four activation rows per pass over k: 8 loads feed 16 FMAs. Measured on
+# a 16-row tile, L=64: 4x4 ~160 GFLOP/s per core, 4x2 ~85, 4x1 ~50.
+@njit(cache=True, fastmath=_FAST)
+def _dot4x4(w, j, x, l, y, y0):
+    a00 = a01 = a02 = a03 = np.float32(0.0)
+    a10 = a11 = a12 = a13 = np.float32(0.0)
+    a20 = a21 = a22 = a23 = np.float32(0.0)
+    a30 = a31 = a32 = a33 = np.float32(0.0)
+    for k in range(x.shape[1]):
+        w0 = w[j, k]
+        w1 = w[j + 1, k]
+        w2 = w[j + 2, k]
+        w3 = w[j + 3, k]
+        x0 = x[l, k]
+        x1 = x[l + 1, k]
+        x2 = x[l + 2, k]
+        x3 = x[l + 3, k]
+        a00 += w0 * x0
+        a01 += w1 * x0
+        a02 += w2 * x0
+        a03 += w3 * x0
+        a10 += w0 * x1
+        a11 += w1 * x1
+        a12 += w2 * x1
+        a13 += w3 * x1
+        a20 += w0 * x2
+        a21 += w1 * x2
+        a22 += w2 * x2
+        a23 += w3 * x2
+        a30 += w0 * x3
+        a31 += w1 * x3
+        a32 += w2 * x3
+        a33 += w3 * x3
+    c = y0 + j
+    y[l, c], y[l, c + 1], y[l, c + 2], y[l, c + 3] = a00, a01, a02, a03
+    y[l + 1, c], y[l + 1, c + 1], y[l + 1, c + 2], y[l + 1, c + 3] = a10, a11, a12, a13
+    y[l + 2, c], y[l + 2, c + 1], y[l + 2, c + 2], y[l + 2, c + 3] = a20, a21, a22, a23
+    y[l + 3, c], y[l + 3, c + 1], y[l + 3, c + 2], y[l + 3, c + 3] = a30, a31, a32, a33
+
+
+@njit(cache=True, fastmath=_FAST)
+def _tile_matmul(w, nr, x, y, y0):
+    """y[:, y0 : y0+nr] = x @ w[:nr].T for a dequantized tile w."""
+    L = x.shape[0]
+    l4 = L - L % 4
+    j4 = nr - nr % 4
+    for l in range(0, l4, 4):
+        for j in range(0, j4, 4):
+            _dot4x4(w, j, x, l, y, y0)
+    for l in range(L):
+        xl = x[l]
+        if l >= l4:
+            for j in range(0, j4, 4):
+                _f32_rows_dot4(w, j, xl, y, l, y0 + j)
+        for j in range(j4, nr):
+            y[l, y0 + j] = _f32_row_dot(w, j, xl)
+
+
+@njit(parallel=True, cache=True)
+def _matmul_int4(q, scales, mins, half, has_min, x, y, nthreads):
+    out, n = q.shape[0], x.shape[1]
+    nblk = (out + _TILE - 1) // _TILE
+    nth = min(nthreads, nblk)
+    # One buffer per thread, allocated once; tiles are dealt round-robin to threads.
+    # (nthreads comes from the caller: get_num_threads() inside would block caching.)
+    for t in prange(nth):
+        buf = np.empty((_TILE, n), np.float32)
+        for blk in range(t, nblk, nth):
+            r0 = blk * _TILE
+            nr = min(_TILE, out - r0)
+            for j in range(nr):
+                _deq_int4_row(q[r0 + j], scales[r0 + j], mins[r0 + j], half, has_min, buf[j])
+            _tile_matmul(buf, nr, x, y, r0)
+
+
+@njit(parallel=True, cache=True)
+def _matmul_q8(q, scales, group, x, y, nthreads):
+    out, n = q.shape[0], x.shape[1]
+    nblk = (out + _TILE - 1) // _TILE
+    nth = min(nthreads, nblk)
+    for t in prange(nth):
+        buf = np.empty((_TILE, n), np.float32)
+        for blk in range(t, nblk, nth):
+            r0 = blk * _TILE
+            nr = min(_TILE, out - r0)
+            for j in range(nr):
+                _deq_q8_row(q[r0 + j], scales[r0 + j], group, buf[j])
+            _tile_matmul(buf, nr, x, y, r0)
+
+
+@njit(parallel=True, cache=True)
+def _matmul_u16(w, is_bf16, x, y, nthreads):
+    out, n = w.shape[0], x.shape[1]
+    nblk = (out + _TILE - 1) // _TILE
+    nth = min(nthreads, nblk)
+    for t in prange(nth):
+        buf = np.empty((_TILE, n), np.float32)
+        for blk in range(t, nblk, nth):
+            r0 = blk * _TILE
+            nr = min(_TILE, out - r0)
+            for j in range(nr):
+                _deq_u16_row(w[r0 + j], is_bf16, buf[j])
+            _tile_matmul(buf, nr, x, y, r0)
+
+
+@njit(parallel=True, cache=True)
+def _matmul_f32(w, x, y, nthreads):
+    out, n = w.shape[0], x.shape[1]
+    nblk = (out + _TILE - 1) // _TILE
+    nth = min(nthreads, nblk)
+    # float32 weights need no dequantization; the copy only gives _tile_matmul the same
+    # cache-friendly tile (and one compiled specialisation) as the other schemes.
+    for t in prange(nth):
+        buf = np.empty((_TILE, n), np.float32)
+        for blk in range(t, nblk, nth):
+            r0 = blk * _TILE
+            nr = min(_TILE, out - r0)
+            buf[:nr] = w[r0:r0 + nr]
+            _tile_matmul(buf, nr, x, y, r0)
+
+
+# --- embedding ----------------------------------------------------------------------------
+
+
+@njit(parallel=True, cache=True)
+def _embed_int4(q, scales, mins, half, has_min, ids, y):
+    for i in prange(ids.shape[0]):
+        r = ids[i]
+        _deq_int4_row(q[r], scales[r], mins[r], half, has_min, y[i])
+
+
+@njit(parallel=True, cache=True)
+def _embed_q8(q, scales, group, ids, y):
+    for i in prange(ids.shape[0]):
+        r = ids[i]
+        _deq_q8_row(q[r], scales[r], group, y[i])
+
+
+@njit(parallel=True, cache=True)
+def _embed_u16(w, is_bf16, ids, y):
+    for i in prange(ids.shape[0]):
+        _deq_u16_row(w[ids[i]], is_bf16, y[i])
+
+
+# --- Python-level dispatch and checks -----------------------------------------------------
+
+
+def _check_tensor(t: QTensor) -> None:
+    if t.scheme not in SCHEMES:
+        raise ValueError(f"unknown quantization scheme {t.scheme!r}; known: {', '.join(SCHEMES)}")
+    out, n = t.shape
+    want = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16, "q8_0": np.int8}.get(t.scheme, np.uint8)
+    qcols = n // 2 if t.scheme in GROUP_SIZE and t.scheme != "q8_0" else n
+    if t.q.dtype != want or t.q.shape != (out, qcols) or not t.q.flags.c_contiguous:
+        raise ValueError(
+            f"{t.scheme} tensor of shape {t.shape} needs q as C-contiguous {np.dtype(want).name} "
+            f"[{out}, {qcols}], got {t.q.dtype.name} {t.q.shape}"
+            + ("" if t.q.flags.c_contiguous else " (not contiguous)")
+        )
+    if t.scheme in GROUP_SIZE:
+        g = GROUP_SIZE[t.scheme]
+        for name in ("scales", "mins") if t.scheme == "q4_1" else ("scales",):
+            a = getattr(t, name)
+            if a is None or a.dtype != np.float32 or a.shape != (out, n // g) or not a.flags.c_contiguous:
+                raise ValueError(f"{t.scheme} tensor needs {name} as C-contiguous float32 [{out}, {n // g}]")
+
+
+def _activations(x: np.ndarray, ndim: int, n: int, what: str) -> np.ndarray:
+    x = np.asarray(x)
+    if x.dtype != np.float32:
+        raise ValueError(f"{what}: x must be float32, got {x.dtype}; cast it with x.astype(np.float32)")
+    if x.ndim != ndim or x.shape[-1] != n:
+        want = f"[{n}]" if ndim == 1 else f"[L, {n}]"
+        raise ValueError(f"{what}: x must have shape {want} for a weight with {n} inputs, got {x.shape}")
+    return np.ascontiguousarray(x)
+
+
+def _result(out: np.ndarray | None, shape: tuple[int, ...], what: str) -> np.ndarray:
+    if out is None:
+        return np.empty(shape, np.float32)
+    if out.dtype != np.float32 or out.shape != shape or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(
+            f"{what}: out must be a writeable C-contiguous float32 array of shape {shape}, "
+            f"got {out.dtype} {out.shape}"
+        )
+    return out
+
+
+def _int4_args(t: QTensor) -> tuple:
+    has_min = t.scheme == "q4_1"
+    # Symmetric schemes have no mins; scales stands in so numba sees one signature.
+    return t.q, t.scales, t.mins if has_min else t.scales, GROUP_SIZE[t.scheme] // 2, has_min
+
+
+def matvec(t: QTensor, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """y = dequantize(t) @ x: float32 [in] -> float32 [out_features] (decode)."""
+    _check_tensor(t)
+    x = _activations(x, 1, t.shape[1], "matvec")
+    y = _result(out, (t.shape[0],), "matvec")
+    if t.shape[0] == 0:
+        return y
+    s = t.scheme
+    if s in ("int4_g64", "q4_0", "q4_1"):
+        offs, coef = (t.mins, 1.0) if s == "q4_1" else (t.scales, -8.0)
+        _matvec_int4(t.q, t.scales, offs, np.float32(coef), GROUP_SIZE[s] // 2, x, y, get_num_threads())
+    elif s == "q8_0":
+        _matvec_q8(t.q, t.scales, GROUP_SIZE[s], x, y, get_num_threads())
+    elif s == "f32":
+        _matvec_f32(t.q, x, y)
+    else:
+        _matvec_u16(t.q.view(np.uint16), s == "bf16", x, y)
+    return y
+
+
+def matmul(t: QTensor, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """y = x @ dequantize(t).T: float32 [L, in] -> float32 [L, out_features] (prefill)."""
+    _check_tensor(t)
+    x = _activations(x, 2, t.shape[1], "matmul")
+    y = _result(out, (x.shape[0], t.shape[0]), "matmul")
+    if y.size == 0:
+        return y
+    s = t.scheme
+    if s in ("int4_g64", "q4_0", "q4_1"):
+        _matmul_int4(*_int4_args(t), x, y, get_num_threads())
+    elif s == "q8_0":
+        _matmul_q8(t.q, t.scales, GROUP_SIZE[s], x, y, get_num_threads())
+    elif s == "f32":
+        _matmul_f32(t.q, x, y, get_num_threads())
+    else:
+        _matmul_u16(t.q.view(np.uint16), s == "bf16", x, y, get_num_threads())
+    return y
+
+
+def embedding(t: QTensor, ids: np.ndarray) -> np.ndarray:
+    """Dequantized rows t[ids]: int [L] -> float32 [L, in], equal to dequantize(t)[ids]."""
+    _check_tensor(t)
+    ids = np.asarray(ids)
+    if ids.ndim != 1 or not (np.issubdtype(ids.dtype, np.integer) or ids.size == 0):
+        raise ValueError(f"embedding: ids must be a 1-D integer array, got {ids.dtype} {ids.shape}")
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    vocab = t.shape[0]
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+        bad = ids[(ids < 0) | (ids >= vocab)][0]
+        raise ValueError(f"embedding: token id {bad} is out of range for a table of {vocab} rows")
+    y = np.empty((ids.shape[0], t.shape[1]), np.float32)
+    if ids.size == 0:
+        return y
+    s = t.scheme
+    if s in ("int4_g64", "q4_0", "q4_1"):
+        _embed_int4(*_int4_args(t), ids, y)
+    elif s == "q8_0":
+        _embed_q8(t.q, t.scales, GROUP_SIZE[s], ids, y)
+    elif s == "f32":
+        np.take(t.q, ids, axis=0, out=y)
+    else:
+        _embed_u16(t.q.view(np.uint16), s == "bf16", ids, y)
+    return y
+
+
+__all__ = ["matvec", "matmul", "embedding"]

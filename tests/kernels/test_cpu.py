@@ -1,0 +1,123 @@
+"""Numba CPU kernels against the numpy reference dequantize(t) in float64, odd shapes included."""
+import numpy as np
+import pytest
+
+from colibri.kernels.cpu import embedding, matmul, matvec
+from colibri.kernels.quant import SCHEMES, QTensor, dequantize, quantize
+
+# (out, in): single row, row counts that are not a multiple of 4 rows or 2 threads, a very
+# wide row, and a tall matrix with several matmul tiles.
+SHAPES = [(1, 64), (7, 128), (13, 192), (3, 16384), (4096, 256)]
+
+
+def make(scheme, shape, seed):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal(shape).astype(np.float32)
+    w[0, : min(64, shape[1])] *= 50.0  # groups of very different scale
+    return quantize(w, scheme)
+
+
+def assert_close(y, ref):
+    ref = np.asarray(ref, np.float64)
+    atol = 1e-5 * np.abs(ref).max() + 1e-6
+    np.testing.assert_allclose(y, ref, rtol=0, atol=atol)
+
+
+@pytest.fixture(scope="module", params=SCHEMES)
+def scheme(request):
+    return request.param
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_matvec(scheme, shape):
+    t = make(scheme, shape, 1)
+    x = np.random.default_rng(2).standard_normal(shape[1]).astype(np.float32)
+    y = matvec(t, x)
+    assert y.dtype == np.float32 and y.shape == (shape[0],)
+    assert_close(y, dequantize(t).astype(np.float64) @ x)
+
+
+MATMUL_CASES = [(s, L) for s in [(7, 128), (13, 192), (3, 16384)] for L in (1, 3, 17)] + [((4096, 256), 17)]
+
+
+@pytest.mark.parametrize("shape,L", MATMUL_CASES, ids=lambda c: f"{c[0]}x{c[1]}" if isinstance(c, tuple) else f"L{c}")
+def test_matmul(scheme, shape, L):
+    t = make(scheme, shape, 3)
+    x = np.random.default_rng(4).standard_normal((L, shape[1])).astype(np.float32)
+    y = matmul(t, x)
+    assert y.dtype == np.float32 and y.shape == (L, shape[0])
+    assert_close(y, x.astype(np.float64) @ dequantize(t).astype(np.float64).T)
+
+
+@pytest.mark.parametrize("shape", [(13, 192), (4096, 256)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_embedding_equals_reference_rows(scheme, shape):
+    t = make(scheme, shape, 5)
+    ids = np.array([0, shape[0] - 1, 5, 5, 2, 11], dtype=np.int32)
+    e = embedding(t, ids)
+    assert e.dtype == np.float32 and e.shape == (6, shape[1])
+    np.testing.assert_array_equal(e, dequantize(t)[ids])  # exact: no reduction involved
+
+
+@pytest.mark.parametrize("scheme_name", ["f16", "bf16"])
+def test_half_decoding_exhaustive(scheme_name):
+    """Every one of the 65536 bit patterns (subnormals, inf, NaN payloads) decodes exactly."""
+    bits = np.arange(1 << 16, dtype=np.uint16).reshape(1, -1)
+    if scheme_name == "f16":
+        t = QTensor("f16", bits.shape, bits.view(np.float16))
+        ref = bits.view(np.float16).astype(np.float32)
+    else:
+        t = QTensor("bf16", bits.shape, bits)
+        ref = (bits.astype(np.uint32) << 16).view(np.float32)
+    np.testing.assert_array_equal(embedding(t, np.array([0])).view(np.uint32), ref.view(np.uint32))
+
+
+def test_out_argument_is_filled_and_returned():
+    t = make("int4_g64", (13, 192), 6)
+    x = np.random.default_rng(7).standard_normal(192).astype(np.float32)
+    out = np.full(13, np.nan, np.float32)
+    assert matvec(t, x, out) is out
+    assert_close(out, dequantize(t).astype(np.float64) @ x)
+    X = np.random.default_rng(8).standard_normal((3, 192)).astype(np.float32)
+    out2 = np.full((3, 13), np.nan, np.float32)
+    assert matmul(t, X, out2) is out2
+    assert_close(out2, X.astype(np.float64) @ dequantize(t).astype(np.float64).T)
+
+
+def test_noncontiguous_inputs_are_handled():
+    t = make("q4_1", (7, 128), 9)
+    rng = np.random.default_rng(10)
+    x = rng.standard_normal(256).astype(np.float32)[::2]
+    assert_close(matvec(t, x), dequantize(t).astype(np.float64) @ x)
+    X = rng.standard_normal((128, 5)).astype(np.float32).T  # Fortran order
+    assert_close(matmul(t, X), X.astype(np.float64) @ dequantize(t).astype(np.float64).T)
+    assert_close(matvec(t.rows(2, 6), x), dequantize(t)[2:6].astype(np.float64) @ x)
+
+
+def test_bad_inputs_raise_clear_errors():
+    t = make("int4_g64", (7, 128), 11)
+    x = np.zeros(128, np.float32)
+    with pytest.raises(ValueError, match="float32"):
+        matvec(t, x.astype(np.float64))
+    with pytest.raises(ValueError, match=r"shape \[128\]"):
+        matvec(t, np.zeros(64, np.float32))
+    with pytest.raises(ValueError, match=r"\[L, 128\]"):
+        matmul(t, x)
+    with pytest.raises(ValueError, match="out must be"):
+        matvec(t, x, out=np.zeros(6, np.float32))
+    with pytest.raises(ValueError, match="out must be"):
+        matvec(t, x, out=np.zeros(7, np.float64))
+    with pytest.raises(ValueError, match="out of range"):
+        embedding(t, np.array([0, 7]))
+    with pytest.raises(ValueError, match="out of range"):
+        embedding(t, np.array([-1]))
+    with pytest.raises(ValueError, match="integer"):
+        embedding(t, np.array([0.0, 1.0]))
+    broken = QTensor("int4_g64", (7, 128), t.q.astype(np.int8), t.scales)
+    with pytest.raises(ValueError, match="uint8"):
+        matvec(broken, x)
+
+
+def test_empty_batches():
+    t = make("q8_0", (7, 128), 12)
+    assert matmul(t, np.zeros((0, 128), np.float32)).shape == (0, 7)
+    assert embedding(t, np.zeros(0, np.int64)).shape == (0, 128)
