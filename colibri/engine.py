@@ -304,6 +304,21 @@ class Engine:
         """Cumulative expert-cache figures (hit rate, bytes read, disk wait) when streaming."""
         return self._store_stats()
 
+    def feed(self, ids: list[int], slot: int = 0) -> list[float]:
+        """Teacher-forced decode: append `ids` to a slot one token at a time, as decode does.
+        Returns seconds per token. Benchmarks use it for realistic routing: greedy text from
+        random weights repeats one token and would flatter every cache (BENCHMARKS.md 7)."""
+        kv = self.slots[slot]
+        times = []
+        for tok in ids:
+            t0 = time.perf_counter()
+            gen.decode_one(self.model, kv.cache, int(tok))
+            kv.ids.append(int(tok))
+            times.append(time.perf_counter() - t0)
+        if isinstance(self.experts, ExpertStore):
+            self.experts.save_history()
+        return times
+
     def logits(self, ids: list[int]) -> np.ndarray:
         """Logits [L, V] for every position of `ids` in a fresh context (tests, scoring)."""
         cache = self.model.new_cache(max(len(ids), 1))

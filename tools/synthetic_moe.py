@@ -26,6 +26,8 @@ PRESETS = {
     # hidden, intermediate (per expert), layers, experts, top-k, heads, kv heads
     "olmoe-1b-7b": dict(hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_experts=64,
                         num_experts_per_tok=8, num_attention_heads=16, num_key_value_heads=16),
+    "medium": dict(hidden_size=1024, intermediate_size=512, num_hidden_layers=8, num_experts=64,
+                   num_experts_per_tok=4, num_attention_heads=8, num_key_value_heads=8),
     "small": dict(hidden_size=512, intermediate_size=256, num_hidden_layers=4, num_experts=16,
                   num_experts_per_tok=4, num_attention_heads=8, num_key_value_heads=4),
     "tiny": dict(hidden_size=128, intermediate_size=128, num_hidden_layers=3, num_experts=8,

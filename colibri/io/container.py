@@ -122,7 +122,7 @@ class Container:
         spec = self.manifest["tensors"].get(name)
         if spec is None:
             raise ColibriError(f"{self.dir}: tensor {name} is missing; the container does not match its config")
-        parts = {p: np.array(self.dense.raw(f"{name}.{p}")) for p in ("q", "scales", "mins")
+        parts = {p: self.dense.read(f"{name}.{p}") for p in ("q", "scales", "mins")
                  if f"{name}.{p}" in self.dense.tensors}
         if len(spec["shape"]) == 1:
             return parts["q"].astype(np.float32)

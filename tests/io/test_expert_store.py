@@ -1,6 +1,5 @@
 """Expert streaming: placement (budget, prefetch, hot set, io mode) never changes tokens; the
 upcycled SmolLM2-MoE speaks as the dense model does; faults give clear errors; history persists."""
-import importlib.util
 import json
 import shutil
 import warnings
@@ -9,18 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import synthetic_moe
+import upcycle
+
 from colibri import ColibriError, Engine
 from colibri.io.container import Container
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
 GiB = 1 << 30
-
-
-def load_tool(name):
-    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(autouse=True)
@@ -32,12 +26,12 @@ def private_cache(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def synthetic(tmp_path_factory):
     """A tiny random OLMoE-shaped model: every expert distinct, so a misplaced expert shows."""
-    return load_tool("synthetic_moe").write_container(tmp_path_factory.mktemp("syn") / "m", "tiny", progress=False)
+    return synthetic_moe.write_container(tmp_path_factory.mktemp("syn") / "m", "tiny", progress=False)
 
 
 @pytest.fixture(scope="module")
 def upcycled(smollm2_container, tmp_path_factory):
-    return load_tool("upcycle").upcycle(smollm2_container, tmp_path_factory.mktemp("up") / "m", experts=8, top_k=2)
+    return upcycle.upcycle(smollm2_container, tmp_path_factory.mktemp("up") / "m", experts=8, top_k=2)
 
 
 def budget_gb(model: Path, experts_per_layer: float) -> float:

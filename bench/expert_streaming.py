@@ -1,0 +1,195 @@
+"""Larger-than-RAM decode: colibri's expert store vs llama.cpp (llama-cpp-python, mmap, its
+default) on the same synthetic MoE (tools/synthetic_moe.py, OLMoE-1B-7B shapes), under the same
+cgroup-v1 memory limit, cold (page cache dropped) and warm, runs interleaved.
+
+Routing is realistic: each engine is fed the same fixed token sequence one token at a time
+(teacher forcing), never its own greedy output (BENCHMARKS.md point 7). Printed per run: decode
+tok/s, expert hit rate, GB read from disk per token (/proc/self/io read_bytes, the same meter for
+both engines), peak RSS, and the disk-bound limit = measured disk bandwidth / bytes missed per
+token. Benchmark only: no asserts.
+
+    python bench/expert_streaming.py --model /tmp/olmoe --gguf /tmp/olmoe.gguf --limit-gb 2 \
+        --llama-python /work/peer-venv/bin/python
+Make the models first:  python tools/synthetic_moe.py /tmp/olmoe --preset olmoe-1b-7b --gguf /tmp/olmoe.gguf
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
+
+
+def proc_read_bytes() -> int:
+    for line in open("/proc/self/io"):
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
+def token_sequence(n: int, seed: int = 0) -> list[int]:
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(100, 49000, size=n).tolist()
+
+
+# ----------------------------------------------------------------------------- child runs
+
+def child_colibri(a) -> dict:
+    from colibri import Engine
+
+    t0 = time.perf_counter()
+    e = Engine.load(a.model, ram_gb=a.ram_gb, stream_experts=True, expert_io=a.expert_io,
+                    prefetch=not a.no_prefetch, hot_set=not a.no_hot_set, max_context=a.tokens + 16)
+    load_s = time.perf_counter() - t0
+    seq = token_sequence(a.tokens)
+    r0 = proc_read_bytes()
+    times = e.feed(seq)
+    r1 = proc_read_bytes()
+    st = e.expert_stats
+    n = len(times) - a.skip
+    dt = sum(times[a.skip:])
+    return {"engine": "colibri", "tok_s": n / dt, "hit_rate": st["hit_rate"], "load_s": load_s,
+            "disk_bytes_per_tok": (r1 - r0) / len(times), "store_bytes_per_tok": st["bytes_read"] / len(times),
+            "wait_share": st["wait_s"] / sum(times), "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def child_llama(a) -> dict:
+    from llama_cpp import Llama
+
+    t0 = time.perf_counter()
+    llm = Llama(model_path=str(a.gguf), n_ctx=a.tokens + 16, n_threads=a.threads, n_batch=64,
+                use_mmap=True, verbose=False)
+    load_s = time.perf_counter() - t0
+    seq = token_sequence(a.tokens)
+    r0 = proc_read_bytes()
+    times = []
+    for tok in seq:
+        t = time.perf_counter()
+        llm.eval([tok])
+        times.append(time.perf_counter() - t)
+    r1 = proc_read_bytes()
+    n = len(times) - a.skip
+    return {"engine": "llama.cpp", "tok_s": n / sum(times[a.skip:]), "hit_rate": None, "load_s": load_s,
+            "disk_bytes_per_tok": (r1 - r0) / len(times), "store_bytes_per_tok": None, "wait_share": None,
+            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+# ----------------------------------------------------------------------------- parent
+
+def disk_bandwidth(path: Path, nbytes: int = 1 << 30, chunk: int = 4 << 20) -> float:
+    """Cold O_DIRECT sequential read of the expert files, 4 MiB at a time (bytes/s)."""
+    import mmap
+
+    buf = mmap.mmap(-1, chunk)
+    files = sorted(path.glob("experts-*.safetensors"))
+    done, t0 = 0, time.perf_counter()
+    for f in files:
+        fd = os.open(f, os.O_RDONLY | os.O_DIRECT)
+        try:
+            off = 0
+            while done < nbytes:
+                n = os.preadv(fd, [buf], off)
+                if n <= 0:
+                    break
+                done += n
+                off += n
+        finally:
+            os.close(fd)
+        if done >= nbytes:
+            break
+    return done / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--gguf", type=Path)
+    ap.add_argument("--limit-gb", type=float, default=2.0, help="cgroup memory limit for every engine")
+    ap.add_argument("--ram-gb", type=float, help="colibri budget (default: limit minus 0.6 GiB)")
+    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--skip", type=int, default=2, help="first tokens left out of tok/s")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--expert-io", default="direct")
+    ap.add_argument("--no-prefetch", action="store_true")
+    ap.add_argument("--no-hot-set", action="store_true")
+    ap.add_argument("--llama-python", default=None, help="python with llama_cpp installed (peer venv)")
+    ap.add_argument("--states", default="cold,warm")
+    ap.add_argument("--child", choices=["colibri", "llama"])
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    if a.child:
+        out = child_colibri(a) if a.child == "colibri" else child_llama(a)
+        print(json.dumps(out))
+        return
+
+    from memlimit import drop_caches, run_limited, why_unavailable
+    from colibri.io.container import Container
+
+    reason = why_unavailable()
+    if reason:
+        sys.exit(f"cannot run: {reason}")
+    c = Container(a.model)
+    ram_gb = a.ram_gb if a.ram_gb is not None else a.limit_gb - 0.6
+    per_tok_expert = sum(l.blob_bytes * int(c.config.get("num_experts_per_tok", 8))
+                         for l in c.expert_layouts.values())
+    drop_caches()
+    bw = disk_bandwidth(a.model)
+    env = {"NUMBA_NUM_THREADS": str(a.threads), "OMP_NUM_THREADS": str(a.threads)}
+    common = ["--model", str(a.model), "--tokens", str(a.tokens), "--skip", str(a.skip),
+              "--threads", str(a.threads), "--expert-io", a.expert_io, "--ram-gb", str(ram_gb)]
+    common += ["--no-prefetch"] * a.no_prefetch + ["--no-hot-set"] * a.no_hot_set
+    engines = [("colibri", sys.executable)]
+    if a.gguf and a.llama_python:
+        engines.append(("llama", a.llama_python))
+        common += ["--gguf", str(a.gguf)]
+    rows = []
+    for rep in range(a.repeats):
+        for state in a.states.split(","):
+            for name, py in engines:  # interleaved: A B A B
+                if state == "cold":
+                    drop_caches()
+                r = run_limited([py, __file__, "--child", name, *common], int(a.limit_gb * (1 << 30)), env=env)
+                if r.returncode != 0:
+                    rows.append({"engine": name, "state": state, "error": (r.stderr.strip().splitlines() or ["?"])[-1],
+                                 "oom": r.oom_killed})
+                    continue
+                row = json.loads(r.stdout.strip().splitlines()[-1])
+                row.update(state=state, group_peak=r.max_usage_bytes, repeat=rep)
+                rows.append(row)
+    report = {"machine": {"cores": os.cpu_count(), "cpu": platform.processor() or platform.machine()},
+              "model": str(a.model), "dense_bytes": c.dense_bytes, "expert_bytes": c.expert_bytes,
+              "routed_bytes_per_token": per_tok_expert, "disk_bw": bw, "limit_gb": a.limit_gb,
+              "colibri_ram_gb": ram_gb, "tokens": a.tokens, "rows": rows}
+    if a.json:
+        print(json.dumps(report, indent=1))
+        return
+    print(f"disk (O_DIRECT 4 MiB reads, cold): {bw / 1e9:.2f} GB/s; routed expert bytes per token "
+          f"{per_tok_expert / 1e9:.3f} GB; no-hit disk-bound limit {bw / per_tok_expert:.2f} tok/s; "
+          f"memory limit {a.limit_gb} GiB, colibri budget {ram_gb:.2f} GiB")
+    print(f"{'engine':10} {'state':5} {'tok/s':>7} {'hit':>5} {'GB/tok':>7} {'limit tok/s':>11} {'% limit':>7} "
+          f"{'wait':>5} {'RSS GiB':>7}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['engine']:10} {r['state']:5} failed: {r['error']} (oom killed: {r['oom']})")
+            continue
+        missed = r["disk_bytes_per_tok"]
+        limit = bw / missed if missed > 0 else float("inf")
+        hit = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.2f}"
+        wait = "-" if r["wait_share"] is None else f"{r['wait_share']:.2f}"
+        print(f"{r['engine']:10} {r['state']:5} {r['tok_s']:7.2f} {hit:>5} {missed / 1e9:7.3f} {limit:11.2f} "
+              f"{100 * r['tok_s'] / limit:6.0f}% {wait:>5} {r['peak_rss'] / 2**30:7.2f}")
+
+
+if __name__ == "__main__":
+    main()
