@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import get_num_threads, njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .quant import GROUP_SIZE, SCHEMES, QTensor
@@ -103,6 +104,20 @@ def _f16(typingctx, h):
     return types.float32(types.uint16), codegen
 
 
+@intrinsic
+def _prefetch(typingctx, arr, i, j):
+    """Hint the cache line holding arr[i, j] into cache (llvm.prefetch; never faults)."""
+    def codegen(context, builder, sig, args):
+        aryty = sig.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1], args[2]])
+        fnty = ir.FunctionType(ir.VoidType(), [ptr.type, _I32, _I32, _I32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        builder.call(fn, [ptr, _i32(0), _i32(3), _i32(1)])  # read, keep in all levels, data
+        return context.get_dummy_value()
+    return types.void(arr, types.intp, types.intp), codegen
+
+
 # --- exact row dequantizers (no fastmath: embedding equals quant.dequantize bit for bit) --
 
 
@@ -177,12 +192,16 @@ def _finish(acc, offs, coef, xs):
 # and share each load of x (unrolled by hand: a loop over the rows measured 1.5-3x slower;
 # a constant trip count, e.g. range(16), lets LLVM unroll before vectorizing: 30x slower).
 # inline="always" so LLVM sees acc as the caller's own allocation (q4_0 ran 1.5x faster).
+# Eight row streams are too many for the hardware prefetcher: rows rn..rn+7 (the next block)
+# are prefetched explicitly, which took weights streamed from DRAM from ~10 to ~15 GB/s.
 @njit(cache=True, fastmath=_FAST, inline="always")
-def _int4_block8(q, scales, r, half, x, acc):
+def _int4_block8(q, scales, r, rn, half, x, acc):
     acc[:] = 0.0
     for g in range(scales.shape[1]):
         b0 = g * half
         x0 = 2 * b0
+        for j in range(8):
+            _prefetch(q, rn + j, b0)
         s0 = scales[r, g]
         s1 = scales[r + 1, g]
         s2 = scales[r + 2, g]
@@ -240,7 +259,8 @@ def _matvec_int4(q, scales, offs, coef, half, x, y, nthreads):
         acc = np.empty((8, half), np.float32)
         for blk in range(t * per, min(nblk, (t + 1) * per)):
             r = 8 * blk
-            _int4_block8(q, scales, r, half, x, acc)
+            rn = r + 8 if r + 16 <= out else r
+            _int4_block8(q, scales, r, rn, half, x, acc)
             for j in range(8):
                 y[r + j] = _finish(acc[j], offs[r + j], coef, xs)
     acc1 = np.empty(half, np.float32)
@@ -250,10 +270,12 @@ def _matvec_int4(q, scales, offs, coef, half, x, y, nthreads):
 
 
 @njit(cache=True, fastmath=_FAST, inline="always")
-def _q8_block8(q, scales, r, group, x, acc):
+def _q8_block8(q, scales, r, rn, group, x, acc):
     acc[:] = 0.0
     for g in range(scales.shape[1]):
         x0 = g * group
+        for j in range(8):
+            _prefetch(q, rn + j, x0)
         s0 = scales[r, g]
         s1 = scales[r + 1, g]
         s2 = scales[r + 2, g]
@@ -295,7 +317,8 @@ def _matvec_q8(q, scales, group, x, y, nthreads):
         acc = np.empty((8, group), np.float32)
         for blk in range(t * per, min(nblk, (t + 1) * per)):
             r = 8 * blk
-            _q8_block8(q, scales, r, group, x, acc)
+            rn = r + 8 if r + 16 <= out else r
+            _q8_block8(q, scales, r, rn, group, x, acc)
             for j in range(8):
                 y[r + j] = _finish(acc[j], xs, np.float32(0.0), xs)
     acc1 = np.empty(group, np.float32)

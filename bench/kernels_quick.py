@@ -1,0 +1,66 @@
+"""Quick CPU kernel figures: GB/s of weights streamed by a 4096x4096 matvec, per scheme
+(median of 20 calls after warm-up; bytes = QTensor.nbytes), plus prefill matmul GFLOP/s.
+
+Note: a 4096x4096 int4 tensor (~9 MB) fits in a 32 MB L3, so repeated calls on one tensor
+can read faster than DRAM; --rotate cycles through enough copies to defeat the cache.
+A busy core (another process) stalls every 2-thread call for a scheduler slice (~4-12 ms):
+compare with --threads 1 when the machine is shared.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numba
+import numpy as np
+
+from colibri.kernels import SCHEMES, matmul, matvec, quantize
+
+
+def median_seconds(fn, calls: int) -> float:
+    fn()
+    fn()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--n", type=int, default=4096)
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--rotate", type=int, default=1, help="distinct weight copies cycled through")
+    ap.add_argument("--prefill", type=int, default=64, help="L for the matmul figure (0: skip)")
+    ap.add_argument("--threads", type=int, default=0, help="numba threads (0: numba's default)")
+    args = ap.parse_args()
+    if args.threads:
+        numba.set_num_threads(args.threads)
+    rng = np.random.default_rng(0)
+    n = args.n
+    w = rng.standard_normal((n, n), dtype=np.float32)
+    x = rng.standard_normal(n, dtype=np.float32)
+    xs = rng.standard_normal((args.prefill, n), dtype=np.float32)
+    y = np.empty(n, np.float32)
+    print(f"{n}x{n}, {numba.get_num_threads()} threads: matvec GB/s of weights (median of {args.calls});"
+          f" matmul L={args.prefill} GFLOP/s")
+    for scheme in SCHEMES:
+        ts = [quantize(w, scheme) for _ in range(args.rotate)]
+        it = iter(range(1 << 62))
+
+        def call():
+            matvec(ts[next(it) % len(ts)], x, y)
+
+        sec = median_seconds(call, args.calls)
+        nbytes = ts[0].nbytes
+        line = f"{scheme:9s} {nbytes / 2**20:7.1f} MiB  {nbytes / sec / 1e9:6.1f} GB/s  {sec * 1e3:7.3f} ms"
+        if args.prefill:
+            sec_mm = median_seconds(lambda: matmul(ts[0], xs), max(3, args.calls // 4))
+            line += f"   matmul {2 * args.prefill * n * n / sec_mm / 1e9:6.1f} GFLOP/s"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
