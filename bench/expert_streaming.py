@@ -63,9 +63,21 @@ def child_colibri(a) -> dict:
             "wait_share": st["wait_s"] / sum(times), "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
-def child_llama(a) -> dict:
+def child_llama(a, repack: bool) -> dict:
+    import llama_cpp.llama_cpp as lib
     from llama_cpp import Llama
 
+    if not repack:
+        # llama.cpp's default CPU path repacks Q4_0 into interleaved copies in anonymous memory
+        # (OOM under a limit smaller than the model); use_extra_bufts=False keeps pure mmap.
+        default_params = lib.llama_model_default_params
+
+        def mmap_only():
+            p = default_params()
+            p.use_extra_bufts = False
+            return p
+
+        lib.llama_model_default_params = mmap_only
     t0 = time.perf_counter()
     llm = Llama(model_path=str(a.gguf), n_ctx=a.tokens + 16, n_threads=a.threads, n_batch=64,
                 use_mmap=True, verbose=False)
@@ -79,7 +91,7 @@ def child_llama(a) -> dict:
         times.append(time.perf_counter() - t)
     r1 = proc_read_bytes()
     n = len(times) - a.skip
-    return {"engine": "llama.cpp", "tok_s": n / sum(times[a.skip:]), "hit_rate": None, "load_s": load_s,
+    return {"engine": "llama.cpp" + ("" if repack else " mmap-only"), "tok_s": n / sum(times[a.skip:]), "hit_rate": None, "load_s": load_s,
             "disk_bytes_per_tok": (r1 - r0) / len(times), "store_bytes_per_tok": None, "wait_share": None,
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
@@ -125,11 +137,11 @@ def main() -> None:
     ap.add_argument("--no-hot-set", action="store_true")
     ap.add_argument("--llama-python", default=None, help="python with llama_cpp installed (peer venv)")
     ap.add_argument("--states", default="cold,warm")
-    ap.add_argument("--child", choices=["colibri", "llama"])
+    ap.add_argument("--child", choices=["colibri", "llama", "llama-mmap"])
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if a.child:
-        out = child_colibri(a) if a.child == "colibri" else child_llama(a)
+        out = child_colibri(a) if a.child == "colibri" else child_llama(a, repack=a.child == "llama")
         print(json.dumps(out))
         return
 
@@ -151,7 +163,7 @@ def main() -> None:
     common += ["--no-prefetch"] * a.no_prefetch + ["--no-hot-set"] * a.no_hot_set
     engines = [("colibri", sys.executable)]
     if a.gguf and a.llama_python:
-        engines.append(("llama", a.llama_python))
+        engines += [("llama", a.llama_python), ("llama-mmap", a.llama_python)]
         common += ["--gguf", str(a.gguf)]
     rows = []
     for rep in range(a.repeats):
@@ -161,7 +173,8 @@ def main() -> None:
                     drop_caches()
                 r = run_limited([py, __file__, "--child", name, *common], int(a.limit_gb * (1 << 30)), env=env)
                 if r.returncode != 0:
-                    rows.append({"engine": name, "state": state, "error": (r.stderr.strip().splitlines() or ["?"])[-1],
+                    rows.append({"engine": {"llama": "llama.cpp", "llama-mmap": "llama.cpp mmap-only"}.get(name, name),
+                                 "state": state, "error": (r.stderr.strip().splitlines() or ["?"])[-1],
                                  "oom": r.oom_killed})
                     continue
                 row = json.loads(r.stdout.strip().splitlines()[-1])
@@ -177,17 +190,17 @@ def main() -> None:
     print(f"disk (O_DIRECT 4 MiB reads, cold): {bw / 1e9:.2f} GB/s; routed expert bytes per token "
           f"{per_tok_expert / 1e9:.3f} GB; no-hit disk-bound limit {bw / per_tok_expert:.2f} tok/s; "
           f"memory limit {a.limit_gb} GiB, colibri budget {ram_gb:.2f} GiB")
-    print(f"{'engine':10} {'state':5} {'tok/s':>7} {'hit':>5} {'GB/tok':>7} {'limit tok/s':>11} {'% limit':>7} "
+    print(f"{'engine':19} {'state':5} {'tok/s':>7} {'hit':>5} {'GB/tok':>7} {'limit tok/s':>11} {'% limit':>7} "
           f"{'wait':>5} {'RSS GiB':>7}")
     for r in rows:
         if "error" in r:
-            print(f"{r['engine']:10} {r['state']:5} failed: {r['error']} (oom killed: {r['oom']})")
+            print(f"{r['engine']:19} {r['state']:5} failed: {r['error']} (oom killed: {r['oom']})")
             continue
         missed = r["disk_bytes_per_tok"]
         limit = bw / missed if missed > 0 else float("inf")
         hit = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.2f}"
         wait = "-" if r["wait_share"] is None else f"{r['wait_share']:.2f}"
-        print(f"{r['engine']:10} {r['state']:5} {r['tok_s']:7.2f} {hit:>5} {missed / 1e9:7.3f} {limit:11.2f} "
+        print(f"{r['engine']:19} {r['state']:5} {r['tok_s']:7.2f} {hit:>5} {missed / 1e9:7.3f} {limit:11.2f} "
               f"{100 * r['tok_s'] / limit:6.0f}% {wait:>5} {r['peak_rss'] / 2**30:7.2f}")
 
 

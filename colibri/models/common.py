@@ -95,6 +95,20 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return e / np.sum(e, axis=axis, keepdims=True)
 
 
+def fuse_rows(*ts: QTensor) -> QTensor | None:
+    """Stack matrices that read the same input into one (q/k/v, gate/up): one kernel call
+    instead of several per token. Rows are computed independently, so the outputs are the
+    same numbers. None when the schemes or input widths differ."""
+    if len({t.scheme for t in ts}) != 1 or len({t.shape[1] for t in ts}) != 1:
+        return None
+
+    def cat(arrays):
+        return None if arrays[0] is None else np.ascontiguousarray(np.concatenate(arrays, axis=0))
+
+    return QTensor(ts[0].scheme, (sum(t.shape[0] for t in ts), ts[0].shape[1]), cat([t.q for t in ts]),
+                   cat([t.scales for t in ts]), cat([t.mins for t in ts]))
+
+
 def linear(x: np.ndarray, w: QTensor, bias: np.ndarray | None = None) -> np.ndarray:
     """x [L, in] -> [L, out]. Decode (L == 1) takes the matvec kernel, prefill the matmul one."""
     if x.shape[0] == 1:
@@ -258,12 +272,22 @@ class Attention:
             self.q_norm, self.k_norm = w.tensor(f"{prefix}.q_norm.weight"), w.tensor(f"{prefix}.k_norm.weight")
         self.clip_qkv = clip_qkv
         self.scale = np.float32(self.dh ** -0.5)
+        self.qkv = fuse_rows(self.q_proj, self.k_proj, self.v_proj)
+        biases = (self.q_bias, self.k_bias, self.v_bias)
+        self.qkv_bias = None if all(b is None for b in biases) else np.concatenate(
+            [b if b is not None else np.zeros(t.shape[0], np.float32)
+             for b, t in zip(biases, (self.q_proj, self.k_proj, self.v_proj))])
 
     def __call__(self, x: np.ndarray, cache: KVCache, layer: int, pos0: int, cos, sin) -> np.ndarray:
         L = x.shape[0]
-        q = linear(x, self.q_proj, self.q_bias)  # [L, H*Dh]
-        k = linear(x, self.k_proj, self.k_bias)  # [L, KV*Dh]
-        v = linear(x, self.v_proj, self.v_bias)  # [L, KV*Dh]
+        if self.qkv is not None:
+            qkv = linear(x, self.qkv, self.qkv_bias)  # [L, (H + 2 KV) * Dh]
+            nq, nk = self.h * self.dh, self.kv * self.dh
+            q, k, v = qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:]
+        else:
+            q = linear(x, self.q_proj, self.q_bias)  # [L, H*Dh]
+            k = linear(x, self.k_proj, self.k_bias)  # [L, KV*Dh]
+            v = linear(x, self.v_proj, self.v_bias)  # [L, KV*Dh]
         if self.qk_norm == "full":
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         if self.clip_qkv is not None:  # after the norm, as transformers' olmoe does
@@ -305,13 +329,18 @@ class MLP:
 
     def __init__(self, gate: QTensor, up: QTensor, down: QTensor):
         self.gate, self.up, self.down = gate, up, down
+        self.gate_up = fuse_rows(gate, up)
 
     @classmethod
     def from_weights(cls, w, prefix: str) -> "MLP":
         return cls(*(w.tensor(f"{prefix}.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")))
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        return linear(silu(linear(x, self.gate)) * linear(x, self.up), self.down)
+        if self.gate_up is None:
+            return linear(silu(linear(x, self.gate)) * linear(x, self.up), self.down)
+        gu = linear(x, self.gate_up)  # [L, 2I]
+        n = self.gate.shape[0]
+        return linear(silu(gu[:, :n]) * gu[:, n:], self.down)
 
 
 def swiglu_expert(x: np.ndarray, e: dict[str, QTensor]) -> np.ndarray:
