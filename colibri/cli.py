@@ -35,6 +35,8 @@ def run(
                                            "experts); default: planned from available memory."),
     expert_io: str = typer.Option("pread", "--expert-io", help="How missed experts are read: pread, direct, mmap."),
     prefetch: bool = typer.Option(True, "--prefetch/--no-prefetch", help="Prefetch the next layer's experts."),
+    auto_tier: bool = typer.Option(False, "--auto-tier", help="Apply `colibri plan` (its RAM budget) where "
+                                   "--ram-gb is not given."),
     stats: bool = typer.Option(False, "--stats", help="Print speed figures to stderr at the end."),
 ):
     """Generate an answer to PROMPT, printed as it streams."""
@@ -42,6 +44,10 @@ def run(
 
     if max_tokens < 0:
         raise ColibriError(f"--max-tokens must be >= 0, not {max_tokens}")
+    if auto_tier and ram_gb is None:
+        from colibri.plan import engine_options
+
+        ram_gb = engine_options(model, None, True).get("ram_gb")
     engine = Engine.load(model, progress=True, max_context=max_context, ram_gb=ram_gb, expert_io=expert_io,
                          prefetch=prefetch)
     for ev in engine.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
@@ -191,7 +197,8 @@ def serve(
     log_level: str = typer.Option("info", "--log-level", envvar="COLI_LOG_LEVEL"),
 ):
     """Serve the model over an OpenAI- and Anthropic-compatible HTTP API."""
-    from colibri.serve.server import ServeOptions, run as run_server
+    from colibri.serve.server import ServeOptions
+    from colibri.serve.server import run as run_server
 
     run_server(ServeOptions(model=model, host=host, port=port, model_id=model_id, api_key=api_key,
                             cors_origins=cors_origin or [], allowed_hosts=allowed_host or [],
