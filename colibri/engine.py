@@ -41,7 +41,7 @@ DEFAULT_MAX_CONTEXT = 8192
 
 @dataclass
 class TokenEvent:
-    token_id: int
+    token_id: int | None  # None: a final event carrying only held-back text
     text: str  # text this token completes (may be "" while a UTF-8 character or a possible stop string is pending)
     logprob: float | None = None                        # log p(token) when logprobs were asked for
     top_logprobs: list[tuple[int, float]] | None = None  # the most likely alternatives, best first
@@ -202,7 +202,11 @@ class Engine:
                stop_at_eos: bool = True, **template_kwargs) -> Iterator[TokenEvent]:
         """Yield tokens as they are produced. When the iterator is exhausted, `self.last` holds
         the finished Generation. Closing the iterator early (a client went away) leaves the
-        slot holding exactly the tokens computed so far."""
+        slot holding exactly the tokens computed so far.
+
+        The texts of the events concatenate to the generation's text. Text held back until the
+        end (the start of a stop string that never completed, a split UTF-8 character) comes
+        in a last event whose token_id is None."""
         if max_tokens < 0:
             raise ColibriError(f"max_tokens must be >= 0, not {max_tokens}")
         if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
@@ -265,6 +269,7 @@ class Engine:
                 tail = stops.feed(decoder.flush() if decoder else "")[0] + stops.flush()
                 if tail:
                     text_parts.append(tail)
+                    yield TokenEvent(None, tail)
         finally:
             # The cache holds exactly the tokens in kv.ids, also when the consumer stops early.
             kv.cache.truncate(len(kv.ids))

@@ -148,7 +148,7 @@ class EngineBackend:
         it = self.engine.stream(messages, max_tokens=max_tokens, system=system, **self.sampling)
         try:
             for ev in it:
-                n += 1
+                n += ev.token_id is not None  # the last event may carry only held-back text
                 if first is None:
                     first = time.perf_counter() - t0
                 if ev.text:

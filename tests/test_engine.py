@@ -34,6 +34,15 @@ def test_stop_string_is_not_leaked(engine):
     assert word not in g.text and full.startswith(g.text)
 
 
+def test_text_held_for_an_unfinished_stop_string_is_delivered(engine):
+    full = engine.generate("What is the capital of France?", max_tokens=24)
+    tail = full.text[-3:]
+    # A stop string starting with the answer's last characters but never completed.
+    events = list(engine.stream("What is the capital of France?", max_tokens=24, stop=[tail + "@@never"]))
+    assert "".join(ev.text for ev in events) == full.text == engine.last.text
+    assert events[-1].token_id is None and events[-1].text.endswith(tail)
+
+
 def test_logprobs_are_a_distribution(engine):
     events = list(engine.stream("Say yes.", max_tokens=4, logprobs=5))
     for ev in events:

@@ -5,7 +5,6 @@ from pathlib import Path
 import pytest
 
 from colibri import Engine
-from colibri.io.convert import convert
 
 CHAT_PROMPTS = [
     "What is the capital of France?",
@@ -66,9 +65,9 @@ def test_second_turn_prefills_only_new_tokens(engine):
 
 
 def test_stream_yields_the_generated_text(engine):
-    pieces = [ev.text for ev in engine.stream("Count from 1 to 5.", max_tokens=20)]
-    assert "".join(pieces) == engine.last.text
-    assert len(pieces) == engine.last.completion_tokens
+    events = list(engine.stream("Count from 1 to 5.", max_tokens=20))
+    assert "".join(ev.text for ev in events) == engine.last.text
+    assert [ev.token_id for ev in events if ev.token_id is not None] == engine.last.token_ids
 
 
 def test_seeded_sampling_is_reproducible(engine):

@@ -1,4 +1,5 @@
 """Compute kernels: the QTensor format and its numpy reference (quant), numba CPU kernels (cpu)."""
+from . import ops
 from .cpu import embedding, matmul, matvec
 from .quant import (
     FLOAT_SCHEMES,
@@ -17,5 +18,5 @@ from .quant import (
 __all__ = [
     "QTensor", "SCHEMES", "GROUP_SIZE", "FLOAT_SCHEMES", "INT4_SCHEMES",
     "quantize", "dequantize", "pack_nibbles", "unpack_nibbles", "bf16_to_f32", "f32_to_bf16",
-    "matvec", "matmul", "embedding",
+    "matvec", "matmul", "embedding", "ops",
 ]

@@ -14,9 +14,8 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from colibri.errors import ColibriError
-from colibri.kernels import embedding, matmul, matvec
+from colibri.kernels import embedding, matmul, matvec, ops
 from colibri.kernels.quant import QTensor
-
 
 # ----------------------------------------------------------------------------- config
 
@@ -81,8 +80,9 @@ class ModelArgs:
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """x [..., D] -> weight * x / sqrt(mean(x^2) + eps), as transformers' RMSNorm in float32."""
-    var = np.mean(x * x, axis=-1, keepdims=True, dtype=np.float32)
-    return weight * (x * (np.float32(1.0) / np.sqrt(var + np.float32(eps))))
+    shape = x.shape
+    x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, shape[-1])
+    return ops.rms_norm(x2, np.ascontiguousarray(weight, dtype=np.float32), np.float32(eps)).reshape(shape)
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -202,14 +202,12 @@ def _yarn(p: dict, dim: int, base: float, max_pos: int) -> tuple[np.ndarray, flo
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rotary_dim: int) -> np.ndarray:
-    """x [L, H, Dh]; cos/sin [L, R]. transformers' rotate_half convention on the first R dims."""
-    rot = x[..., :rotary_dim]
-    half = rotary_dim // 2
-    rotated = np.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
-    out = rot * cos[:, None, :] + rotated * sin[:, None, :]
-    if rotary_dim == x.shape[-1]:
-        return out
-    return np.concatenate([out, x[..., rotary_dim:]], axis=-1)
+    """x [L, H, Dh]; cos/sin [L, R]. transformers' rotate_half convention on the first R dims.
+    Returns a new array (x is left as it was)."""
+    out = np.array(x, dtype=np.float32, order="C")
+    ops.rope(out, np.ascontiguousarray(cos, dtype=np.float32), np.ascontiguousarray(sin, dtype=np.float32),
+             rotary_dim)
+    return out
 
 
 # ----------------------------------------------------------------------------- KV cache
@@ -302,7 +300,10 @@ class Attention:
         kc, vc = cache.k[layer], cache.v[layer]
         kc[:, pos0 : pos0 + L] = k.transpose(1, 0, 2)
         vc[:, pos0 : pos0 + L] = v.reshape(L, self.kv, self.dh).transpose(1, 0, 2)
-        out = attend(q, kc[:, : pos0 + L], vc[:, : pos0 + L], pos0, self.scale)  # [L, H*Dh]
+        if L == 1:  # decode: one fused kernel over the cache
+            out = ops.attend_one(q[0], kc, vc, pos0 + 1, self.scale)[None, :]
+        else:
+            out = attend(q, kc[:, : pos0 + L], vc[:, : pos0 + L], pos0, self.scale)  # [L, H*Dh]
         return linear(out, self.o_proj, self.o_bias)
 
 
@@ -339,8 +340,7 @@ class MLP:
         if self.gate_up is None:
             return linear(silu(linear(x, self.gate)) * linear(x, self.up), self.down)
         gu = linear(x, self.gate_up)  # [L, 2I]
-        n = self.gate.shape[0]
-        return linear(silu(gu[:, :n]) * gu[:, n:], self.down)
+        return linear(ops.silu_mul(gu, self.gate.shape[0]), self.down)
 
 
 def swiglu_expert(x: np.ndarray, e: dict[str, QTensor]) -> np.ndarray:

@@ -1,0 +1,60 @@
+"""Fused decode-glue kernels (colibri.kernels.ops) against plain numpy references written the
+way transformers computes them."""
+import numpy as np
+import pytest
+
+from colibri.kernels import ops
+
+rng = np.random.default_rng(0)
+
+
+def close(a, b, rtol=2e-6):
+    assert a.shape == b.shape
+    assert np.max(np.abs(a - b)) <= rtol * max(1.0, np.max(np.abs(b))) * 10
+
+
+@pytest.mark.parametrize("L,D", [(1, 1), (1, 576), (7, 64), (3, 4097)])
+def test_rms_norm(L, D):
+    x = rng.normal(size=(L, D)).astype(np.float32)
+    w = rng.normal(size=D).astype(np.float32)
+    var = np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True)
+    ref = (w * (x / np.sqrt(var + 1e-5))).astype(np.float32)
+    close(ops.rms_norm(x, w, np.float32(1e-5)), ref)
+
+
+@pytest.mark.parametrize("L,H,Dh,rot", [(1, 1, 2, 2), (5, 3, 64, 64), (2, 4, 128, 64), (1, 9, 96, 32)])
+def test_rope_matches_rotate_half(L, H, Dh, rot):
+    x = rng.normal(size=(L, H, Dh)).astype(np.float32)
+    freqs = rng.uniform(0, 10, size=(L, rot // 2)).astype(np.float32)
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    cos, sin = np.cos(emb), np.sin(emb)
+    r = x[..., :rot]
+    rotated = np.concatenate([-r[..., rot // 2:], r[..., : rot // 2]], axis=-1)
+    ref = x.copy()
+    ref[..., :rot] = r * cos[:, None] + rotated * sin[:, None]
+    out = x.copy()
+    ops.rope(out, cos, sin, rot)
+    close(out, ref)
+
+
+@pytest.mark.parametrize("H,KV,Dk,Dv,n,cap", [(1, 1, 8, 8, 1, 4), (4, 2, 16, 16, 37, 64), (9, 3, 64, 64, 200, 256),
+                                              (8, 8, 24, 16, 5, 5)])
+def test_attend_one(H, KV, Dk, Dv, n, cap):
+    q = rng.normal(size=(H, Dk)).astype(np.float32)
+    k = rng.normal(size=(KV, cap, Dk)).astype(np.float32)
+    v = rng.normal(size=(KV, cap, Dv)).astype(np.float32)
+    scale = np.float32(Dk ** -0.5)
+    G = H // KV
+    ref = np.empty((H, Dv), np.float64)
+    for h in range(H):
+        s = (k[h // G, :n].astype(np.float64) @ q[h]) * scale
+        p = np.exp(s - s.max())
+        ref[h] = (p / p.sum()) @ v[h // G, :n]
+    close(ops.attend_one(q, k, v, n, scale), ref.reshape(-1).astype(np.float32), rtol=1e-5)
+
+
+@pytest.mark.parametrize("L,n", [(1, 1), (1, 1536), (6, 33)])
+def test_silu_mul(L, n):
+    gu = rng.normal(scale=3, size=(L, 2 * n)).astype(np.float32)
+    g, u = gu[:, :n].astype(np.float64), gu[:, n:]
+    close(ops.silu_mul(gu, n), (g / (1 + np.exp(-g)) * u).astype(np.float32))
