@@ -208,6 +208,36 @@ def serve(
                             drain_timeout=drain_timeout, log_level=log_level))
 
 
+@app.command()
+def bench(
+    model: Optional[Path] = ModelOpt,
+    ram_gb: Optional[float] = typer.Option(None, "--ram-gb", help="RAM budget for weights (dense + cached experts)."),
+    expert_io: str = typer.Option("pread", "--expert-io", help="pread, direct or mmap."),
+    prefetch: bool = typer.Option(True, "--prefetch/--no-prefetch"),
+    hot_set: bool = typer.Option(True, "--hot-set/--no-hot-set"),
+    tokens: int = typer.Option(32, "--tokens", help="Forced tokens decoded per run."),
+    auto_tier: bool = typer.Option(False, "--auto-tier", help="Apply `colibri plan` where --ram-gb is not given."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+):
+    """Cold and warm decode tok/s, prefill, TTFT, expert hit rate, GB read per token, peak RSS."""
+    import json
+
+    from colibri.bench import render, run_bench
+
+    if tokens < 2:
+        raise ColibriError(f"--tokens must be at least 2, not {tokens}")
+    if auto_tier and ram_gb is None:
+        from colibri.plan import engine_options
+
+        ram_gb = engine_options(model, None, True).get("ram_gb")
+    report = run_bench(model, tokens=tokens, ram_gb=ram_gb, expert_io=expert_io, prefetch=prefetch,
+                       hot_set=hot_set)
+    if as_json:
+        print(json.dumps(report, indent=1))
+    else:
+        render(report, Console())
+
+
 def main() -> None:
     try:
         app()

@@ -1,0 +1,34 @@
+"""`colibri bench` as a user runs it: a JSON report with cold and warm figures that add up."""
+import json
+import os
+import subprocess
+import sys
+
+import synthetic_moe
+
+
+def test_bench_json_report(tmp_path):
+    model = synthetic_moe.write_container(tmp_path / "m", "tiny", progress=False)
+    from colibri.io.container import Container
+
+    c = Container(model)
+    ram_gb = (c.dense_bytes + 2.5 * sum(l.blob_bytes for l in c.expert_layouts.values())) / 2**30
+    p = subprocess.run([sys.executable, "-m", "colibri.cli", "bench", "--model", str(model), "--ram-gb", str(ram_gb),
+                        "--tokens", "6", "--json"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "COLIBRI_HOME": str(tmp_path / "home")})
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["expert_store"] == "ExpertStore" and r["tokens"] == 6
+    for state in ("cold", "warm"):
+        row = r[state]
+        assert row["decode_tok_s"] > 0 and row["prefill_tok_s"] > 0 and row["ttft_s"] > 0
+        assert 0.0 <= row["hit_rate"] <= 1.0 and 0.0 <= row["disk_wait_share"] <= 1.0
+        assert row["expert_gb_per_token"] >= 0
+    assert r["cold"]["expert_gb_per_token"] > 0  # two slots per layer cannot hold the working set
+    assert r["peak_rss_gb"] > 0
+
+
+def test_bench_rejects_too_few_tokens(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "colibri.cli", "bench", "--tokens", "1"], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 1 and "--tokens" in p.stderr and "Traceback" not in p.stderr
