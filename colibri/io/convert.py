@@ -2,9 +2,15 @@
 colibri containers (container.py).
 
 Quantization rule at --bits 4 (one rule, so a conversion is reproducible anywhere):
-embeddings and lm_head int8 g32 (q8_0); routers and gates (`mlp.gate`, `shared_expert_gate`),
-norms and biases f32; every other matrix int4 g64 along its input dimension when that is a
-multiple of 64, else f32. --bits 8: matrices q8_0. --bits 32: everything f32 (the exact path).
+embeddings and lm_head (and an MTP layer's shared_head.head) int8 g32 (q8_0); routers and gates
+(`mlp.gate`, `shared_expert_gate`), the sparse-attention indexer (`indexer.*`), norms, biases
+and routing biases (`e_score_correction_bias`) f32; every other matrix int4 g64 along its input
+dimension when that is a multiple of 64, else f32. --bits 8: matrices q8_0. --bits 32:
+everything f32 (the exact path).
+
+FP8 checkpoints (float8_e4m3fn + 128x128 `weight_scale_inv`, io/fp8.py) are dequantized tensor
+by tensor, one pread each, and quantized straight away. MTP layers (index >= num_hidden_layers)
+are converted like any other layer: kept for speculative decoding, unused by the forward.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from colibri.errors import ColibriError
+from colibri.io import fp8
 from colibri.io.container import EXPERT_PROJECTIONS, ContainerWriter
 from colibri.io.safetensors_io import SafetensorsFile
 from colibri.kernels.quant import QTensor, quantize
@@ -29,7 +36,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
 _EXPERT = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<e>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 _FUSED_EXPERTS = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<proj>gate_up_proj|down_proj)$")
 _ROUTER = re.compile(r"\.(gate|shared_expert_gate)\.weight$")
-_EMBEDDING = re.compile(r"(embed_tokens|lm_head)\.weight$")
+_EMBEDDING = re.compile(r"(embed_tokens|lm_head|shared_head\.head)\.weight$")
+_INDEXER = re.compile(r"\.indexer\.")  # DSA lightning indexer: selects tokens, kept exact like routers
 _LAYER = re.compile(r"layers\.(\d+)\.")
 _MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _SKIP = re.compile(r"rotary_emb\.inv_freq$")
@@ -42,7 +50,7 @@ def scheme_for(name: str, shape: tuple[int, ...], bits: int) -> str:
     cols = shape[1]
     if _EMBEDDING.search(name):
         return "q8_0" if cols % 32 == 0 else "f32"
-    if _ROUTER.search(name):
+    if _ROUTER.search(name) or _INDEXER.search(name):
         return "f32"
     if bits == 4:
         return "int4_g64" if cols % 64 == 0 else "f32"
@@ -103,11 +111,13 @@ def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
     except ValueError as e:
         raise ColibriError(f"{src}/config.json is not valid JSON ({e})") from None
     family(config.get("model_type"))  # unknown model_type: fail before reading any weights
+    block = fp8.block_size(config)     # unsupported quantization_config: fail early too
     shards = sorted(src.glob("*.safetensors"))
     if not shards:
         raise ColibriError(f"{src} holds no .safetensors files")
     files = [SafetensorsFile(p) for p in shards]
-    names = [(f, n) for f in files for n in f.keys() if not _SKIP.search(n)]
+    reader = fp8.CheckpointReader(files, block)
+    names = [(f, n) for f in files for n in f.keys() if not _SKIP.search(n) and not reader.is_scale(n)]
     n_experts = _num_experts(config)
     writer = ContainerWriter(out, bits, source=str(src))
     pending: dict[str, dict[int, dict[str, QTensor]]] = defaultdict(lambda: defaultdict(dict))
@@ -121,7 +131,7 @@ def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
     with _progress(progress) as bar:
         task = bar.add_task(f"converting {src.name} (--bits {bits})", total=len(names))
         for f, name in names:
-            w = f.float32(name)
+            w = reader.float32(f, name)  # one pread: RSS does not grow with the checkpoint
             if m := _EXPERT.match(name):
                 add_expert(m["prefix"], int(m["e"]), _MIXTRAL_NAMES.get(m["proj"], m["proj"]), w)
             elif m := _FUSED_EXPERTS.match(name):  # transformers v5 layout: [E, 2I, D] / [E, D, I]
@@ -137,7 +147,7 @@ def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
             bar.advance(task)
     for prefix, layer in pending.items():
         _flush_layer(writer, prefix, layer)
-    writer.finish(config, _tokenizer_files(src))
+    writer.finish(fp8.dequantized_config(config), _tokenizer_files(src))
 
 
 def _flush_layer(writer: ContainerWriter, prefix: str, layer: dict[int, dict[str, QTensor]]) -> None:

@@ -10,8 +10,8 @@ from types import ModuleType
 
 from colibri.errors import ColibriError
 
-SUPPORTED = ("llama", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
-ALIASES: dict[str, str] = {}
+SUPPORTED = ("llama", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "glm_moe_dsa")
+ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
 
 
 def family(model_type: str | None) -> ModuleType:

@@ -24,8 +24,9 @@ _MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _EXPERT = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$")
 
 
-def make_hf_model(model_cls, config, seed: int, out_dir: Path, init_std: float = 0.1) -> Path:
-    """Random weights (normal, std `init_std`: large enough that greedy argmax is decisive)."""
+def make_hf_model(model_cls, config, seed: int, out_dir: Path, init_std: float = 0.1, prepare=None) -> Path:
+    """Random weights (normal, std `init_std`: large enough that greedy argmax is decisive).
+    `prepare(model)`, if given, runs before saving (e.g. to set buffers such as routing biases)."""
     torch.manual_seed(seed)
     config.initializer_range = init_std
     model = model_cls(config).eval()
@@ -35,6 +36,8 @@ def make_hf_model(model_cls, config, seed: int, out_dir: Path, init_std: float =
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:
                 p.normal_(0.0, init_std)
+        if prepare is not None:
+            prepare(model)
     model.save_pretrained(out_dir)
     return out_dir
 
@@ -76,8 +79,13 @@ def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], np.ndarray]:
 
 
 def check_against_transformers(model_cls, config, tmp_path: Path, seed: int, bits: int,
-                               prompts: list[list[int]], init_std: float = 0.1) -> None:
-    hf_dir = make_hf_model(model_cls, config, seed, tmp_path / "hf", init_std)
+                               prompts: list[list[int]], init_std: float = 0.1, prepare=None,
+                               after_save=None):
+    """Returns the colibri Engine. `prepare(model)` runs before the checkpoint is saved,
+    `after_save(hf_dir)` after (e.g. to add tensors transformers does not load, like MTP layers)."""
+    hf_dir = make_hf_model(model_cls, config, seed, tmp_path / "hf", init_std, prepare)
+    if after_save is not None:
+        after_save(hf_dir)
     out = convert(hf_dir, tmp_path / f"c{bits}", bits=bits, progress=False)
     ref_dir = hf_dir if bits == 32 else dequantized_reference(hf_dir, out, tmp_path / "hf_deq")
     ref = model_cls.from_pretrained(ref_dir, attn_implementation="eager", dtype=torch.float32).eval()
@@ -89,8 +97,43 @@ def check_against_transformers(model_cls, config, tmp_path: Path, seed: int, bit
         ours = engine.logits(prompt + got)[-1]
         rel = np.max(np.abs(ours - ref_logits)) / np.max(np.abs(ref_logits))
         assert rel < 1e-4, f"prompt {prompt}: final logits differ by {rel:.2e} (relative to max)"
+    return engine
 
 
 def prompts_for(vocab: int, seed: int, lengths=(1, 5, 23)) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab, size=n).tolist() for n in lengths]
+
+
+def add_mtp_layer(hf_dir: Path) -> list[str]:
+    """Append a DeepSeek/GLM-style MTP layer (index num_hidden_layers) to the saved checkpoint, as
+    the real checkpoints ship it: a copy of the last decoder layer plus enorm, hnorm, eh_proj and
+    shared_head. transformers does not load it; `convert` must keep it. Returns the new names."""
+    import json
+
+    n = json.loads((hf_dir / "config.json").read_text())["num_hidden_layers"]
+    path = str(hf_dir / "model.safetensors")
+    state = load_file(path)
+    last, mtp = f"model.layers.{n - 1}.", f"model.layers.{n}."
+    added = {mtp + k[len(last):]: v.clone() for k, v in state.items() if k.startswith(last)}
+    d, vocab = state["model.norm.weight"].shape[0], state["model.embed_tokens.weight"].shape[0]
+    g = torch.Generator().manual_seed(0)
+    added.update({
+        mtp + "enorm.weight": torch.ones(d), mtp + "hnorm.weight": torch.ones(d),
+        mtp + "eh_proj.weight": torch.randn(d, 2 * d, generator=g) * 0.1,
+        mtp + "shared_head.norm.weight": torch.ones(d),
+        mtp + "shared_head.head.weight": torch.randn(vocab, d, generator=g) * 0.1,
+        mtp + "embed_tokens.weight": state["model.embed_tokens.weight"].clone(),
+    })
+    state.update(added)
+    save_file(state, path, metadata={"format": "pt"})
+    return sorted(added)
+
+
+def check_decode_matches_recompute(engine, prompt: list[int], n: int = NEW_TOKENS) -> None:
+    """Tokens decoded one at a time through the KV cache equal the argmax of one full recompute
+    (a fresh prefill) of prompt + generated tokens at every position."""
+    got = engine.generate(prompt, max_tokens=n, stop_at_eos=False).token_ids
+    logits = engine.logits(prompt + got)                          # [L, V], fresh context
+    recomputed = np.argmax(logits[len(prompt) - 1 : -1], axis=-1).tolist()
+    assert got == recomputed, f"cached decode {got}\n full recompute {recomputed}"

@@ -1,0 +1,133 @@
+"""GLM-5 (`glm_moe_dsa`): Multi-head Latent Attention (interleaved rope) plus the DeepSeek
+sparse-attention indexer, grouped sigmoid routing plus shared experts; after transformers'
+models/glm_moe_dsa/modeling_glm_moe_dsa.py.
+
+The indexer scores every past token for each query with its own small heads,
+sum_h w_h * relu(q_h . k_t), and the query attends only to its `index_topk` best tokens; with
+no more than `index_topk` tokens in the context that is all of them (dense attention), exactly
+as transformers does. "shared" layers reuse the selection of the previous "full" layer. Indexer
+keys are cached next to the MLA latent (MLACache index_dim).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from colibri.errors import ColibriError
+from colibri.models import mla
+from colibri.models.common import linear
+
+
+@dataclass
+class ModelArgs(mla.MLAArgs):
+    n_group: int | None = 1
+    topk_group: int | None = 1
+    index_topk: int = 2048
+    index_head_dim: int = 128
+    index_n_heads: int = 32
+    indexer_types: list | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.indexer_types is None:
+            self.indexer_types = default_indexer_types(self.extra, self.num_hidden_layers)
+        types = self.indexer_types[: self.num_hidden_layers]
+        if len(types) < self.num_hidden_layers or set(types) - {"full", "shared"} or types[0] != "full":
+            raise ColibriError(f"config field indexer_types={self.indexer_types!r} is not implemented "
+                               "(one 'full' or 'shared' per layer, the first 'full')")
+        kinds = set(self.extra.get("layer_types") or []) - {"indexed_attention"}
+        if kinds:
+            raise ColibriError(f"config field layer_types has {min(kinds)!r}: only 'indexed_attention' "
+                               "(MLA + DSA indexer) is implemented for glm_moe_dsa")
+        if self.extra.get("mlp_bias"):
+            raise ColibriError("config field mlp_bias=true is not implemented for glm_moe_dsa")
+        if not self.q_lora_rank:
+            raise ColibriError("config field q_lora_rank must be set for glm_moe_dsa (the indexer reads q_a)")
+        if self.index_head_dim < self.qk_rope_head_dim or self.index_topk < 1:
+            raise ColibriError(f"config fields index_head_dim={self.index_head_dim} / index_topk="
+                               f"{self.index_topk} are not valid for qk_rope_head_dim={self.qk_rope_head_dim}")
+
+
+def default_indexer_types(cfg: dict, num_layers: int) -> list:
+    """Per-layer "full"/"shared" from index_topk_pattern ("FSSF...") or index_topk_freq /
+    index_skip_topk_offset, as GlmMoeDsaConfig derives it when indexer_types is absent."""
+    pattern = cfg.get("index_topk_pattern")
+    if pattern is not None:
+        try:
+            return [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+        except KeyError:
+            raise ColibriError(f"config field index_topk_pattern={pattern!r} is not implemented "
+                               "(one 'F' or 'S' per layer)") from None
+    freq = max(cfg.get("index_topk_freq", 1), 1)
+    offset = cfg.get("index_skip_topk_offset", 2)
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
+
+
+def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
+    """torch.nn.LayerNorm over the last axis, float32."""
+    mean = np.mean(x, axis=-1, keepdims=True, dtype=np.float32)
+    var = np.mean((x - mean) ** 2, axis=-1, keepdims=True, dtype=np.float32)
+    return (x - mean) / np.sqrt(var + np.float32(eps)) * weight + bias
+
+
+class Indexer:
+    """The lightning indexer: which past tokens each query may attend to."""
+
+    def __init__(self, args: ModelArgs, w, prefix: str):
+        self.h, self.d, self.topk = args.index_n_heads, args.index_head_dim, args.index_topk
+        self.rope_dim = args.qk_rope_head_dim
+        self.wq_b, self.wk = w.tensor(f"{prefix}.wq_b.weight"), w.tensor(f"{prefix}.wk.weight")
+        self.k_norm_w, self.k_norm_b = w.tensor(f"{prefix}.k_norm.weight"), w.tensor(f"{prefix}.k_norm.bias")
+        self.weights_proj = w.tensor(f"{prefix}.weights_proj.weight")      # [Hi, D]
+        self.scale = np.float32(self.d ** -0.5)
+
+    def _rotate(self, x, cos, sin):
+        """Interleaved rope on the first R dims of each head (the indexer puts rope first)."""
+        return np.concatenate([mla.rope_interleaved(x[..., : self.rope_dim], cos, sin), x[..., self.rope_dim :]], -1)
+
+    def select(self, x, q_resid, cache: mla.MLACache, layer: int, pos0: int, cos, sin) -> np.ndarray:
+        """-> visible [L, N]: causal and among the query's index_topk highest-scoring tokens."""
+        L = x.shape[0]
+        N = pos0 + L
+        k = layer_norm(linear(x, self.wk), self.k_norm_w, self.k_norm_b, 1e-6)          # [L, Di]
+        cache.index_keys(layer)[pos0:N] = self._rotate(k[:, None], cos, sin)[:, 0]
+        causal = mla.causal_mask(pos0, L, N)
+        if N <= self.topk:  # every past token is selected: dense attention
+            return causal
+        q = self._rotate(linear(q_resid, self.wq_b).reshape(L, self.h, self.d), cos, sin)  # [L, Hi, Di]
+        keys = cache.index_keys(layer)[:N]                                              # [N, Di]
+        scores = np.maximum(np.matmul(q, keys.T) * self.scale, np.float32(0.0))          # [L, Hi, N]
+        weights = linear(x, self.weights_proj) * np.float32(self.h ** -0.5)              # [L, Hi]
+        index = np.matmul(weights[:, None, :], scores)[:, 0]                             # [L, N]
+        index = np.where(causal, index, np.float32(-np.inf))
+        top = np.argpartition(-index, self.topk - 1, axis=-1)[:, : self.topk]            # [L, topk]
+        chosen = np.zeros((L, N), bool)
+        np.put_along_axis(chosen, top, True, axis=-1)
+        return chosen & causal
+
+
+class DSAttention(mla.MLAttention):
+    def __init__(self, args: ModelArgs, w, prefix: str, rope, indexer: Indexer | None, shared: dict):
+        super().__init__(args, w, prefix, rope, interleave=True)
+        self.indexer = indexer
+        self.shared = shared  # the last "full" layer's selection, read by "shared" layers
+
+    def __call__(self, x, cache: mla.MLACache, layer: int, pos0: int, cos, sin) -> np.ndarray:
+        q_resid, q_nope, q_rope = self.query(x, cos, sin)
+        self.store_latent(x, cache, layer, pos0, cos, sin)
+        if self.indexer is not None:
+            self.shared["visible"] = self.indexer.select(x, q_resid, cache, layer, pos0, cos, sin)
+        return self.attend(q_nope, q_rope, cache, layer, pos0, self.shared["visible"])
+
+
+def build(config: dict, weights, experts) -> mla.MLAModel:
+    args = ModelArgs.from_dict(config)
+    shared: dict = {}
+
+    def attention(i, rope):
+        p = f"model.layers.{i}.self_attn"
+        indexer = Indexer(args, weights, f"{p}.indexer") if args.indexer_types[i] == "full" else None
+        return DSAttention(args, weights, p, rope, indexer, shared)
+
+    return mla.build_mla_model(args, weights, experts, attention, index_dim=args.index_head_dim)

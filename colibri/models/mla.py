@@ -1,0 +1,214 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3, Kimi-K2, GLM-5) with a KV cache that holds only
+the compressed latent, after transformers' DeepseekV3Attention.
+
+Per token and layer the cache keeps c = RMSNorm(kv_a(x))[:kv_lora_rank] and the shared rotary
+key k_rope (qk_rope_head_dim values) -- (512 + 64) * 4 = 2304 bytes in float32 for DeepSeek-V3,
+instead of H * (qk_head_dim + v_head_dim) expanded K/V values (128 * 320 * 4 = 160 KiB).
+kv_b_proj = [W_uk; W_uv] per head turns c back into k_nope and v. Decode (and any short run of
+new tokens) uses the absorbed form, which never expands the cache:
+
+    score(t) = (W_uk^T q_nope) . c_t + q_rope . k_rope_t      out = W_uv (sum_t p_t c_t)
+
+It costs ~2r multiply-adds per head, query and cached token; expanding the N cached latents costs
+r * (Dn + Dv) per head and cached token once per call, so a long prefill (2L >= Dn + Dv) expands,
+like transformers does.
+
+Shape letters: L tokens, N cached positions, H heads, r kv_lora_rank, R qk_rope_head_dim,
+Dn qk_nope_head_dim, Dv v_head_dim.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from colibri.errors import ColibriError
+from colibri.kernels.quant import dequantize
+from colibri.models import common
+from colibri.models.common import KVCache, linear, rms_norm, softmax
+from colibri.models.routing import GroupedMoEArgs, build_mlp
+
+
+@dataclass
+class MLAArgs(GroupedMoEArgs):
+    q_lora_rank: int | None = 1536
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
+    qk_nope_head_dim: int = 128
+    v_head_dim: int = 128
+    rope_interleave: bool | None = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        window = self.extra.get("sliding_window")
+        if window is not None or self.extra.get("use_sliding_window"):
+            raise ColibriError(f"config field sliding_window={window!r} is not implemented for MLA attention")
+        if self.qk_rope_head_dim % 2:
+            raise ColibriError(f"config field qk_rope_head_dim={self.qk_rope_head_dim} must be even")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def softmax_scale(self) -> float:
+        """qk_head_dim^-0.5, times mscale^2 under YaRN with mscale_all_dim (transformers' yarn_apply_mscale)."""
+        scale = self.qk_head_dim ** -0.5
+        p = self.rope_params()
+        if p["rope_type"] != "default" and p.get("mscale_all_dim"):
+            factor = p.get("factor") or 1.0
+            m = 1.0 if factor <= 1 else 0.1 * p["mscale_all_dim"] * math.log(factor) + 1.0
+            scale *= m * m
+        return scale
+
+
+class MLACache(KVCache):
+    """The compressed MLA cache. It is a KVCache with one "head" whose K row is the latent c
+    [r] and whose V row is k_rope [R] (plus, for DSA, the indexer key [Di]), so growing,
+    truncating and slot persistence (io/kv_store.py) work unchanged."""
+
+    def __init__(self, num_layers: int, kv_lora_rank: int, rope_dim: int, max_tokens: int, index_dim: int = 0):
+        super().__init__(num_layers, 1, kv_lora_rank, max_tokens, v_dim=rope_dim + index_dim)
+        self.rope_dim = rope_dim
+
+    def latent(self, layer: int) -> np.ndarray:
+        return self.k[layer][0]                       # [capacity, r]
+
+    def k_rope(self, layer: int) -> np.ndarray:
+        return self.v[layer][0, :, : self.rope_dim]   # [capacity, R]
+
+    def index_keys(self, layer: int) -> np.ndarray:
+        return self.v[layer][0, :, self.rope_dim :]   # [capacity, Di]
+
+
+def rope_interleaved(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x [L, H, R] with rotary pairs (x0, x1), (x2, x3)...; cos/sin [L, R]. Returns the rotated
+    pairs de-interleaved (evens then odds), as transformers' apply_rotary_pos_emb_interleave:
+    queries and keys get the same permutation, so their dot products are unchanged."""
+    half = x.shape[-1] // 2
+    c, s = cos[:, None, :half], sin[:, None, :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def masked_softmax(scores: np.ndarray, visible: np.ndarray) -> np.ndarray:
+    """scores [H, L, N], visible [L, N] bool -> probabilities (exactly 0 where not visible)."""
+    return softmax(np.where(visible[None], scores, np.float32(-np.inf))).astype(np.float32)
+
+
+def causal_mask(pos0: int, L: int, N: int) -> np.ndarray:
+    """[L, N]: query i (at position pos0 + i) sees keys 0 .. pos0 + i."""
+    return np.arange(N)[None, :] <= (pos0 + np.arange(L))[:, None]
+
+
+class MLAttention:
+    def __init__(self, args: MLAArgs, w, prefix: str, rope: common.Rope, interleave: bool):
+        self.h, self.r, self.rope_dim = args.num_attention_heads, args.kv_lora_rank, args.qk_rope_head_dim
+        self.dn, self.dv = args.qk_nope_head_dim, args.v_head_dim
+        self.interleave, self.rope = interleave, rope
+        self.scale = np.float32(args.softmax_scale())
+
+        def opt(name):
+            return w.tensor(name) if w.has(name) else None
+
+        if args.q_lora_rank:
+            self.q_a, self.q_a_bias = w.tensor(f"{prefix}.q_a_proj.weight"), opt(f"{prefix}.q_a_proj.bias")
+            self.q_a_norm, self.q_b = w.tensor(f"{prefix}.q_a_layernorm.weight"), w.tensor(f"{prefix}.q_b_proj.weight")
+        else:
+            self.q_a, self.q_b = None, w.tensor(f"{prefix}.q_proj.weight")
+        self.kv_a = w.tensor(f"{prefix}.kv_a_proj_with_mqa.weight")          # [r+R, D]
+        self.kv_a_bias = opt(f"{prefix}.kv_a_proj_with_mqa.bias")
+        self.kv_a_norm = w.tensor(f"{prefix}.kv_a_layernorm.weight")
+        self.kv_b = w.tensor(f"{prefix}.kv_b_proj.weight")                  # [H*(Dn+Dv), r]
+        self.o_proj, self.o_bias = w.tensor(f"{prefix}.o_proj.weight"), opt(f"{prefix}.o_proj.bias")
+        # Decode's absorbed form multiplies by W_uk^T and W_uv per head, which the row-major
+        # kernels cannot do on packed rows: keep kv_b dequantized once (the values the
+        # quantized weight stands for, so --bits 4 stays exact against its reference).
+        w_kv = dequantize(self.kv_b).reshape(self.h, self.dn + self.dv, self.r)  # [H, Dn+Dv, r]
+        self.w_uk = np.ascontiguousarray(w_kv[:, : self.dn])                 # [H, Dn, r]
+        self.w_uv_t = np.ascontiguousarray(w_kv[:, self.dn :].transpose(0, 2, 1))  # [H, r, Dv]
+
+    def _rotate(self, x: np.ndarray, cos, sin) -> np.ndarray:
+        if self.interleave:
+            return rope_interleaved(x, cos, sin)
+        return common.apply_rope(x, cos, sin, self.rope_dim)
+
+    # q_a_layernorm and kv_a_layernorm use RMSNorm's default eps (1e-6) in transformers, not
+    # rms_norm_eps.
+    def query(self, x: np.ndarray, cos, sin):
+        """-> (q_resid [L, q_lora_rank] or None, q_nope [L, H, Dn], q_rope [L, H, R])."""
+        L = x.shape[0]
+        q_resid = None
+        if self.q_a is not None:
+            q_resid = rms_norm(linear(x, self.q_a, self.q_a_bias), self.q_a_norm, 1e-6)
+            q = linear(q_resid, self.q_b)
+        else:
+            q = linear(x, self.q_b)
+        q = q.reshape(L, self.h, self.dn + self.rope_dim)
+        return q_resid, q[..., : self.dn], self._rotate(q[..., self.dn :], cos, sin)
+
+    def store_latent(self, x: np.ndarray, cache: MLACache, layer: int, pos0: int, cos, sin) -> None:
+        L = x.shape[0]
+        ckv = linear(x, self.kv_a, self.kv_a_bias)                          # [L, r+R]
+        cache.latent(layer)[pos0 : pos0 + L] = rms_norm(ckv[:, : self.r], self.kv_a_norm, 1e-6)
+        k_rope = self._rotate(ckv[:, None, self.r :], cos, sin)[:, 0]        # [L, R]
+        cache.k_rope(layer)[pos0 : pos0 + L] = k_rope
+
+    def __call__(self, x, cache: MLACache, layer: int, pos0: int, cos, sin) -> np.ndarray:
+        _, q_nope, q_rope = self.query(x, cos, sin)
+        self.store_latent(x, cache, layer, pos0, cos, sin)
+        return self.attend(q_nope, q_rope, cache, layer, pos0, causal_mask(pos0, x.shape[0], pos0 + x.shape[0]))
+
+    def attend(self, q_nope, q_rope, cache: MLACache, layer: int, pos0: int, visible: np.ndarray) -> np.ndarray:
+        """Attention of L queries over the N = pos0 + L cached positions where `visible` [L, N]."""
+        L = q_nope.shape[0]
+        N = pos0 + L
+        c = cache.latent(layer)[:N]                                          # [N, r]
+        k_rope = cache.k_rope(layer)[:N]                                      # [N, R]
+        rope_scores = np.matmul(q_rope.transpose(1, 0, 2), k_rope.T)          # [H, L, N]
+        if 2 * L < self.dn + self.dv:
+            out = self._absorbed(q_nope, c, rope_scores, visible)
+        else:
+            out = self._expanded(q_nope, c, rope_scores, visible)
+        return linear(np.ascontiguousarray(out), self.o_proj, self.o_bias)
+
+    def _absorbed(self, q_nope, c, rope_scores, visible) -> np.ndarray:
+        """Scores and outputs in latent space; the cache is never expanded (decode)."""
+        L = q_nope.shape[0]
+        q_lat = np.matmul(q_nope.transpose(1, 0, 2), self.w_uk)              # [H, L, r]
+        scores = (np.matmul(q_lat, c.T) + rope_scores) * self.scale           # [H, L, N]
+        o_lat = np.matmul(masked_softmax(scores, visible), c)                 # [H, L, r]
+        out = np.matmul(o_lat, self.w_uv_t)                                   # [H, L, Dv]
+        return out.transpose(1, 0, 2).reshape(L, self.h * self.dv)
+
+    def _expanded(self, q_nope, c, rope_scores, visible) -> np.ndarray:
+        """Expand every cached latent to per-head k_nope and v, as transformers does (long prefill)."""
+        L, N = q_nope.shape[0], c.shape[0]
+        kv = linear(np.ascontiguousarray(c), self.kv_b).reshape(N, self.h, self.dn + self.dv)
+        k_nope = kv[..., : self.dn].transpose(1, 2, 0)                        # [H, Dn, N]
+        v = kv[..., self.dn :].transpose(1, 0, 2)                             # [H, N, Dv]
+        scores = (np.matmul(q_nope.transpose(1, 0, 2), k_nope) + rope_scores) * self.scale  # [H, L, N]
+        out = np.matmul(masked_softmax(scores, visible), v)                   # [H, L, Dv]
+        return out.transpose(1, 0, 2).reshape(L, self.h * self.dv)
+
+
+class MLAModel(common.DecoderModel):
+    """DecoderModel whose cache is the compressed MLACache (index_dim > 0 adds DSA indexer keys)."""
+
+    def __init__(self, args: MLAArgs, w, layers: list, rope: common.Rope, index_dim: int = 0):
+        super().__init__(args, w, layers, rope)
+        self.index_dim = index_dim
+
+    def new_cache(self, max_tokens: int) -> MLACache:
+        a = self.args
+        return MLACache(len(self.layers), a.kv_lora_rank, a.qk_rope_head_dim, max_tokens, self.index_dim)
+
+
+def build_mla_model(args: MLAArgs, w, experts, make_attention, index_dim: int = 0) -> MLAModel:
+    """Decoder layers 0 .. num_hidden_layers-1; MTP layers after them stay unused in the container."""
+    rope = common.build_rope(args, head_dim=args.qk_rope_head_dim)
+    layers = []
+    for i in range(args.num_hidden_layers):
+        attn = make_attention(i, rope)
+        layers.append(common.DecoderLayer(args, attn, build_mlp(args, w, experts, i), f"model.layers.{i}", w))
+    return MLAModel(args, w, layers, rope, index_dim)
