@@ -19,7 +19,6 @@ import json
 import os
 import platform
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -146,6 +145,7 @@ def main() -> None:
         return
 
     from memlimit import drop_caches, run_limited, why_unavailable
+
     from colibri.io.container import Container
 
     reason = why_unavailable()

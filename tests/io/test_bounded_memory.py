@@ -3,11 +3,9 @@ smaller than the model holds the process; it decodes without being killed and it
 stays within dense + expert budget + a stated overhead."""
 import json
 import sys
-from pathlib import Path
-
-import pytest
 
 import memlimit
+import pytest
 import synthetic_moe
 
 MiB = 1 << 20
