@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from colibri.errors import ColibriError
-from colibri.io.safetensors_io import ALIGN, SafetensorsFile, write_safetensors
+from colibri.io.safetensors_io import ALIGN, SafetensorsFile, safetensors_header
 from colibri.kernels.quant import QTensor
 
 MANIFEST = "colibri.json"
@@ -142,8 +144,9 @@ class Container:
 
 
 class ContainerWriter:
-    """Builds a container directory; `finish` writes the manifest last, so a directory with a
-    manifest is always complete."""
+    """Builds a container directory in bounded memory: each routed expert is written into its
+    layer's file as soon as it is complete, dense tensors are spooled to disk as they come, and
+    `finish` writes the manifest last, so a directory with a manifest is always complete."""
 
     def __init__(self, out_dir: str | os.PathLike, bits: int, source: str):
         self.dir = Path(out_dir)
@@ -151,39 +154,67 @@ class ContainerWriter:
         self.bits = bits
         self.source = source
         self.tensors: dict[str, dict] = {}
-        self.dense_arrays: list[tuple[str, np.ndarray]] = []
         self.experts: dict[str, dict] = {}
+        # Dense arrays are spooled into one scratch file per element size; `finish` lays them
+        # out largest element first, which keeps every array aligned to its own element size.
+        self._spool: dict[int, tuple] = {}           # itemsize -> (file, [(name, dtype, shape)])
+        self._expert_files: dict[str, tuple] = {}    # prefix -> (fd, absolute offset of each expert)
+        self._written: dict[str, set[int]] = {}
 
     def add_dense(self, name: str, t: QTensor | np.ndarray) -> None:
         if isinstance(t, QTensor):
             self.tensors[name] = {"scheme": t.scheme, "shape": list(t.shape)}
-            for part, arr in t.parts().items():
-                self.dense_arrays.append((f"{name}.{part}", arr))
+            parts = t.parts()
         else:
             arr = np.ascontiguousarray(t, dtype=np.float32)
             self.tensors[name] = {"scheme": "f32", "shape": list(arr.shape)}
-            self.dense_arrays.append((f"{name}.q", arr))
+            parts = {"q": arr}
+        for part, arr in parts.items():
+            arr = np.ascontiguousarray(arr)
+            size = arr.dtype.itemsize
+            if size not in self._spool:
+                self._spool[size] = (tempfile.TemporaryFile(dir=self.dir), [])
+            f, entries = self._spool[size]
+            f.write(memoryview(arr).cast("B"))
+            entries.append((f"{name}.{part}", arr.dtype, arr.shape))
+
+    def add_expert(self, prefix: str, layer: int, expert: int, num_experts: int,
+                   projections: dict[str, QTensor]) -> None:
+        """One routed expert, written at its final place in the layer's file right away."""
+        blob, spec = pack_expert(projections)
+        if prefix not in self._expert_files:
+            fname = f"experts-{layer:03d}.safetensors"
+            names = [f"{prefix}.experts.{e}" for e in range(num_experts)]
+            head, offsets = safetensors_header([(n, np.uint8, (blob.size,)) for n in names])
+            fd = os.open(self.dir / fname, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.pwrite(fd, head, 0)
+            os.ftruncate(fd, len(head) + num_experts * blob.size)
+            self._expert_files[prefix] = (fd, [offsets[n] for n in names])
+            self._written[prefix] = set()
+            self.experts[prefix] = {"file": fname, "num_experts": num_experts, "blob_bytes": int(blob.size),
+                                    "projections": spec}
+        elif spec != self.experts[prefix]["projections"]:
+            raise ColibriError(f"{prefix}: expert {expert} has a different shape or scheme from the others")
+        if not 0 <= expert < num_experts:
+            raise ColibriError(f"{prefix}: expert index {expert} is outside 0..{num_experts - 1}")
+        fd, offsets = self._expert_files[prefix]
+        os.pwrite(fd, memoryview(blob), offsets[expert])
+        self._written[prefix].add(expert)
 
     def add_expert_layer(self, prefix: str, layer: int, experts: list[dict[str, QTensor]]) -> None:
-        """All routed experts of one MoE block, written to their own file at once."""
-        blobs = []
-        spec0 = None
+        """All routed experts of one MoE block at once."""
         for e, projections in enumerate(experts):
-            blob, spec = pack_expert(projections)
-            if spec0 is None:
-                spec0 = spec
-            elif spec != spec0:
-                raise ColibriError(f"{prefix}: expert {e} has a different shape or scheme from expert 0")
-            blobs.append((f"{prefix}.experts.{e}", blob))
-        fname = f"experts-{layer:03d}.safetensors"
-        write_safetensors(self.dir / fname, blobs)
-        self.experts[prefix] = {"file": fname, "num_experts": len(experts),
-                                "blob_bytes": int(blobs[0][1].size), "projections": spec0}
+            self.add_expert(prefix, layer, e, len(experts), projections)
 
     def finish(self, config: dict, extra_files: dict[str, str] | None = None) -> None:
-        # Largest element size first keeps every array aligned to its own element size.
-        self.dense_arrays.sort(key=lambda kv: -kv[1].dtype.itemsize)
-        write_safetensors(self.dir / DENSE_FILE, self.dense_arrays, {"format": "colibri"})
+        for prefix, (fd, _) in self._expert_files.items():
+            missing = self.experts[prefix]["num_experts"] - len(self._written[prefix])
+            if missing:
+                raise ColibriError(f"{prefix}: {missing} routed experts never appeared in the checkpoint")
+            os.fsync(fd)
+            os.close(fd)
+        self._expert_files.clear()
+        self._write_dense()
         (self.dir / "config.json").write_text(json.dumps(config, indent=2))
         for fname, text in (extra_files or {}).items():
             (self.dir / fname).write_text(text)
@@ -193,3 +224,20 @@ class ContainerWriter:
         tmp = self.dir / (MANIFEST + ".tmp")
         tmp.write_text(json.dumps(manifest, indent=1))
         os.replace(tmp, self.dir / MANIFEST)
+
+    def _write_dense(self) -> None:
+        sizes = sorted(self._spool, reverse=True)
+        entries = [e for size in sizes for e in self._spool[size][1]]
+        head, _ = safetensors_header(entries, {"format": "colibri"})
+        tmp = self.dir / (DENSE_FILE + ".tmp")
+        with open(tmp, "wb") as out:
+            out.write(head)
+            for size in sizes:
+                f = self._spool[size][0]
+                f.seek(0)
+                shutil.copyfileobj(f, out, 16 << 20)
+                f.close()
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, self.dir / DENSE_FILE)
+        self._spool.clear()

@@ -123,10 +123,15 @@ def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
     pending: dict[str, dict[int, dict[str, QTensor]]] = defaultdict(lambda: defaultdict(dict))
 
     def add_expert(prefix: str, e: int, proj: str, w: np.ndarray) -> None:
+        # An expert is written as soon as its three matrices are in: memory holds only the
+        # experts whose matrices straddle shards, never a whole layer.
         pending[prefix][e][proj] = quantize(w, scheme_for(f"{prefix}.{proj}", w.shape, bits))
-        layer = pending[prefix]
-        if n_experts and len(layer) == n_experts and all(len(p) == 3 for p in layer.values()):
-            _flush_layer(writer, prefix, pending.pop(prefix))
+        if len(pending[prefix][e]) == len(EXPERT_PROJECTIONS):
+            if not n_experts:
+                raise ColibriError(f"{prefix}: routed experts found but config.json names no expert count "
+                                   "(num_local_experts / num_experts / n_routed_experts)")
+            m = _LAYER.search(prefix + ".")
+            writer.add_expert(prefix, int(m.group(1)) if m else 0, e, n_experts, pending[prefix].pop(e))
 
     with _progress(progress) as bar:
         task = bar.add_task(f"converting {src.name} (--bits {bits})", total=len(names))
@@ -145,17 +150,11 @@ def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
             else:
                 writer.add_dense(name, quantize(w, scheme_for(name, w.shape, bits)) if w.ndim == 2 else w)
             bar.advance(task)
-    for prefix, layer in pending.items():
-        _flush_layer(writer, prefix, layer)
+    incomplete = {p: sorted(layer) for p, layer in pending.items() if layer}
+    if incomplete:
+        prefix, ids = next(iter(incomplete.items()))
+        raise ColibriError(f"{prefix}: experts {ids[:5]} are missing gate, up or down matrices in the checkpoint")
     writer.finish(fp8.dequantized_config(config), _tokenizer_files(src))
-
-
-def _flush_layer(writer: ContainerWriter, prefix: str, layer: dict[int, dict[str, QTensor]]) -> None:
-    ids = sorted(layer)
-    if ids != list(range(len(ids))) or any(set(layer[e]) != set(EXPERT_PROJECTIONS) for e in ids):
-        raise ColibriError(f"{prefix}: incomplete experts in the checkpoint (found {len(ids)} experts)")
-    m = _LAYER.search(prefix + ".")
-    writer.add_expert_layer(prefix, int(m.group(1)) if m else len(writer.experts), [layer[e] for e in ids])
 
 
 def _tokenizer_files(src: Path) -> dict[str, str]:

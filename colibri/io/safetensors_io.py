@@ -105,6 +105,29 @@ class SafetensorsFile:
         return a.astype(np.float32)
 
 
+def safetensors_header(entries: list[tuple[str, np.dtype, tuple[int, ...]]],
+                       metadata: dict[str, str] | None = None) -> tuple[bytes, dict[str, int]]:
+    """The header (length prefix included, padded so the data starts 4096-aligned) for tensors
+    stored back to back in `entries` order; also each tensor's absolute byte offset."""
+    header: dict = {}
+    if metadata:
+        header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
+    pos = 0
+    rel = {}
+    for name, dtype, shape in entries:
+        st = _NUMPY_TO_ST.get(np.dtype(dtype))
+        if st is None:
+            raise ValueError(f"cannot store dtype {dtype} for {name}")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        header[name] = {"dtype": st, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        rel[name] = pos
+        pos += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * ((-(8 + len(blob))) % ALIGN)  # safetensors allows trailing spaces in the header
+    head = struct.pack("<Q", len(blob)) + blob
+    return head, {name: len(head) + off for name, off in rel.items()}
+
+
 def write_safetensors(path: str | os.PathLike, tensors: list[tuple[str, np.ndarray]],
                       metadata: dict[str, str] | None = None) -> dict[str, int]:
     """Write tensors in the given order; the data section starts 4096-aligned.
@@ -113,29 +136,13 @@ def write_safetensors(path: str | os.PathLike, tensors: list[tuple[str, np.ndarr
     4096. Returns each tensor's absolute byte offset. Written to a temporary name, fsynced and
     renamed, so a crash never leaves a half-written file under the real name.
     """
-    header: dict = {}
-    if metadata:
-        header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
-    pos = 0
-    for name, arr in tensors:
-        dtype = _NUMPY_TO_ST.get(arr.dtype)
-        if dtype is None:
-            raise ValueError(f"cannot store dtype {arr.dtype} for {name}")
-        header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [pos, pos + arr.nbytes]}
-        pos += arr.nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    pad = (-(8 + len(blob))) % ALIGN
-    blob += b" " * pad  # safetensors allows trailing spaces in the header
-    data_start = 8 + len(blob)
+    head, offsets = safetensors_header([(n, a.dtype, a.shape) for n, a in tensors], metadata)
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    offsets = {}
     with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for name, arr in tensors:
-            offsets[name] = data_start + header[name]["data_offsets"][0]
-            f.write(np.ascontiguousarray(arr).tobytes())
+        f.write(head)
+        for _, arr in tensors:
+            f.write(memoryview(np.ascontiguousarray(arr)).cast("B"))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
