@@ -50,7 +50,7 @@ def child_colibri(a) -> dict:
     e = Engine.load(a.model, ram_gb=a.ram_gb, stream_experts=True, expert_io=a.expert_io,
                     prefetch=not a.no_prefetch, hot_set=not a.no_hot_set, max_context=a.tokens + 16)
     load_s = time.perf_counter() - t0
-    seq = token_sequence(a.tokens)
+    seq = token_sequence(a.tokens, a.seq_seed)
     r0 = proc_read_bytes()
     times = e.feed(seq)
     r1 = proc_read_bytes()
@@ -81,7 +81,7 @@ def child_llama(a, repack: bool) -> dict:
     llm = Llama(model_path=str(a.gguf), n_ctx=a.tokens + 16, n_threads=a.threads, n_batch=64,
                 use_mmap=True, verbose=False)
     load_s = time.perf_counter() - t0
-    seq = token_sequence(a.tokens)
+    seq = token_sequence(a.tokens, a.seq_seed)
     r0 = proc_read_bytes()
     times = []
     for tok in seq:
@@ -136,6 +136,8 @@ def main() -> None:
     ap.add_argument("--no-hot-set", action="store_true")
     ap.add_argument("--llama-python", default=None, help="python with llama_cpp installed (peer venv)")
     ap.add_argument("--states", default="cold,warm")
+    ap.add_argument("--ab", action="store_true", help="colibri only: prefetch and hot set each on/off")
+    ap.add_argument("--seq-seed", type=int, default=0, help="seed of the forced token sequence")
     ap.add_argument("--child", choices=["colibri", "llama", "llama-mmap"])
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
@@ -161,29 +163,41 @@ def main() -> None:
     common = ["--model", str(a.model), "--tokens", str(a.tokens), "--skip", str(a.skip),
               "--threads", str(a.threads), "--expert-io", a.expert_io, "--ram-gb", str(ram_gb)]
     common += ["--no-prefetch"] * a.no_prefetch + ["--no-hot-set"] * a.no_hot_set
-    engines = [("colibri", sys.executable)]
-    if a.gguf and a.llama_python:
-        engines += [("llama", a.llama_python), ("llama-mmap", a.llama_python)]
+    common += ["--seq-seed", str(a.seq_seed)]
+    # (label, child kind, python, extra args)
+    engines = [("colibri", "colibri", sys.executable, [])]
+    if a.ab:  # placement A/B: each policy switched off alone, then both
+        engines = [("colibri", "colibri", sys.executable, []),
+                   ("colibri no-prefetch", "colibri", sys.executable, ["--no-prefetch"]),
+                   ("colibri no-hot-set", "colibri", sys.executable, ["--no-hot-set"]),
+                   ("colibri neither", "colibri", sys.executable, ["--no-prefetch", "--no-hot-set"])]
+    elif a.gguf and a.llama_python:
+        engines += [("llama.cpp", "llama", a.llama_python, []),
+                    ("llama.cpp mmap-only", "llama-mmap", a.llama_python, [])]
         common += ["--gguf", str(a.gguf)]
     rows = []
     for rep in range(a.repeats):
         for state in a.states.split(","):
-            for name, py in engines:  # interleaved: A B A B
+            for label, kind, py, extra in engines:  # interleaved: A B A B
                 if state == "cold":
                     drop_caches()
-                r = run_limited([py, __file__, "--child", name, *common], int(a.limit_gb * (1 << 30)), env=env)
+                r = run_limited([py, __file__, "--child", kind, *common, *extra], int(a.limit_gb * (1 << 30)),
+                                env=env)
                 if r.returncode != 0:
-                    rows.append({"engine": {"llama": "llama.cpp", "llama-mmap": "llama.cpp mmap-only"}.get(name, name),
-                                 "state": state, "error": (r.stderr.strip().splitlines() or ["?"])[-1],
-                                 "oom": r.oom_killed})
+                    rows.append({"engine": label, "state": state, "oom": r.oom_killed,
+                                 "error": (r.stderr.strip().splitlines() or ["?"])[-1]})
                     continue
                 row = json.loads(r.stdout.strip().splitlines()[-1])
-                row.update(state=state, group_peak=r.max_usage_bytes, repeat=rep)
+                row.update(engine=label, state=state, group_peak=r.max_usage_bytes, repeat=rep)
                 rows.append(row)
     report = {"machine": {"cores": os.cpu_count(), "cpu": platform.processor() or platform.machine()},
               "model": str(a.model), "dense_bytes": c.dense_bytes, "expert_bytes": c.expert_bytes,
               "routed_bytes_per_token": per_tok_expert, "disk_bw": bw, "limit_gb": a.limit_gb,
               "colibri_ram_gb": ram_gb, "tokens": a.tokens, "rows": rows}
+    summary = {}
+    for r in rows:
+        if "error" not in r:
+            summary.setdefault((r["engine"], r["state"]), []).append(r["tok_s"])
     if a.json:
         print(json.dumps(report, indent=1))
         return
@@ -202,6 +216,11 @@ def main() -> None:
         wait = "-" if r["wait_share"] is None else f"{r['wait_share']:.2f}"
         print(f"{r['engine']:19} {r['state']:5} {r['tok_s']:7.2f} {hit:>5} {missed / 1e9:7.3f} {limit:11.2f} "
               f"{100 * r['tok_s'] / limit:6.0f}% {wait:>5} {r['peak_rss'] / 2**30:7.2f}")
+    if a.repeats > 1:
+        import statistics
+
+        print("medians over repeats: " + "; ".join(f"{e} {s_}: {statistics.median(v):.2f} tok/s"
+                                                   for (e, s_), v in summary.items()))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,272 @@
+"""The scheduler: one thread owns the Engine (which is not thread-safe) and runs one generation
+at a time from a bounded FIFO queue; each token is handed to the asyncio side as it is made
+(loop.call_soon_threadsafe), as llama.cpp's server hands results from its slot loop to its HTTP
+threads. Admission (queue full, draining) is decided here, before any response header exists.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from colibri.engine import Engine, Generation
+from colibri.errors import ColibriError
+
+log = logging.getLogger("colibri.serve")
+
+
+class Rejected(Exception):
+    """Not admitted: 429 (queue full) or 503 (shutting down), with a Retry-After in seconds."""
+
+    def __init__(self, status: int, reason: str, message: str, retry_after: int):
+        super().__init__(message)
+        self.status, self.reason, self.message, self.retry_after = status, reason, message, retry_after
+
+
+@dataclass
+class Started:
+    queue_wait_s: float
+    slot: int
+    reused: int  # prompt tokens the slot already holds (not prefilled)
+
+
+@dataclass
+class Finished:
+    generation: Generation
+
+
+@dataclass
+class Failed:
+    error: Exception
+
+
+@dataclass
+class Job:
+    """One generation request. `events` receives Started, then TokenEvents, then Finished or Failed."""
+
+    ids: list[int]
+    options: dict                 # engine.stream keywords: max_tokens, temperature, stop, logprobs...
+    loop: asyncio.AbstractEventLoop
+    slot: int | None = None       # None: the slot with the longest common prefix, else the LRU one
+    request_id: str = ""
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    enqueued: float = field(default_factory=time.monotonic)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+@dataclass
+class Stats:
+    """What /health and /metrics report; written under the scheduler's lock."""
+
+    admitted: int = 0
+    completed: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    rejected_queue_full: int = 0
+    rejected_queue_timeout: int = 0
+    rejected_draining: int = 0
+    prompt_tokens: int = 0
+    prompt_tokens_reused: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def rejected(self) -> int:
+        return self.rejected_queue_full + self.rejected_queue_timeout + self.rejected_draining
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, max_queue: int = 8, state_dir: Path | None = None, metrics=None):
+        self.engine = engine
+        self.max_queue = max_queue
+        self.state_dir = state_dir
+        self.metrics = metrics
+        self.stats = Stats()
+        self.draining = False
+        self.active: Job | None = None
+        self._waiting: deque[Job] = deque()
+        self._cv = threading.Condition()
+        self._stopped = False
+        self._turn_s = 1.0  # moving average of a generation's length, for Retry-After
+        self._thread = threading.Thread(target=self._run, name="colibri-scheduler", daemon=True)
+
+    # ------------------------------------------------------------------ asyncio side
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self._cv:
+            if self.draining:
+                self.stats.rejected_draining += 1
+                raise Rejected(503, "draining", "the server is shutting down; retry on another instance or later",
+                               self._retry_after())
+            # max_queue counts requests waiting behind a running one; an idle scheduler takes one more
+            if len(self._waiting) >= self.max_queue + (self.active is None):
+                self.stats.rejected_queue_full += 1
+                raise Rejected(429, "queue_full", f"the server is busy: {len(self._waiting)} requests are already "
+                               "waiting; retry later", self._retry_after())
+            self._waiting.append(job)
+            self.stats.admitted += 1
+            self._cv.notify_all()
+
+    def withdraw(self, job: Job, timed_out: bool = False) -> bool:
+        """Take a job out of the queue before its turn (its wait timed out, or its client left).
+        False when it has already started."""
+        with self._cv:
+            try:
+                self._waiting.remove(job)
+            except ValueError:
+                return False
+            if timed_out:  # the client hears 429: it was never admitted after all
+                self.stats.admitted -= 1
+                self.stats.rejected_queue_timeout += 1
+            else:
+                self.stats.cancelled += 1
+            return True
+
+    def retry_after(self) -> int:
+        with self._cv:
+            return self._retry_after()
+
+    def _retry_after(self) -> int:
+        return max(1, min(60, round(self._turn_s * (len(self._waiting) + 1))))
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiting)
+
+    def begin_drain(self) -> None:
+        with self._cv:
+            self.draining = True
+
+    def idle(self) -> bool:
+        with self._cv:
+            return self.active is None and not self._waiting
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with self._cv:
+            self._stopped = True
+            if self.active is not None:
+                self.active.cancel()
+            for job in self._waiting:
+                job.cancel()
+            self._cv.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ scheduler thread
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._waiting and not self._stopped:
+                    self._cv.wait()
+                if self._stopped:
+                    return
+                job = self._waiting.popleft()
+                self.active = job
+            t0 = time.monotonic()
+            try:
+                self._serve(job)
+            except Exception:  # never let one request take the scheduler down
+                log.exception("scheduler: request %s failed", job.request_id)
+            finally:
+                with self._cv:
+                    self.active = None
+                    self._turn_s = 0.8 * self._turn_s + 0.2 * (time.monotonic() - t0)
+                    self._cv.notify_all()
+
+    def _serve(self, job: Job) -> None:
+        if job.cancelled.is_set():  # the client left while it waited
+            with self._cv:
+                self.stats.cancelled += 1
+            return
+        engine = self.engine
+        wait = time.monotonic() - job.enqueued
+        slot = job.slot if job.slot is not None else engine.pick_slot(job.ids)
+        reused = min(_common_prefix(engine.slots[slot].ids, job.ids), len(job.ids) - 1)
+        if self.metrics:
+            self.metrics.queue_wait.observe(wait)
+        self._emit(job, Started(wait, slot, reused))
+        outcome, result = "completed", None
+        stream = engine.stream(job.ids, slot=slot, **job.options)
+        try:
+            for ev in stream:
+                if job.cancelled.is_set():
+                    outcome = "cancelled"
+                    break
+                self._emit(job, ev)
+            else:
+                result = engine.last
+        except ColibriError as e:
+            outcome, result = "failed", e
+        except Exception as e:
+            log.exception("generation failed (request %s)", job.request_id)
+            outcome, result = "failed", e
+        finally:
+            stream.close()  # a cancelled stream leaves the slot holding exactly what was computed
+        self._persist(slot)  # every turn end, before the client hears it is done
+        with self._cv:
+            if outcome == "completed":
+                self.stats.completed += 1
+                self.stats.prompt_tokens += result.prompt_tokens
+                self.stats.prompt_tokens_reused += result.prompt_tokens_reused
+                self.stats.completion_tokens += result.completion_tokens
+            elif outcome == "cancelled":
+                self.stats.cancelled += 1
+            else:
+                self.stats.failed += 1
+        if outcome == "completed":
+            if self.metrics:
+                self.metrics.observe_generation(result)
+            self._emit(job, Finished(result))
+        elif outcome == "failed":
+            self._emit(job, Failed(result))
+
+    def _emit(self, job: Job, item) -> None:
+        try:
+            job.loop.call_soon_threadsafe(job.events.put_nowait, item)
+        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+            job.cancel()
+
+    def _persist(self, slot: int) -> None:
+        if self.state_dir is None:
+            return
+        try:
+            self.engine.save_slot(slot, slot_path(self.state_dir, slot))
+        except Exception:
+            log.exception("could not save KV slot %d to %s", slot, self.state_dir)
+
+    # ------------------------------------------------------------------ start-up
+    def restore(self) -> list[int]:
+        """Load every slot saved in the state directory; returns the tokens each now holds.
+        A damaged or foreign file is reported and that slot starts empty."""
+        held = []
+        for i in range(len(self.engine.slots)):
+            path = slot_path(self.state_dir, i) if self.state_dir else None
+            n = 0
+            if path is not None and path.exists():
+                try:
+                    n = self.engine.load_slot(i, path)
+                except ColibriError as e:
+                    log.warning("KV slot %d starts empty: %s", i, e)
+            held.append(n)
+        return held
+
+
+def slot_path(state_dir: Path, slot: int) -> Path:
+    return Path(state_dir) / f"slot-{slot}.npz"
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

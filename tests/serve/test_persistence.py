@@ -1,0 +1,97 @@
+"""KV slots persist at every turn end, crash-safely: a server killed with SIGKILL during a turn
+leaves the previous complete slot file (or the new one, never a torn one), and after a restart
+the conversation continues without re-prefilling, with the tokens a cold run gives."""
+from __future__ import annotations
+
+import hashlib
+import threading
+
+import httpx
+import numpy as np
+
+MODEL_ID = "smollm2"  # the --model-id tests/serve/conftest.py starts servers with
+
+
+def _common_prefix(a, b):
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _chat(url, messages, max_tokens, slot=0):
+    r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+        "model": MODEL_ID, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "cache_slot": slot})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _ids(path) -> list[int]:
+    with np.load(path) as z:  # a torn file fails here
+        assert {"ids", "version", "model_id", "k0", "v0"} <= set(z.files)
+        assert z["k0"].shape[1] == len(z["ids"])
+        return z["ids"].tolist()
+
+
+def test_sigkill_mid_turn_then_restart_continues_without_prefill(start_server, tmp_path, tokenizer,
+                                                                  smollm2_container):
+    from colibri.engine import Engine
+
+    state = tmp_path / "state"
+    srv = start_server("--kv-slots", "2", state_dir=state)
+    turn1 = [{"role": "user", "content": "Name a fruit."}]
+    answer = _chat(srv.url, turn1, 6)["choices"][0]["message"]["content"]
+    slot_file = state / "slot-0.npz"
+    held1 = _ids(slot_file)  # saved at the turn's end, before the response
+    assert len(held1) == srv.health()["kv_slots"][0] > 0
+    digest1 = hashlib.sha256(slot_file.read_bytes()).hexdigest()
+
+    turn2 = turn1 + [{"role": "assistant", "content": answer},
+                     {"role": "user", "content": "Now count from one to fifty in words."}]
+    got_tokens = threading.Event()
+
+    def stream_turn2():
+        try:
+            with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=120, json={
+                    "model": MODEL_ID, "messages": turn2, "max_tokens": 200, "temperature": 0, "cache_slot": 0,
+                    "stream": True}) as r:
+                for n, _ in enumerate(r.iter_lines()):
+                    if n >= 6:
+                        got_tokens.set()
+        except httpx.HTTPError:
+            pass  # the server died under it
+
+    t = threading.Thread(target=stream_turn2, daemon=True)
+    t.start()
+    assert got_tokens.wait(60)
+    srv.kill()  # SIGKILL, mid-turn
+    t.join(30)
+
+    held = _ids(slot_file)
+    ids2 = tokenizer.encode_chat(turn2)
+    if hashlib.sha256(slot_file.read_bytes()).hexdigest() != digest1:
+        assert held[:len(ids2)] == ids2  # the new complete state, never a mix
+    else:
+        assert held == held1
+
+    srv2 = start_server("--kv-slots", "2", state_dir=state)
+    assert srv2.health()["kv_slots"] == [len(held), 0]  # restored at start
+    r = _chat(srv2.url, turn2, 6)
+    expected = min(_common_prefix(held, ids2), len(ids2) - 1)
+    assert r["usage"]["prompt_tokens"] == len(ids2)
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == expected >= len(tokenizer.encode_chat(turn1))
+    cold = Engine.load(smollm2_container).generate(ids2, max_tokens=6)
+    assert r["choices"][0]["message"]["content"] == cold.text
+
+
+def test_a_damaged_slot_file_starts_that_slot_empty(start_server, tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "slot-1.npz").write_bytes(b"PK\x03\x04 torn")
+    srv = start_server("--kv-slots", "2", state_dir=state)
+    assert srv.health()["kv_slots"] == [0, 0]
+    assert _chat(srv.url, [{"role": "user", "content": "Hi"}], 2, slot=1)["choices"][0]["message"]["content"]
+    assert len(_ids(state / "slot-1.npz")) > 0  # rewritten whole at the turn's end
+    assert "slot 1 starts empty" in srv.log()
