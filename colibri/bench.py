@@ -62,7 +62,7 @@ def run_bench(model_dir=None, tokens: int = 32, prompt_tokens: int = 256, **engi
     t0 = time.perf_counter()
     engine = Engine.load(model_dir, max_context=prompt_tokens + tokens + 8, **engine_options)
     load_s = time.perf_counter() - t0
-    vocab = engine.model.args.vocab_size
+    vocab = engine.vocab_size
     seq = rng.integers(min(100, vocab - 1), vocab, size=tokens).tolist()
     prompt = rng.integers(min(100, vocab - 1), vocab, size=prompt_tokens).tolist()
     cold = _measure(engine, seq, prompt)

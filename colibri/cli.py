@@ -35,6 +35,7 @@ def run(
                                            "experts); default: planned from available memory."),
     expert_io: str = typer.Option("pread", "--expert-io", help="How missed experts are read: pread, direct, mmap."),
     prefetch: bool = typer.Option(True, "--prefetch/--no-prefetch", help="Prefetch the next layer's experts."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Kernel threads (default: all cores)."),
     auto_tier: bool = typer.Option(False, "--auto-tier", help="Apply `colibri plan` (its RAM budget) where "
                                    "--ram-gb is not given."),
     stats: bool = typer.Option(False, "--stats", help="Print speed figures to stderr at the end."),
@@ -49,7 +50,7 @@ def run(
 
         ram_gb = engine_options(model, None, True).get("ram_gb")
     engine = Engine.load(model, progress=True, max_context=max_context, ram_gb=ram_gb, expert_io=expert_io,
-                         prefetch=prefetch)
+                         prefetch=prefetch, threads=threads)
     for ev in engine.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, seed=seed, raw=raw, system=system):
         sys.stdout.write(ev.text)
@@ -216,6 +217,7 @@ def bench(
     prefetch: bool = typer.Option(True, "--prefetch/--no-prefetch"),
     hot_set: bool = typer.Option(True, "--hot-set/--no-hot-set"),
     tokens: int = typer.Option(32, "--tokens", help="Forced tokens decoded per run."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Kernel threads (default: all cores)."),
     auto_tier: bool = typer.Option(False, "--auto-tier", help="Apply `colibri plan` where --ram-gb is not given."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ):
@@ -231,7 +233,7 @@ def bench(
 
         ram_gb = engine_options(model, None, True).get("ram_gb")
     report = run_bench(model, tokens=tokens, ram_gb=ram_gb, expert_io=expert_io, prefetch=prefetch,
-                       hot_set=hot_set)
+                       hot_set=hot_set, threads=threads)
     if as_json:
         print(json.dumps(report, indent=1))
     else:

@@ -34,6 +34,7 @@ class EngineConfig:
     prefetch: bool = True           # read the next layer's predicted experts ahead
     hot_set: bool = True            # pin each layer's historically hottest experts
     read_threads: int = 2           # readahead threads
+    threads: int | None = None      # kernel threads (default: all cores; 1 when cores are busy elsewhere)
 
 
 DEFAULT_MAX_CONTEXT = 8192
@@ -115,6 +116,10 @@ class Engine:
         if unknown:
             raise TypeError(f"unknown Engine option(s): {', '.join(sorted(unknown))}")
         config = EngineConfig(**{k: v for k, v in options.items() if v is not None})
+        if config.threads is not None:
+            from colibri.kernels import set_threads
+
+            set_threads(config.threads)
         container = Container(model_dir)
         module = family(container.config.get("model_type"))
         experts = open_experts(container, config)
@@ -134,6 +139,10 @@ class Engine:
         return self.container.dir.name
 
     @property
+    def vocab_size(self) -> int:
+        return self.model.args.vocab_size
+
+    @property
     def cache(self):
         """Slot 0's KV cache (single-conversation callers)."""
         return self.slots[0].cache
@@ -144,7 +153,7 @@ class Engine:
         """str -> chat template (unless raw) -> ids; list[dict] -> messages; list[int] -> as is."""
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
             ids = [int(t) for t in prompt]
-            vocab = self.model.args.vocab_size
+            vocab = self.vocab_size
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise ColibriError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")

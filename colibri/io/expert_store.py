@@ -239,7 +239,7 @@ class ExpertStore:
         submit_staged(len(self._staging))
         done_staged = 0
         for i, (e, buf, fut, hit) in enumerate(plan):
-            if i in staged_futs or (buf is None):
+            if buf is None:  # staged: its read was submitted by submit_staged
                 fut = staged_futs[i]
             if hit and (fut is None or fut.done()):
                 self.stats.hits += 1

@@ -565,6 +565,15 @@ def _embed_u16(w, is_bf16, ids, y):
 
 
 def _check_tensor(t: QTensor) -> None:
+    # A tensor is checked once: the engine calls the kernels ~100 times per token on the same
+    # weights, and QTensor arrays are not swapped after construction.
+    if t.__dict__.get("_checked"):
+        return
+    _check_tensor_once(t)
+    t.__dict__["_checked"] = True
+
+
+def _check_tensor_once(t: QTensor) -> None:
     if t.scheme not in SCHEMES:
         raise ValueError(f"unknown quantization scheme {t.scheme!r}; known: {', '.join(SCHEMES)}")
     out, n = t.shape

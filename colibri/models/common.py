@@ -390,7 +390,8 @@ def run_experts(x: np.ndarray, weights: np.ndarray, ids: np.ndarray, experts, pr
     """Sum of routed expert outputs. Tokens are grouped by expert, so in prefill every selected
     expert is fetched once and applied to all its tokens as one matrix x matrix product."""
     out = np.zeros_like(x)
-    # Experts arrive as the store has them ready (RAM hits first would reorder sums: keep id order).
+    # One expert at a time, in id order: a disk-backed store reads the next ones while this one
+    # computes, and a fixed order keeps the sum (and so the tokens) independent of placement.
     for e, ew in experts.iter_experts(prefix, np.unique(ids).tolist()):
         tok, slot = np.nonzero(ids == e)
         y = swiglu_expert(np.ascontiguousarray(x[tok]), ew)

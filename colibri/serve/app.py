@@ -321,7 +321,7 @@ def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig, metric
     async def detokenize(request: Request):
         req = await read_json(request, schemas.DetokenizeRequest)
         state.check_model(req.model)
-        vocab = engine.model.args.vocab_size
+        vocab = engine.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise bad_request(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="tokens")
