@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -31,7 +30,11 @@ def long_prompt(n_words: int = 420) -> str:
 
 
 def rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """Peak RSS of this process (VmHWM: unlike ru_maxrss it is not inherited across exec)."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 # ----------------------------------------------------------------------------- children

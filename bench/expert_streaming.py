@@ -18,7 +18,7 @@ import argparse
 import json
 import os
 import platform
-import resource
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +26,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
+
+
+def peak_rss() -> int:
+    """Peak RSS of this process (VmHWM: unlike ru_maxrss it is not inherited across exec)."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def proc_read_bytes() -> int:
@@ -59,7 +67,7 @@ def child_colibri(a) -> dict:
     dt = sum(times[a.skip:])
     return {"engine": "colibri", "tok_s": n / dt, "hit_rate": st["hit_rate"], "load_s": load_s,
             "disk_bytes_per_tok": (r1 - r0) / len(times), "store_bytes_per_tok": st["bytes_read"] / len(times),
-            "wait_share": st["wait_s"] / sum(times), "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            "wait_share": st["wait_s"] / sum(times), "peak_rss": peak_rss()}
 
 
 def child_llama(a, repack: bool) -> dict:
@@ -92,7 +100,7 @@ def child_llama(a, repack: bool) -> dict:
     n = len(times) - a.skip
     return {"engine": "llama.cpp" + ("" if repack else " mmap-only"), "tok_s": n / sum(times[a.skip:]), "hit_rate": None, "load_s": load_s,
             "disk_bytes_per_tok": (r1 - r0) / len(times), "store_bytes_per_tok": None, "wait_share": None,
-            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            "peak_rss": peak_rss()}
 
 
 # ----------------------------------------------------------------------------- parent
@@ -136,6 +144,7 @@ def main() -> None:
     ap.add_argument("--no-hot-set", action="store_true")
     ap.add_argument("--llama-python", default=None, help="python with llama_cpp installed (peer venv)")
     ap.add_argument("--states", default="cold,warm")
+    ap.add_argument("--child-timeout", type=float, default=420, help="seconds one engine run may take")
     ap.add_argument("--ab", action="store_true", help="colibri only: prefetch and hot set each on/off")
     ap.add_argument("--seq-seed", type=int, default=0, help="seed of the forced token sequence")
     ap.add_argument("--child", choices=["colibri", "llama", "llama-mmap"])
@@ -181,8 +190,13 @@ def main() -> None:
             for label, kind, py, extra in engines:  # interleaved: A B A B
                 if state == "cold":
                     drop_caches()
-                r = run_limited([py, __file__, "--child", kind, *common, *extra], int(a.limit_gb * (1 << 30)),
-                                env=env)
+                try:
+                    r = run_limited([py, __file__, "--child", kind, *common, *extra], int(a.limit_gb * (1 << 30)),
+                                    env=env, timeout=a.child_timeout)
+                except subprocess.TimeoutExpired:
+                    rows.append({"engine": label, "state": state, "oom": False,
+                                 "error": f"no result within {a.child_timeout:.0f} s (thrashing under the limit)"})
+                    continue
                 if r.returncode != 0:
                     rows.append({"engine": label, "state": state, "oom": r.oom_killed,
                                  "error": (r.stderr.strip().splitlines() or ["?"])[-1]})
