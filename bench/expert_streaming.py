@@ -1,6 +1,8 @@
 """Larger-than-RAM decode: colibri's expert store vs llama.cpp (llama-cpp-python, mmap, its
 default) on the same synthetic MoE (tools/synthetic_moe.py, OLMoE-1B-7B shapes), under the same
-cgroup-v1 memory limit, cold (page cache dropped) and warm, runs interleaved.
+cgroup-v1 memory limit. Each engine runs in its own process: a cold pass right after the page
+cache is dropped, then a warm pass over the same tokens in the same process (so the limit binds
+it too). Engines run one after the other, interleaved over repeats.
 
 Routing is realistic: each engine is fed the same fixed token sequence one token at a time
 (teacher forcing), never its own greedy output (BENCHMARKS.md point 7). Printed per run: decode
@@ -51,23 +53,44 @@ def token_sequence(n: int, seed: int = 0) -> list[int]:
 
 # ----------------------------------------------------------------------------- child runs
 
+def _passes(run_pass, stats=None) -> dict:
+    """Pass 1 right after the page cache was dropped (cold), pass 2 over the same sequence in
+    the same process (warm). Both in one process, so the memory limit also binds the warm pass:
+    pages cached by an earlier process would be charged to another cgroup and escape it."""
+    out = {}
+    for state in ("cold", "warm"):
+        s0 = stats() if stats else None
+        r0 = proc_read_bytes()
+        times = run_pass()
+        r1 = proc_read_bytes()
+        steady = times[SKIP:]
+        row = {"tok_s": len(steady) / sum(steady), "disk_bytes_per_tok": (r1 - r0) / len(times),
+               "hit_rate": None, "wait_share": None}
+        if stats:
+            s1 = stats()
+            asked = (s1["hits"] - s0["hits"]) + (s1["misses"] - s0["misses"])
+            row.update(hit_rate=(s1["hits"] - s0["hits"]) / asked if asked else None,
+                       wait_share=(s1["wait_s"] - s0["wait_s"]) / sum(times))
+        out[state] = row
+    out["peak_rss"] = peak_rss()
+    return out
+
+
+SKIP = 2  # first tokens of a pass left out of tok/s (kernel warm-up)
+
+
 def child_colibri(a) -> dict:
     from colibri import Engine
 
-    t0 = time.perf_counter()
     e = Engine.load(a.model, ram_gb=a.ram_gb, stream_experts=True, expert_io=a.expert_io,
-                    prefetch=not a.no_prefetch, hot_set=not a.no_hot_set, max_context=a.tokens + 16)
-    load_s = time.perf_counter() - t0
+                    prefetch=a.prefetch, hot_set=not a.no_hot_set, max_context=a.tokens + 16)
     seq = token_sequence(a.tokens, a.seq_seed)
-    r0 = proc_read_bytes()
-    times = e.feed(seq)
-    r1 = proc_read_bytes()
-    st = e.expert_stats
-    n = len(times) - a.skip
-    dt = sum(times[a.skip:])
-    return {"engine": "colibri", "tok_s": n / dt, "hit_rate": st["hit_rate"], "load_s": load_s,
-            "disk_bytes_per_tok": (r1 - r0) / len(times), "store_bytes_per_tok": st["bytes_read"] / len(times),
-            "wait_share": st["wait_s"] / sum(times), "peak_rss": peak_rss()}
+
+    def run_pass():
+        e.reset()
+        return e.feed(seq)
+
+    return _passes(run_pass, lambda: dict(e.expert_stats))
 
 
 def child_llama(a, repack: bool) -> dict:
@@ -85,22 +108,20 @@ def child_llama(a, repack: bool) -> dict:
             return p
 
         lib.llama_model_default_params = mmap_only
-    t0 = time.perf_counter()
     llm = Llama(model_path=str(a.gguf), n_ctx=a.tokens + 16, n_threads=a.threads, n_batch=64,
                 use_mmap=True, verbose=False)
-    load_s = time.perf_counter() - t0
     seq = token_sequence(a.tokens, a.seq_seed)
-    r0 = proc_read_bytes()
-    times = []
-    for tok in seq:
-        t = time.perf_counter()
-        llm.eval([tok])
-        times.append(time.perf_counter() - t)
-    r1 = proc_read_bytes()
-    n = len(times) - a.skip
-    return {"engine": "llama.cpp" + ("" if repack else " mmap-only"), "tok_s": n / sum(times[a.skip:]), "hit_rate": None, "load_s": load_s,
-            "disk_bytes_per_tok": (r1 - r0) / len(times), "store_bytes_per_tok": None, "wait_share": None,
-            "peak_rss": peak_rss()}
+
+    def run_pass():
+        llm.reset()
+        times = []
+        for tok in seq:
+            t = time.perf_counter()
+            llm.eval([tok])
+            times.append(time.perf_counter() - t)
+        return times
+
+    return _passes(run_pass)
 
 
 # ----------------------------------------------------------------------------- parent
@@ -136,14 +157,12 @@ def main() -> None:
     ap.add_argument("--limit-gb", type=float, default=2.0, help="cgroup memory limit for every engine")
     ap.add_argument("--ram-gb", type=float, help="colibri budget (default: limit minus 0.6 GiB)")
     ap.add_argument("--tokens", type=int, default=24)
-    ap.add_argument("--skip", type=int, default=2, help="first tokens left out of tok/s")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--expert-io", default="direct")
-    ap.add_argument("--no-prefetch", action="store_true")
+    ap.add_argument("--prefetch", action="store_true", help="colibri: prefetch predicted experts (off by default)")
     ap.add_argument("--no-hot-set", action="store_true")
     ap.add_argument("--llama-python", default=None, help="python with llama_cpp installed (peer venv)")
-    ap.add_argument("--states", default="cold,warm")
     ap.add_argument("--child-timeout", type=float, default=420, help="seconds one engine run may take")
     ap.add_argument("--ab", action="store_true", help="colibri only: prefetch and hot set each on/off")
     ap.add_argument("--seq-seed", type=int, default=0, help="seed of the forced token sequence")
@@ -169,41 +188,40 @@ def main() -> None:
     drop_caches()
     bw = disk_bandwidth(a.model)
     env = {"NUMBA_NUM_THREADS": str(a.threads), "OMP_NUM_THREADS": str(a.threads)}
-    common = ["--model", str(a.model), "--tokens", str(a.tokens), "--skip", str(a.skip),
+    common = ["--model", str(a.model), "--tokens", str(a.tokens),
               "--threads", str(a.threads), "--expert-io", a.expert_io, "--ram-gb", str(ram_gb)]
-    common += ["--no-prefetch"] * a.no_prefetch + ["--no-hot-set"] * a.no_hot_set
+    common += ["--prefetch"] * a.prefetch + ["--no-hot-set"] * a.no_hot_set
     common += ["--seq-seed", str(a.seq_seed)]
     # (label, child kind, python, extra args)
     engines = [("colibri", "colibri", sys.executable, [])]
-    if a.ab:  # placement A/B: each policy switched off alone, then both
-        engines = [("colibri", "colibri", sys.executable, []),
-                   ("colibri no-prefetch", "colibri", sys.executable, ["--no-prefetch"]),
-                   ("colibri no-hot-set", "colibri", sys.executable, ["--no-hot-set"]),
-                   ("colibri neither", "colibri", sys.executable, ["--no-prefetch", "--no-hot-set"])]
+    if a.ab:  # placement A/B: each policy switched alone
+        engines = [("colibri hot set (default)", "colibri", sys.executable, []),
+                   ("colibri hot+prefetch", "colibri", sys.executable, ["--prefetch"]),
+                   ("colibri prefetch only", "colibri", sys.executable, ["--prefetch", "--no-hot-set"]),
+                   ("colibri neither", "colibri", sys.executable, ["--no-hot-set"])]
     elif a.gguf and a.llama_python:
         engines += [("llama.cpp", "llama", a.llama_python, []),
                     ("llama.cpp mmap-only", "llama-mmap", a.llama_python, [])]
         common += ["--gguf", str(a.gguf)]
     rows = []
     for rep in range(a.repeats):
-        for state in a.states.split(","):
-            for label, kind, py, extra in engines:  # interleaved: A B A B
-                if state == "cold":
-                    drop_caches()
-                try:
-                    r = run_limited([py, __file__, "--child", kind, *common, *extra], int(a.limit_gb * (1 << 30)),
-                                    env=env, timeout=a.child_timeout)
-                except subprocess.TimeoutExpired:
-                    rows.append({"engine": label, "state": state, "oom": False,
-                                 "error": f"no result within {a.child_timeout:.0f} s (thrashing under the limit)"})
-                    continue
-                if r.returncode != 0:
-                    rows.append({"engine": label, "state": state, "oom": r.oom_killed,
-                                 "error": (r.stderr.strip().splitlines() or ["?"])[-1]})
-                    continue
-                row = json.loads(r.stdout.strip().splitlines()[-1])
-                row.update(engine=label, state=state, group_peak=r.max_usage_bytes, repeat=rep)
-                rows.append(row)
+        for label, kind, py, extra in engines:  # interleaved: A B A B
+            drop_caches()
+            try:
+                r = run_limited([py, __file__, "--child", kind, *common, *extra], int(a.limit_gb * (1 << 30)),
+                                env=env, timeout=a.child_timeout)
+            except subprocess.TimeoutExpired:
+                rows.append({"engine": label, "state": "cold", "oom": False,
+                             "error": f"no result within {a.child_timeout:.0f} s (thrashing under the limit)"})
+                continue
+            if r.returncode != 0:
+                rows.append({"engine": label, "state": "cold", "oom": r.oom_killed,
+                             "error": (r.stderr.strip().splitlines() or ["?"])[-1]})
+                continue
+            out = json.loads(r.stdout.strip().splitlines()[-1])
+            for state in ("cold", "warm"):
+                rows.append({**out[state], "engine": label, "state": state, "peak_rss": out["peak_rss"],
+                             "group_peak": r.max_usage_bytes, "repeat": rep})
     report = {"machine": {"cores": os.cpu_count(), "cpu": platform.processor() or platform.machine()},
               "model": str(a.model), "dense_bytes": c.dense_bytes, "expert_bytes": c.expert_bytes,
               "routed_bytes_per_token": per_tok_expert, "disk_bw": bw, "limit_gb": a.limit_gb,
@@ -218,17 +236,17 @@ def main() -> None:
     print(f"disk (O_DIRECT 4 MiB reads, cold): {bw / 1e9:.2f} GB/s; routed expert bytes per token "
           f"{per_tok_expert / 1e9:.3f} GB; no-hit disk-bound limit {bw / per_tok_expert:.2f} tok/s; "
           f"memory limit {a.limit_gb} GiB, colibri budget {ram_gb:.2f} GiB")
-    print(f"{'engine':19} {'state':5} {'tok/s':>7} {'hit':>5} {'GB/tok':>7} {'limit tok/s':>11} {'% limit':>7} "
+    print(f"{'engine':25} {'state':5} {'tok/s':>7} {'hit':>5} {'GB/tok':>7} {'limit tok/s':>11} {'% limit':>7} "
           f"{'wait':>5} {'RSS GiB':>7}")
     for r in rows:
         if "error" in r:
-            print(f"{r['engine']:19} {r['state']:5} failed: {r['error']} (oom killed: {r['oom']})")
+            print(f"{r['engine']:25} {r['state']:5} failed: {r['error']} (oom killed: {r['oom']})")
             continue
         missed = r["disk_bytes_per_tok"]
         limit = bw / missed if missed > 0 else float("inf")
         hit = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.2f}"
         wait = "-" if r["wait_share"] is None else f"{r['wait_share']:.2f}"
-        print(f"{r['engine']:19} {r['state']:5} {r['tok_s']:7.2f} {hit:>5} {missed / 1e9:7.3f} {limit:11.2f} "
+        print(f"{r['engine']:25} {r['state']:5} {r['tok_s']:7.2f} {hit:>5} {missed / 1e9:7.3f} {limit:11.2f} "
               f"{100 * r['tok_s'] / limit:6.0f}% {wait:>5} {r['peak_rss'] / 2**30:7.2f}")
     if a.repeats > 1:
         import statistics

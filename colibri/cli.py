@@ -34,7 +34,8 @@ def run(
     ram_gb: Optional[float] = typer.Option(None, "--ram-gb", help="RAM budget for weights (dense + cached "
                                            "experts); default: planned from available memory."),
     expert_io: str = typer.Option("pread", "--expert-io", help="How missed experts are read: pread, direct, mmap."),
-    prefetch: bool = typer.Option(True, "--prefetch/--no-prefetch", help="Prefetch the next layer's experts."),
+    prefetch: bool = typer.Option(False, "--prefetch/--no-prefetch", help="Prefetch the next layer's predicted "
+                                  "experts (off: it measured slower, see README)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Kernel threads (default: all cores)."),
     auto_tier: bool = typer.Option(False, "--auto-tier", help="Apply `colibri plan` (its RAM budget) where "
                                    "--ram-gb is not given."),
@@ -214,7 +215,7 @@ def bench(
     model: Optional[Path] = ModelOpt,
     ram_gb: Optional[float] = typer.Option(None, "--ram-gb", help="RAM budget for weights (dense + cached experts)."),
     expert_io: str = typer.Option("pread", "--expert-io", help="pread, direct or mmap."),
-    prefetch: bool = typer.Option(True, "--prefetch/--no-prefetch"),
+    prefetch: bool = typer.Option(False, "--prefetch/--no-prefetch"),
     hot_set: bool = typer.Option(True, "--hot-set/--no-hot-set"),
     tokens: int = typer.Option(32, "--tokens", help="Forced tokens decoded per run."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Kernel threads (default: all cores)."),

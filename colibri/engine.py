@@ -31,7 +31,9 @@ class EngineConfig:
     ram_gb: float | None = None     # budget for resident weights (dense + cached experts); None = planned
     expert_io: str = "pread"        # how missed experts are read: pread | direct (O_DIRECT) | mmap
     stream_experts: bool | None = None  # None: stream only when the experts do not fit the budget
-    prefetch: bool = True           # read the next layer's predicted experts ahead
+    # Read the next layer's predicted experts ahead. Off by default: measured on the synthetic
+    # OLMoE under a 2 GiB limit it lost (mispredictions evict useful experts; README A/B).
+    prefetch: bool = False
     hot_set: bool = True            # pin each layer's historically hottest experts
     read_threads: int = 2           # readahead threads
     threads: int | None = None      # kernel threads (default: all cores; 1 when cores are busy elsewhere)
