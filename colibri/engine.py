@@ -182,6 +182,10 @@ class Engine:
             return best
         return min(range(len(self.slots)), key=lambda i: self.slots[i].last_used)
 
+    def reusable_prefix(self, slot: int, ids: list[int]) -> int:
+        """How many of `ids` a generation in `slot` would take from the KV cache (not prefill)."""
+        return min(_common_prefix(self.slots[slot].ids, ids), len(ids) - 1)
+
     def reset(self, slot: int | None = None) -> None:
         for s in self.slots if slot is None else [self.slots[slot]]:
             s.cache.truncate(0)
@@ -306,7 +310,7 @@ class Engine:
     def _reuse_prefix(kv: KVSlot, ids: list[int]) -> int:
         """Keep the cached tokens shared with `ids` (at least one token is left to prefill,
         since its logits are needed); returns how many were reused."""
-        n = min(_common_prefix(kv.ids, ids), len(ids) - 1)
+        n = min(_common_prefix(kv.ids, ids), len(ids) - 1)  # as reusable_prefix
         kv.cache.truncate(n)
         kv.ids = kv.ids[:n]
         return n

@@ -189,7 +189,7 @@ class Scheduler:
         engine = self.engine
         wait = time.monotonic() - job.enqueued
         slot = job.slot if job.slot is not None else engine.pick_slot(job.ids)
-        reused = min(_common_prefix(engine.slots[slot].ids, job.ids), len(job.ids) - 1)
+        reused = engine.reusable_prefix(slot, job.ids)
         if self.metrics:
             self.metrics.queue_wait.observe(wait)
         self._emit(job, Started(wait, slot, reused))
@@ -261,12 +261,3 @@ class Scheduler:
 
 def slot_path(state_dir: Path, slot: int) -> Path:
     return Path(state_dir) / f"slot-{slot}.npz"
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
