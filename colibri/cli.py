@@ -197,17 +197,27 @@ def serve(
     drain_timeout: float = typer.Option(120.0, "--drain-timeout", envvar="COLI_DRAIN_TIMEOUT",
                                         help="On SIGTERM, seconds to let admitted requests finish."),
     log_level: str = typer.Option("info", "--log-level", envvar="COLI_LOG_LEVEL"),
+    ram_gb: Optional[float] = typer.Option(None, "--ram-gb", envvar="COLI_RAM_GB",
+                                           help="RAM budget for weights (dense + cached experts)."),
+    auto_tier: bool = typer.Option(False, "--auto-tier", envvar="COLI_AUTO_TIER",
+                                   help="Apply `colibri plan` where --ram-gb is not given."),
+    threads: Optional[int] = typer.Option(None, "--threads", envvar="COLI_THREADS", help="Kernel threads."),
 ):
     """Serve the model over an OpenAI- and Anthropic-compatible HTTP API."""
     from colibri.serve.server import ServeOptions
     from colibri.serve.server import run as run_server
+
+    if auto_tier and ram_gb is None:
+        from colibri.plan import engine_options
+
+        ram_gb = engine_options(model, None, True).get("ram_gb")
 
     run_server(ServeOptions(model=model, host=host, port=port, model_id=model_id, api_key=api_key,
                             cors_origins=cors_origin or [], allowed_hosts=allowed_host or [],
                             allow_insecure_bind=allow_insecure_bind, max_queue=max_queue, queue_timeout=queue_timeout,
                             kv_slots=kv_slots, max_tokens=max_tokens, max_context=max_context, state_dir=state_dir,
                             persist=persist, max_connections=max_connections, read_timeout=read_timeout,
-                            drain_timeout=drain_timeout, log_level=log_level))
+                            drain_timeout=drain_timeout, log_level=log_level, ram_gb=ram_gb, threads=threads))
 
 
 @app.command()

@@ -39,6 +39,8 @@ class ServeOptions:
     read_timeout: float = 30.0
     drain_timeout: float = 120.0
     log_level: str = "info"
+    ram_gb: float | None = None       # engine budget for resident weights (None: planned)
+    threads: int | None = None        # kernel threads (None: all cores)
 
 
 def check(o: ServeOptions) -> None:
@@ -97,7 +99,8 @@ def run(o: ServeOptions) -> None:
     check(o)
     logging.basicConfig(level=o.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     log_level = o.log_level.lower()
-    engine = Engine.load(o.model, progress=True, kv_slots=o.kv_slots, max_context=o.max_context)
+    engine = Engine.load(o.model, progress=True, kv_slots=o.kv_slots, max_context=o.max_context, ram_gb=o.ram_gb,
+                         threads=o.threads)
     state_dir = None
     if o.persist:
         state_dir = Path(o.state_dir) if o.state_dir else default_state_dir(engine)
