@@ -127,6 +127,8 @@ class Engine:
         experts = open_experts(container, config)
         model = module.build(container.config, container, experts)
         model.prefetch = isinstance(experts, ExpertStore) and config.prefetch
+        if progress:
+            _compile_kernels_once(model)
         tok_path = Path(model_dir) / "tokenizer.json"
         tokenizer = Tokenizer.from_dir(model_dir) if tok_path.exists() else None
         return cls(container, tokenizer, model, config, load_s=time.perf_counter() - t0, experts=experts)
@@ -361,3 +363,20 @@ def _turn_stats(before: dict | None, after: dict | None) -> dict | None:
     asked = d["hits"] + d["misses"]
     d["hit_rate"] = d["hits"] / asked if asked else 0.0
     return d
+
+
+def _compile_kernels_once(model) -> None:
+    """numba compiles the kernels on their first call and caches them on disk (cache=True). On a
+    first start, when no cache exists yet, do it up front under a spinner instead of stalling
+    silently inside the first answer: one prefill and one decode step in a throwaway cache."""
+    import colibri.kernels
+
+    cache_dir = Path(colibri.kernels.__file__).parent / "__pycache__"
+    if any(cache_dir.glob("*.nbi")):
+        return
+    from rich.console import Console
+
+    with Console(stderr=True).status("compiling kernels (first start only, about a minute)"):
+        cache = model.new_cache(4)
+        model.forward(np.array([0, 1], dtype=np.int64), cache)
+        model.forward(np.array([2], dtype=np.int64), cache)
