@@ -269,13 +269,6 @@ class ExpertStore:
         if slot is not None:
             layer.free.append(slot)
 
-    def get_many(self, prefix: str, ids: list[int]) -> list[dict]:
-        """All at once (copies staged experts; for callers that need them together)."""
-        out = []
-        for _, ew in self.iter_experts(prefix, ids):
-            out.append({k: _copy(t) for k, t in ew.items()})
-        return out
-
     # ------------------------------------------------------------------ history
     def save_history(self) -> None:
         """Persist routing counts (earlier history + this process) crash-safely; called at every
@@ -318,9 +311,3 @@ class ExpertStore:
             os.close(fd)
         self._fds.clear()
 
-
-def _copy(t):
-    from colibri.kernels.quant import QTensor
-
-    return QTensor(t.scheme, t.shape, t.q.copy(), None if t.scales is None else t.scales.copy(),
-                   None if t.mins is None else t.mins.copy())

@@ -42,10 +42,6 @@ class ResidentExperts:
         for e in ids:
             yield e, experts[e]
 
-    def get_many(self, prefix: str, ids: list[int]) -> list[dict]:
-        experts = self.layers[prefix]
-        return [experts[e] for e in ids]
-
     def prefetch(self, prefix: str, ids) -> None:
         """Everything is resident: nothing to fetch ahead."""
 
@@ -93,7 +89,7 @@ def _cgroup_limit() -> int | None:
     return min(found) if found else None
 
 
-def plan_budget(dense_bytes: int, ram_gb: float | None) -> int:
+def plan_budget(ram_gb: float | None) -> int:
     """The RAM budget for resident weights: explicit, else available memory less headroom
     (15%, at least 1 GiB) so the process never runs the machine out of memory."""
     if ram_gb is not None:
@@ -111,7 +107,7 @@ def open_experts(container: Container, config):
 
     dense = container.dense_bytes
     expert_total = container.expert_bytes
-    budget = plan_budget(dense, config.ram_gb)
+    budget = plan_budget(config.ram_gb)
     if dense > budget:
         raise ColibriError(f"the dense weights need {dense / GiB:.2f} GiB but the RAM budget is "
                            f"{budget / GiB:.2f} GiB; raise --ram-gb to at least {dense / GiB + 0.1:.1f}")
