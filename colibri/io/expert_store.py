@@ -192,8 +192,10 @@ class ExpertStore:
             layer.loading[e] = self._pool.submit(self._read, prefix, e, layer.buffers[slot])
 
     def iter_experts(self, prefix: str, ids: list[int]):
-        """Yield (expert id, {projection: QTensor}) for `ids` in order. A yielded expert's buffer
-        stays valid until the next one is requested (staging buffers are reused after that)."""
+        """Yield (expert id, {projection: QTensor}) for each of `ids`: those already in RAM first,
+        then the ones being read, in `ids` order, so the caller computes while reads land. A
+        yielded expert's buffer stays valid until the next one is requested (staging buffers
+        are reused after that)."""
         layer = self.layers[prefix]
         layout = layer.layout
         for e in ids:
@@ -238,7 +240,10 @@ class ExpertStore:
 
         submit_staged(len(self._staging))
         done_staged = 0
-        for i, (e, buf, fut, hit) in enumerate(plan):
+        is_ready = [hit and (fut is None or fut.done()) for _, _, fut, hit in plan]
+        order = [i for i, r in enumerate(is_ready) if r] + [i for i, r in enumerate(is_ready) if not r]
+        for i in order:
+            e, buf, fut, hit = plan[i]
             if buf is None:  # staged: its read was submitted by submit_staged
                 fut = staged_futs[i]
             if hit and (fut is None or fut.done()):

@@ -213,21 +213,23 @@ def _hsum(builder, v):
 
 
 def _block8_codegen(nibbles: bool):
-    """Codegen of a (q, scales, r, rn, x, half_or_group, cshift, out) -> None intrinsic.
+    """Codegen of a (q, scales, offs, r, rn, x, half_or_group, cshift, out) -> None intrinsic.
 
     nibbles: q is int4 (byte k of a group holds element k low, k + half high) with
     half = group / 2 bytes per group; else q is int8, one element per byte.
     cshift = log2(16-byte chunks per group); every group is a whole number of chunks.
-    out[0:8] receives the eight scaled dot products of rows r..r+7; rows rn..rn+7 are
-    prefetched (pass rn = r on the last block).
+    out[0:8] receives the eight scaled dot products of rows r..r+7. Rows rn..rn+7 of q,
+    scales and offs (q4_1's mins, shaped like scales; the caller adds their term) are
+    prefetched (pass rn = r on the last block); offs may be scales itself.
     """
     def codegen(context, builder, sig, args):
-        qty, sty, _, _, xty, _, _, oty = sig.args
+        qty, sty, oty_, _, _, xty, _, _, oty = sig.args
         qa = context.make_array(qty)(context, builder, args[0])
         sa = context.make_array(sty)(context, builder, args[1])
-        xa = context.make_array(xty)(context, builder, args[4])
-        oa = context.make_array(oty)(context, builder, args[7])
-        r, rn, gbytes, cshift = args[2], args[3], args[5], args[6]
+        ma = context.make_array(oty_)(context, builder, args[2])
+        xa = context.make_array(xty)(context, builder, args[5])
+        oa = context.make_array(oty)(context, builder, args[8])
+        r, rn, gbytes, cshift = args[3], args[4], args[6], args[7]
         qstride = cgutils.unpack_tuple(builder, qa.strides, 2)[0]
         ngroups = cgutils.unpack_tuple(builder, sa.shape, 2)[1]
         qbase = builder.bitcast(qa.data, _I8.as_pointer())
@@ -240,12 +242,20 @@ def _block8_codegen(nibbles: bool):
         qrows = [row_ptr(qbase, r, j, qstride) for j in range(8)]
         nrows = [row_ptr(qbase, rn, j, qstride) for j in range(8)]
         srows = [row_ptr(sbase, r, j, ngroups) for j in range(8)]
+        nsrows = [row_ptr(sbase, rn, j, ngroups) for j in range(8)]
+        mbase = builder.bitcast(ma.data, _F32.as_pointer())
+        nmrows = [row_ptr(mbase, rn, j, ngroups) for j in range(8)]
+        has_offs = builder.icmp_unsigned("!=", mbase, sbase)
         accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * 16)) for _ in range(8)]
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3),
                                              "llvm.fmuladd.v16f32")
         pf = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]),
             "llvm.prefetch.p0")
+
+        def prefetch(base, index):  # read, keep in all cache levels, data
+            builder.call(pf, [builder.bitcast(builder.gep(base, [index]), _I8.as_pointer()), _i32(0), _i32(3), _i32(1)])
+
         nchunks = builder.lshr(builder.mul(ngroups, gbytes), _i64(4))
         cmask = builder.sub(builder.shl(_i64(1), cshift), _i64(1))
 
@@ -263,7 +273,12 @@ def _block8_codegen(nibbles: bool):
             else:
                 xl = load_x(b)
             for j in range(8):
-                builder.call(pf, [builder.gep(nrows[j], [b]), _i32(0), _i32(3), _i32(1)])
+                prefetch(nrows[j], b)
+            for j in range(8):
+                prefetch(nsrows[j], g)
+            with builder.if_then(has_offs):
+                for j in range(8):
+                    prefetch(nmrows[j], g)
             for j in range(8):
                 raw = builder.load(builder.bitcast(builder.gep(qrows[j], [b]), _V16B.as_pointer()), align=1)
                 if nibbles:
@@ -283,9 +298,9 @@ def _block8_codegen(nibbles: bool):
 
 
 @intrinsic
-def _int4_dot8(typingctx, q, scales, r, rn, x, half, cshift, out):
+def _int4_dot8(typingctx, q, scales, offs, r, rn, x, half, cshift, out):
     """Eight int4 rows r..r+7 (see _block8_codegen) -> out[0:8]."""
-    sig = types.void(q, scales, types.intp, types.intp, x, types.intp, types.intp, out)
+    sig = types.void(q, scales, offs, types.intp, types.intp, x, types.intp, types.intp, out)
     return sig, _block8_codegen(nibbles=True)
 
 
@@ -293,7 +308,11 @@ def _int4_dot8(typingctx, q, scales, r, rn, x, half, cshift, out):
 def _q8_dot8(typingctx, q, scales, r, rn, x, group, cshift, out):
     """Eight int8 rows r..r+7 (see _block8_codegen) -> out[0:8]."""
     sig = types.void(q, scales, types.intp, types.intp, x, types.intp, types.intp, out)
-    return sig, _block8_codegen(nibbles=False)
+
+    def codegen(context, builder, sig_, args):  # no offsets: scales stand in for them
+        full = types.void(q, scales, scales, types.intp, types.intp, x, types.intp, types.intp, out)
+        return _block8_codegen(nibbles=False)(context, builder, full, [args[0], args[1], args[1], *args[2:]])
+    return sig, codegen
 
 
 def _chunk_shift(group_bytes: int) -> int:
@@ -340,7 +359,7 @@ def _matvec_int4(q, scales, offs, coef, half, cshift, x, y, nthreads):
         d = np.empty(8, np.float32)
         for blk in range(t * per, min(nblk, (t + 1) * per)):
             r = 8 * blk
-            _int4_dot8(q, scales, r, r + 8 if r + 16 <= out else r, x, half, cshift, d)
+            _int4_dot8(q, scales, offs, r, r + 8 if r + 16 <= out else r, x, half, cshift, d)
             for j in range(8):
                 y[r + j] = d[j] + coef * _offset_dot(offs, r + j, xs)
     acc1 = np.empty(half, np.float32)

@@ -125,3 +125,17 @@ def silu_mul(gu, n):
             g = row[j]
             o[j] = g / (np.float32(1.0) + expf(-g)) * row[n + j]
     return out
+
+
+@njit(cache=True, fastmath={"contract"}, error_model="numpy")
+def _silu_gate(g, u, out):
+    for i in range(g.shape[0]):
+        v = g[i]
+        out[i] = v / (np.float32(1.0) + expf(-v)) * u[i]
+
+
+def silu_gate(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """silu(g) * u for float32 arrays of one shape (the SwiGLU of unfused gate/up weights)."""
+    out = np.empty_like(g)
+    _silu_gate(g.reshape(-1), u.reshape(-1), out.reshape(-1))
+    return out

@@ -85,10 +85,6 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return ops.rms_norm(x2, np.ascontiguousarray(weight, dtype=np.float32), np.float32(eps)).reshape(shape)
 
 
-def silu(x: np.ndarray) -> np.ndarray:
-    return x / (np.float32(1.0) + np.exp(-x))
-
-
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     m = np.max(x, axis=axis, keepdims=True)
     e = np.exp(x - m)
@@ -338,13 +334,13 @@ class MLP:
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         if self.gate_up is None:
-            return linear(silu(linear(x, self.gate)) * linear(x, self.up), self.down)
+            return linear(ops.silu_gate(linear(x, self.gate), linear(x, self.up)), self.down)
         gu = linear(x, self.gate_up)  # [L, 2I]
         return linear(ops.silu_mul(gu, self.gate.shape[0]), self.down)
 
 
 def swiglu_expert(x: np.ndarray, e: dict[str, QTensor]) -> np.ndarray:
-    return linear(silu(linear(x, e["gate_proj"])) * linear(x, e["up_proj"]), e["down_proj"])
+    return linear(ops.silu_gate(linear(x, e["gate_proj"]), linear(x, e["up_proj"])), e["down_proj"])
 
 
 def softmax_topk(logits: np.ndarray, k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -389,13 +385,18 @@ class SparseMoE:
 def run_experts(x: np.ndarray, weights: np.ndarray, ids: np.ndarray, experts, prefix: str) -> np.ndarray:
     """Sum of routed expert outputs. Tokens are grouped by expert, so in prefill every selected
     expert is fetched once and applied to all its tokens as one matrix x matrix product."""
-    out = np.zeros_like(x)
-    # One expert at a time, in id order: a disk-backed store reads the next ones while this one
-    # computes, and a fixed order keeps the sum (and so the tokens) independent of placement.
+    # Experts arrive in the order the store has them ready (RAM hits first, disk reads as they
+    # land), so computing overlaps reading; the contributions are added in expert-id order
+    # afterwards, so the sum, and the tokens, do not depend on placement.
+    parts = {}
     for e, ew in experts.iter_experts(prefix, np.unique(ids).tolist()):
         tok, slot = np.nonzero(ids == e)
         y = swiglu_expert(np.ascontiguousarray(x[tok]), ew)
-        out[tok] += y * weights[tok, slot][:, None]
+        parts[e] = (tok, y * weights[tok, slot][:, None])
+    out = np.zeros_like(x)
+    for e in sorted(parts):
+        tok, y = parts[e]
+        out[tok] += y
     return out
 
 

@@ -58,3 +58,32 @@ def test_silu_mul(L, n):
     gu = rng.normal(scale=3, size=(L, 2 * n)).astype(np.float32)
     g, u = gu[:, :n].astype(np.float64), gu[:, n:]
     close(ops.silu_mul(gu, n), (g / (1 + np.exp(-g)) * u).astype(np.float32))
+
+
+def test_silu_gate_matches_silu_mul_and_extremes():
+    g = np.concatenate([rng.normal(scale=3, size=997), [0.0, -100.0, 100.0, -1e30, 1e30]]).astype(np.float32)
+    u = rng.normal(size=g.shape).astype(np.float32)
+    with np.errstate(over="ignore"):
+        ref = (g.astype(np.float64) / (1 + np.exp(-g.astype(np.float64))) * u).astype(np.float32)
+    out = ops.silu_gate(g, u)
+    assert np.all(np.isfinite(out))
+    close(out, ref)
+    np.testing.assert_array_equal(out, ops.silu_mul(np.concatenate([g, u])[None], g.size)[0])
+
+
+def test_expf_within_one_ulp():
+    from numba import njit
+
+    @njit
+    def run(a):
+        out = np.empty_like(a)
+        for i in range(a.shape[0]):
+            out[i] = ops.expf(a[i])
+        return out
+
+    x = np.linspace(-87, 88, 200_001).astype(np.float32)
+    ref = np.exp(x.astype(np.float64))
+    ulp = np.spacing(ref.astype(np.float32)).astype(np.float64)
+    assert np.max(np.abs(run(x) - ref) / ulp) <= 1.0
+    edge = run(np.array([-np.inf, -1e4, 1e4], np.float32))
+    assert edge[0] == edge[1] and 0 <= edge[0] < 1e-37 and np.isfinite(edge[2])
