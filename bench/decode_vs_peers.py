@@ -181,7 +181,7 @@ def main() -> None:
     roof = bw / bytes_per_token
     print(f"machine: {os.cpu_count()} cores; threads {a.threads}; model {Path(a.gguf).name} "
           f"({embed.get('scheme', '?')} embeddings); {a.repeats} repeats, medians")
-    print(f"read bandwidth (numba prange sum, 512 MiB): {bw / 1e9:.1f} GB/s; weights read per token "
+    print(f"read bandwidth (parallel f32 sum, 512 MiB): {bw / 1e9:.1f} GB/s; weights read per token "
           f"{bytes_per_token / 1e6:.1f} MB; decode roof {roof:.0f} tok/s")
     print(f"{'engine':13} {'decode tok/s':>12} {'% roof':>6} {'prefill tok/s':>13} {'TTFT(~500) s':>12} "
           f"{'cold start s':>12} {'peak RSS MB':>11}")

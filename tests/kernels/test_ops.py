@@ -38,7 +38,8 @@ def test_rope_matches_rotate_half(L, H, Dh, rot):
 
 
 @pytest.mark.parametrize("H,KV,Dk,Dv,n,cap", [(1, 1, 8, 8, 1, 4), (4, 2, 16, 16, 37, 64), (9, 3, 64, 64, 200, 256),
-                                              (8, 8, 24, 16, 5, 5)])
+                                              (8, 8, 24, 16, 5, 5), (6, 2, 32, 32, 1000, 1024),
+                                              (2, 1, 16, 16, 128, 128)])
 def test_attend_one(H, KV, Dk, Dv, n, cap):
     q = rng.normal(size=(H, Dk)).astype(np.float32)
     k = rng.normal(size=(KV, cap, Dk)).astype(np.float32)
