@@ -8,9 +8,11 @@ a RAM cache under one byte budget, else disk — so models larger than RAM run.
   (kept for comparison: it is llama.cpp's approach).
 - Readahead threads: misses are read by a thread pool while the caller computes the previous
   expert (the read syscall releases the GIL).
-- Placement, each part switchable so it can be measured: a per-layer LRU (the budget split
-  evenly over MoE layers); a pinned hot set per layer chosen from persisted routing history;
-  prefetch of the next layer's likely experts (the model calls `prefetch`).
+- Placement, each part switchable so it can be measured: one LRU over the slots of all MoE
+  layers (layers differ a lot in how many experts they use: a per-layer split left the busy
+  layers missing while quiet ones kept idle slots); a pinned hot set, the experts with the most
+  routing history across all layers; prefetch of the next layer's likely experts (the model
+  calls `prefetch`).
 
 Placement changes speed, never tokens: the bytes served are the container's bytes.
 """
@@ -47,7 +49,7 @@ class StoreConfig:
     ram_bytes: int = 0              # RAM budget for cached experts (pinned hot set + LRU)
     io: str = "pread"               # "pread" | "direct" (O_DIRECT) | "mmap"
     threads: int = 2                # readahead threads
-    hot_fraction: float = 0.5       # share of each layer's slots pinned to its historically hottest experts
+    hot_fraction: float = 0.5       # share of the slots pinned to the historically hottest experts
     prefetch: bool = True           # read the next layer's predicted experts during attention
     history: dict = field(default_factory=dict)  # prefix -> routing counts [E] (from usage history)
 
@@ -68,35 +70,44 @@ class StoreStats:
                 "reads": self.reads, "wait_s": self.wait_s}
 
 
-class _Layer:
-    """The RAM tier of one MoE layer: fixed slots, an LRU map expert -> slot, pinned experts."""
+class _Pool:
+    """The RAM tier: fixed slots shared by every MoE layer, one LRU map (layer, expert) -> slot
+    over all of them, and the reads in flight into slots."""
 
-    def __init__(self, layout: ExpertLayout, n_slots: int):
-        self.layout = layout
-        self.buffers = [aligned_buffer(layout.blob_bytes) for _ in range(n_slots)]
-        self.lru: OrderedDict[int, int] = OrderedDict()     # expert -> slot, oldest first
-        self.pinned: dict[int, int] = {}                    # expert -> slot, never evicted
-        self.loading: dict[int, Future] = {}                # expert -> read in flight into its slot
+    def __init__(self, n_slots: int, slot_bytes: int):
+        self.buffers = [aligned_buffer(slot_bytes) for _ in range(n_slots)]
         self.free = list(range(n_slots))
+        self.lru: OrderedDict[tuple[str, int], int] = OrderedDict()  # (prefix, expert) -> slot, oldest first
+        self.loading: dict[tuple[str, int], Future] = {}            # read in flight into its slot
+
+    def take_slot(self, protect: set[tuple[str, int]]) -> int | None:
+        """A free slot, else evict the least recently used expert not in `protect`."""
+        if self.free:
+            return self.free.pop()
+        for key in self.lru:
+            if key in protect:
+                continue
+            fut = self.loading.get(key)
+            if fut is not None and not fut.done():
+                continue  # a read is still writing into that slot
+            self.loading.pop(key, None)
+            return self.lru.pop(key)
+        return None
+
+
+class _Layer:
+    """One MoE layer's view of the RAM tier: its pinned experts and routing heat."""
+
+    def __init__(self, prefix: str, layout: ExpertLayout, pool: _Pool):
+        self.prefix = prefix
+        self.layout = layout
+        self.pool = pool
+        self.pinned: dict[int, int] = {}                    # expert -> slot, never evicted
         self.counts = np.zeros(layout.num_experts, dtype=np.int64)  # routing heat (this process)
 
     def slot_of(self, e: int) -> int | None:
         s = self.pinned.get(e)
-        return s if s is not None else self.lru.get(e)
-
-    def take_slot(self, protect: set[int]) -> int | None:
-        """A free slot, else evict the least recently used expert not in `protect`."""
-        if self.free:
-            return self.free.pop()
-        for e in self.lru:
-            if e in protect:
-                continue
-            fut = self.loading.get(e)
-            if fut is not None and not fut.done():
-                continue  # a read is still writing into that slot
-            self.loading.pop(e, None)
-            return self.lru.pop(e)
-        return None
+        return s if s is not None else self.pool.lru.get((self.prefix, e))
 
 
 class ExpertStore:
@@ -111,16 +122,19 @@ class ExpertStore:
         self._maps: dict[str, np.ndarray] = {}
         prefixes = list(container.expert_layouts)
         blob_total = sum(l.blob_bytes for l in container.expert_layouts.values())
-        # The budget is split evenly across MoE layers: each gets the same number of slots.
+        # Slots are sized for the largest blob (MoE layers of one model share expert shapes, so
+        # nothing is wasted in practice); slots_per_layer is the layers' average share, the
+        # unit the budget and the planner speak in; any layer may hold more or fewer.
         per_layer = int(config.ram_bytes // blob_total) if blob_total else 0
         self.slots_per_layer = 0 if config.io == "mmap" else min(
             per_layer, max((l.num_experts for l in container.expert_layouts.values()), default=0))
-        self.layers = {p: _Layer(container.expert_layouts[p], self.slots_per_layer) for p in prefixes}
+        max_blob = max((l.blob_bytes for l in container.expert_layouts.values()), default=0)
+        self.slots = _Pool(self.slots_per_layer * len(prefixes), max_blob)
+        self.layers = {p: _Layer(p, container.expert_layouts[p], self.slots) for p in prefixes}
         # Staging buffers serve misses that have no RAM slot (budget 0, or every slot in use by
         # this very call); 2 per reader keeps the pipeline full.
-        max_blob = max((l.blob_bytes for l in container.expert_layouts.values()), default=0)
         self._staging = [aligned_buffer(max_blob) for _ in range(2 * max(1, config.threads))] if max_blob else []
-        self._pool = ThreadPoolExecutor(max_workers=max(1, config.threads), thread_name_prefix="colibri-read")
+        self._readers = ThreadPoolExecutor(max_workers=max(1, config.threads), thread_name_prefix="colibri-read")
         for p in prefixes:
             self._open(p)
         if config.hot_fraction > 0 and config.history:
@@ -159,37 +173,42 @@ class ExpertStore:
 
     # ------------------------------------------------------------------ placement
     def _pin_hot_set(self) -> None:
-        """Load each layer's historically hottest experts into pinned slots (start-up warm-up)."""
-        n_hot = int(self.slots_per_layer * self.config.hot_fraction)
+        """Load the experts with the most routing history, across all layers, into pinned slots
+        (start-up warm-up). Counts compare across layers: every layer routes each token to
+        top-k experts, so one count is one read saved wherever it is."""
+        n_hot = int(len(self.slots.buffers) * self.config.hot_fraction)
         if n_hot <= 0:
             return
-        for prefix, layer in self.layers.items():
+        heat = []  # (count, layer index, expert): ties go to earlier layers, lower ids
+        for li, (prefix, layer) in enumerate(self.layers.items()):
             counts = np.asarray(self.config.history.get(prefix, []), dtype=np.float64)
-            if counts.size != layer.layout.num_experts or counts.sum() <= 0:
+            if counts.size != layer.layout.num_experts:
                 continue
-            hot = [int(e) for e in np.argsort(-counts, kind="stable")[:n_hot] if counts[e] > 0]
-            futures = []
-            for e in hot:
-                slot = layer.free.pop()
-                layer.pinned[e] = slot
-                futures.append(self._pool.submit(self._read, prefix, e, layer.buffers[slot]))
-            for f in futures:
-                f.result()
+            heat += [(-counts[e], li, e) for e in range(counts.size) if counts[e] > 0]
+        prefixes = list(self.layers)
+        futures = []
+        for _, li, e in sorted(heat)[:n_hot]:
+            layer = self.layers[prefixes[li]]
+            slot = self.slots.free.pop()
+            layer.pinned[int(e)] = slot
+            futures.append(self._readers.submit(self._read, layer.prefix, int(e), self.slots.buffers[slot]))
+        for f in futures:
+            f.result()
 
     def prefetch(self, prefix: str, ids) -> None:
         """Start reading experts the next layer will probably ask for into RAM slots."""
-        if not self.config.prefetch or self.slots_per_layer == 0:
+        if not self.config.prefetch or not self.slots.buffers:
             return
         layer = self.layers[prefix]
-        protect = set(int(e) for e in ids)
-        for e in protect:
+        protect = {(prefix, int(e)) for e in ids}
+        for _, e in protect:
             if layer.slot_of(e) is not None:
                 continue
-            slot = layer.take_slot(protect)
+            slot = self.slots.take_slot(protect)
             if slot is None:
                 return
-            layer.lru[e] = slot
-            layer.loading[e] = self._pool.submit(self._read, prefix, e, layer.buffers[slot])
+            self.slots.lru[(prefix, e)] = slot
+            self.slots.loading[(prefix, e)] = self._readers.submit(self._read, prefix, e, self.slots.buffers[slot])
 
     def iter_experts(self, prefix: str, ids: list[int]):
         """Yield (expert id, {projection: QTensor}) for each of `ids`: those already in RAM first,
@@ -208,22 +227,24 @@ class ExpertStore:
                 self.stats.hits += 1  # the page cache decides; counted as served
                 yield e, layout.unpack(mm[off: off + n])
             return
-        protect = set(ids)
+        pool = self.slots
+        protect = {(prefix, e) for e in ids}
         plan = []  # (expert, buffer or None, future or None, hit?)
         for e in ids:
+            key = (prefix, e)
             slot = layer.slot_of(e)
             if slot is not None:
-                fut = layer.loading.get(e)
-                if e in layer.lru:
-                    layer.lru.move_to_end(e)
-                plan.append((e, layer.buffers[slot], fut, fut is None or fut.done()))
+                fut = pool.loading.get(key)
+                if key in pool.lru:
+                    pool.lru.move_to_end(key)
+                plan.append((e, pool.buffers[slot], fut, fut is None or fut.done()))
                 continue
-            slot = layer.take_slot(protect)
+            slot = pool.take_slot(protect)
             if slot is not None:
-                layer.lru[e] = slot
-                fut = self._pool.submit(self._read, prefix, e, layer.buffers[slot])
-                layer.loading[e] = fut
-                plan.append((e, layer.buffers[slot], fut, False))
+                pool.lru[key] = slot
+                fut = self._readers.submit(self._read, prefix, e, pool.buffers[slot])
+                pool.loading[key] = fut
+                plan.append((e, pool.buffers[slot], fut, False))
             else:
                 plan.append((e, None, None, False))  # staged: read just ahead of use
         staged = [i for i, p in enumerate(plan) if p[1] is None]
@@ -235,7 +256,7 @@ class ExpertStore:
             while next_stage < len(staged) and next_stage < upto:
                 i = staged[next_stage]
                 buf = self._staging[next_stage % len(self._staging)]
-                staged_futs[i] = self._pool.submit(self._read, prefix, plan[i][0], buf)
+                staged_futs[i] = self._readers.submit(self._read, prefix, plan[i][0], buf)
                 next_stage += 1
 
         submit_staged(len(self._staging))
@@ -257,22 +278,22 @@ class ExpertStore:
                 try:
                     buf = fut.result()
                 except ColibriError:
-                    self._forget(layer, e)
+                    self._forget(prefix, e)
                     raise
                 self.stats.wait_s += time.perf_counter() - t0
-                layer.loading.pop(e, None)
+                pool.loading.pop((prefix, e), None)
             yield e, layout.unpack(buf)
             if i in staged_futs:
                 done_staged += 1
                 # The consumer is done with this staging buffer: reuse it for the next miss.
                 submit_staged(done_staged + len(self._staging))
 
-    def _forget(self, layer: _Layer, e: int) -> None:
+    def _forget(self, prefix: str, e: int) -> None:
         """After a failed read, the slot must not claim to hold the expert."""
-        layer.loading.pop(e, None)
-        slot = layer.lru.pop(e, None)
+        self.slots.loading.pop((prefix, e), None)
+        slot = self.slots.lru.pop((prefix, e), None)
         if slot is not None:
-            layer.free.append(slot)
+            self.slots.free.append(slot)
 
     # ------------------------------------------------------------------ history
     def save_history(self) -> None:
@@ -300,18 +321,18 @@ class ExpertStore:
         """Per layer: which experts are pinned, in the LRU, or on disk only."""
         out = {}
         for p, l in self.layers.items():
-            in_ram = set(l.pinned) | set(l.lru)
-            out[p] = {"pinned": sorted(l.pinned), "lru": sorted(l.lru),
+            lru = [e for (prefix, e) in self.slots.lru if prefix == p]
+            in_ram = set(l.pinned) | set(lru)
+            out[p] = {"pinned": sorted(l.pinned), "lru": sorted(lru),
                       "disk": [e for e in range(l.layout.num_experts) if e not in in_ram]}
         return out
 
     @property
     def bytes_resident(self) -> int:
-        return sum(sum(b.nbytes for b in l.buffers) for l in self.layers.values()) + \
-            sum(b.nbytes for b in self._staging)
+        return sum(b.nbytes for b in self.slots.buffers) + sum(b.nbytes for b in self._staging)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()

@@ -72,3 +72,12 @@ def mlp_block(x, norm_w, eps, gate_up, n_inter, down, nthreads):
     gu = _mv(gate_up, h[0], nthreads)
     act = ops.silu_mul(gu.reshape((1, -1)), n_inter)
     return x + _mv(down, act[0], nthreads).reshape((1, -1))
+
+
+@njit(cache=True)
+def swiglu(x, gate, up, down, nthreads):
+    """x [D] -> down(silu(gate(x)) * up(x)): one routed expert (or unfused MLP) for one token."""
+    g = _mv(gate, x, nthreads)
+    act = np.empty_like(g)
+    ops._silu_gate(g, _mv(up, x, nthreads), act)
+    return _mv(down, act, nthreads)

@@ -342,6 +342,10 @@ class MLP:
 
 
 def swiglu_expert(x: np.ndarray, e: dict[str, QTensor]) -> np.ndarray:
+    if x.shape[0] == 1:  # decode: one compiled call when the weights are int4 (same numbers)
+        ws = [decode.int4_weight(e[p]) for p in ("gate_proj", "up_proj", "down_proj")]
+        if all(w is not None for w in ws):
+            return decode.swiglu(x[0], *ws, get_num_threads())[None, :]
     return linear(ops.silu_gate(linear(x, e["gate_proj"]), linear(x, e["up_proj"])), e["down_proj"])
 
 
@@ -416,19 +420,20 @@ class DecoderLayer:
     def __call__(self, x, cache, layer, pos0, cos, sin):
         if x.shape[0] == 1:
             fused = self._fused if self._fused is not None else self._build_fused()
+            nthreads = get_num_threads()  # not free (a lock and a thread check): once per layer
             if fused[0] is not None:  # one compiled call for the attention block
                 a = fused[0]
                 x = decode.attention_block(
                     x, self.input_norm, a["eps"], a["qkv"], a["qkv_bias"], a["o"], a["o_bias"],
                     np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32),
                     a["rot"], cache.k[layer], cache.v[layer], pos0, a["h"], a["kv"], a["dh"], a["scale"],
-                    get_num_threads())
+                    nthreads)
             else:
                 x = x + self.attn(rms_norm(x, self.input_norm, self.eps), cache, layer, pos0, cos, sin)
             if fused[1] is not None:
                 m = fused[1]
                 return decode.mlp_block(x, self.post_norm, m["eps"], m["gate_up"], m["n_inter"], m["down"],
-                                        get_num_threads())
+                                        nthreads)
             return x + self.mlp(rms_norm(x, self.post_norm, self.eps))
         x = x + self.attn(rms_norm(x, self.input_norm, self.eps), cache, layer, pos0, cos, sin)
         return x + self.mlp(rms_norm(x, self.post_norm, self.eps))
