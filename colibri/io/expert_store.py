@@ -37,6 +37,28 @@ IO_MODES = ("pread", "direct", "mmap")
 _ALIGN = 4096
 
 
+def arena(nbytes: int) -> np.ndarray:
+    """uint8 [nbytes] of anonymous memory, page-aligned, backed by transparent huge pages where
+    the kernel allows (`madvise` mode is the common default), and touched now.
+
+    Expert slots are read into by O_DIRECT and streamed by the kernels: 2 MiB pages cut the page
+    faults of a first read 512-fold (on 2 cores the faults of the reader threads took time from
+    the compute threads) and the TLB misses of streaming ~0.5 GB of experts per token. Touching
+    at allocation moves the remaining faults to load time; the budget is resident from the
+    start, as it is a budget."""
+    if nbytes == 0:
+        return np.zeros(0, np.uint8)
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass  # no THP on this kernel: 4 KiB pages work the same, only slower
+    a = np.frombuffer(m, dtype=np.uint8)
+    a[::mmap.PAGESIZE] = 0
+    return a
+
+
 def aligned_buffer(nbytes: int) -> np.ndarray:
     """uint8 [nbytes] whose data pointer is 4096-aligned (O_DIRECT needs it)."""
     raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
@@ -75,7 +97,9 @@ class _Pool:
     over all of them, and the reads in flight into slots."""
 
     def __init__(self, n_slots: int, slot_bytes: int):
-        self.buffers = [aligned_buffer(slot_bytes) for _ in range(n_slots)]
+        # slot_bytes is a multiple of 4096 (blobs are padded), so every slot is aligned.
+        memory = arena(n_slots * slot_bytes)
+        self.buffers = [memory[i * slot_bytes:(i + 1) * slot_bytes] for i in range(n_slots)]
         self.free = list(range(n_slots))
         self.lru: OrderedDict[tuple[str, int], int] = OrderedDict()  # (prefix, expert) -> slot, oldest first
         self.loading: dict[tuple[str, int], Future] = {}            # read in flight into its slot

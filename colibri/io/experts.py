@@ -17,6 +17,7 @@ import numpy as np
 
 from colibri.errors import ColibriError
 from colibri.io.container import Container
+from colibri.io.expert_store import arena
 
 
 class ResidentExperts:
@@ -24,7 +25,7 @@ class ResidentExperts:
         self.layers: dict[str, list] = {}
         self.bytes_resident = 0
         for prefix, layout in container.expert_layouts.items():
-            store = np.empty((layout.num_experts, layout.blob_bytes), dtype=np.uint8)
+            store = arena(layout.num_experts * layout.blob_bytes).reshape(layout.num_experts, layout.blob_bytes)
             fd = os.open(container.expert_file(prefix).path, os.O_RDONLY)
             try:
                 for e in range(layout.num_experts):
