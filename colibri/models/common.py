@@ -13,9 +13,9 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from colibri.errors import ColibriError
 from numba import get_num_threads
 
+from colibri.errors import ColibriError
 from colibri.kernels import decode, embedding, matmul, matvec, ops
 from colibri.kernels.quant import QTensor
 
@@ -415,27 +415,27 @@ class DecoderLayer:
         self.input_norm = w.tensor(f"{prefix}.input_layernorm.weight")
         self.post_norm = w.tensor(f"{prefix}.post_attention_layernorm.weight")
 
-        self._fused = None  # decode-step arguments for colibri.kernels.decode, built on first use
+        self._fused = None  # (attention args, MLP args) for colibri.kernels.decode, built on first use
 
     def __call__(self, x, cache, layer, pos0, cos, sin):
         if x.shape[0] == 1:
-            fused = self._fused if self._fused is not None else self._build_fused()
-            nthreads = get_num_threads()  # not free (a lock and a thread check): once per layer
-            if fused[0] is not None:  # one compiled call for the attention block
-                a = fused[0]
-                x = decode.attention_block(
-                    x, self.input_norm, a["eps"], a["qkv"], a["qkv_bias"], a["o"], a["o_bias"],
-                    np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32),
-                    a["rot"], cache.k[layer], cache.v[layer], pos0, a["h"], a["kv"], a["dh"], a["scale"],
-                    nthreads)
-            else:
-                x = x + self.attn(rms_norm(x, self.input_norm, self.eps), cache, layer, pos0, cos, sin)
-            if fused[1] is not None:
-                m = fused[1]
-                return decode.mlp_block(x, self.post_norm, m["eps"], m["gate_up"], m["n_inter"], m["down"],
-                                        nthreads)
-            return x + self.mlp(rms_norm(x, self.post_norm, self.eps))
+            return self._decode(x, cache, layer, pos0, cos, sin)
         x = x + self.attn(rms_norm(x, self.input_norm, self.eps), cache, layer, pos0, cos, sin)
+        return x + self.mlp(rms_norm(x, self.post_norm, self.eps))
+
+    def _decode(self, x, cache, layer, pos0, cos, sin):
+        """One token: each block the fused kernels cover is one compiled call, the same numbers."""
+        attn_args, mlp_args = self._fused if self._fused is not None else self._build_fused()
+        nthreads = get_num_threads()  # not free (a lock and a thread check): once per layer
+        if attn_args is not None:
+            eps, qkv, qkv_bias, o, o_bias, rot, h, kv, dh, scale = attn_args
+            x = decode.attention_block(x, self.input_norm, eps, qkv, qkv_bias, o, o_bias,
+                                       np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32),
+                                       rot, cache.k[layer], cache.v[layer], pos0, h, kv, dh, scale, nthreads)
+        else:
+            x = x + self.attn(rms_norm(x, self.input_norm, self.eps), cache, layer, pos0, cos, sin)
+        if mlp_args is not None:
+            return decode.mlp_block(x, self.post_norm, *mlp_args, nthreads)
         return x + self.mlp(rms_norm(x, self.post_norm, self.eps))
 
     def _build_fused(self):
@@ -444,20 +444,19 @@ class DecoderLayer:
         Anything else keeps the step-by-step path, which computes the same numbers."""
         eps = np.float32(self.eps)
         attn, mlp = self.attn, self.mlp
-        a = m = None
+        attn_args = mlp_args = None
         if type(attn) is Attention and attn.qkv is not None and not attn.qk_norm and attn.clip_qkv is None:
             qkv, o = decode.int4_weight(attn.qkv), decode.int4_weight(attn.o_proj)
             if qkv is not None and o is not None:
-                empty = np.zeros(0, np.float32)
-                a = {"eps": eps, "qkv": qkv, "o": o, "rot": attn.rope.rotary_dim, "h": attn.h, "kv": attn.kv,
-                     "dh": attn.dh, "scale": attn.scale,
-                     "qkv_bias": empty if attn.qkv_bias is None else attn.qkv_bias.astype(np.float32),
-                     "o_bias": empty if attn.o_bias is None else attn.o_bias.astype(np.float32)}
+                def bias(b):
+                    return np.zeros(0, np.float32) if b is None else b.astype(np.float32)
+                attn_args = (eps, qkv, bias(attn.qkv_bias), o, bias(attn.o_bias), attn.rope.rotary_dim,
+                             attn.h, attn.kv, attn.dh, attn.scale)
         if type(mlp) is MLP and mlp.gate_up is not None:
             gate_up, down = decode.int4_weight(mlp.gate_up), decode.int4_weight(mlp.down)
             if gate_up is not None and down is not None:
-                m = {"eps": eps, "gate_up": gate_up, "down": down, "n_inter": mlp.gate.shape[0]}
-        self._fused = (a, m)
+                mlp_args = (eps, gate_up, mlp.gate.shape[0], down)
+        self._fused = (attn_args, mlp_args)
         return self._fused
 
 
