@@ -2,7 +2,6 @@
 converted by colibri, against transformers running the same GGUF dequantized to float32."""
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from colibri import Engine
@@ -76,32 +75,3 @@ def test_seeded_sampling_is_reproducible(engine):
     b = engine.generate("Tell me a story.", max_tokens=16, temperature=0.9, top_p=0.9, top_k=40, seed=7)
     assert a.token_ids == b.token_ids
 
-
-def test_fused_decode_blocks_equal_the_step_by_step_path(engine):
-    """colibri.kernels.decode runs whole attention and MLP blocks in one compiled call; it must
-    give the same bits as the per-operation path it replaces, on every decode step."""
-    model = engine.model
-    assert all(layer._build_fused()[0] is not None and layer._build_fused()[1] is not None
-               for layer in model.layers), "SmolLM2's layers should all take the fused path"
-    prompt = np.array(engine.tokenizer.encode("The quick brown fox jumps over"), dtype=np.int64)
-    tokens = [int(t) for t in np.random.default_rng(0).integers(0, engine.vocab_size, 12)]
-
-    def run(fused: bool):
-        saved = [layer._fused for layer in model.layers]
-        if not fused:
-            for layer in model.layers:
-                layer._fused = (None, None)
-        try:
-            cache = model.new_cache(64)
-            out = [model.forward(prompt, cache)]
-            out += [model.forward(np.array([t]), cache) for t in tokens]
-            return np.concatenate(out), cache
-        finally:
-            for layer, f in zip(model.layers, saved):
-                layer._fused = f
-
-    (fused, cache_f), (plain, cache_p) = run(True), run(False)
-    np.testing.assert_array_equal(fused, plain)
-    n = cache_f.length
-    for kf, kp in zip(cache_f.k, cache_p.k):
-        np.testing.assert_array_equal(kf[:, :n], kp[:, :n])

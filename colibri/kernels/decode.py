@@ -6,7 +6,7 @@ interpreter and dispatch overhead: about 1 ms of SmolLM2's ~4.5 ms per token. Th
 run the same kernels in the same order from inside numba (the parallel matvec and attention
 kernels keep their own thread pool when called from here), so the results are bit-identical
 to the unfused path in colibri.models.common, which remains the reference and the fallback for
-every layer these do not cover (q/k norms, clipping, MLA, non-int4 weights, prefill).
+every layer these do not cover (MLA, unfused q/k/v or gate/up, non-int4 weights, prefill).
 
 A weight is passed as the tuple `int4_weight(t)` returns: (q, scales, offs, coef, half, cshift).
 """
@@ -40,24 +40,51 @@ def _mv(w, x, nthreads):
     return y
 
 
+# qk_norm codes for attention_block: what colibri.models.common.Attention calls None, "head"
+# (Qwen3: RMSNorm over each head's Dh) and "full" (OLMoE: over all heads' H * Dh).
+QK_NORM_CODES = {None: 0, "head": 1, "full": 2}
+
+
+@njit(cache=True)
+def _clip(a, c):
+    for i in range(a.shape[0]):
+        a[i] = min(max(a[i], -c), c)
+
+
 @njit(cache=True)
 def attention_block(x, norm_w, eps, qkv, qkv_bias, o, o_bias, cos, sin, rot,
-                    kc, vc, pos, n_heads, n_kv, head_dim, scale, nthreads):
+                    kc, vc, pos, n_heads, n_kv, head_dim, scale, nthreads,
+                    qk_norm, q_norm, k_norm, norm_eps, clip):
     """x [1, D] -> x + o_proj(attention(rope(qkv(rms_norm(x))))), writing this position's
-    K and V into kc/vc [KV, cap, Dh] at `pos`. Biases are empty arrays when absent."""
+    K and V into kc/vc [KV, cap, Dh] at `pos`. Biases are empty arrays when absent.
+    qk_norm: QK_NORM_CODES value, with q_norm/k_norm weights (unused for 0); clip: q, k and v
+    are clipped to [-clip, clip] after a full norm (np.inf: no clipping), as in
+    Attention.__call__."""
     h = ops.rms_norm(x, norm_w, eps)
     qkv_out = _mv(qkv, h[0], nthreads)
     if qkv_bias.shape[0]:
         qkv_out += qkv_bias
     nq, nk = n_heads * head_dim, n_kv * head_dim
-    q = qkv_out[:nq].copy().reshape((1, n_heads, head_dim))
-    k = qkv_out[nq:nq + nk].copy().reshape((1, n_kv, head_dim))
-    v = qkv_out[nq + nk:].reshape((n_kv, head_dim))
-    ops.rope(q, cos, sin, rot)
-    ops.rope(k, cos, sin, rot)
-    kc[:, pos, :] = k[0]
-    vc[:, pos, :] = v
-    att = ops.attend_one(q[0], kc, vc, pos + 1, scale)
+    q = qkv_out[:nq].copy().reshape((1, nq))
+    k = qkv_out[nq:nq + nk].copy().reshape((1, nk))
+    v = qkv_out[nq + nk:].copy()
+    if qk_norm == 2:
+        q = ops.rms_norm(q, q_norm, norm_eps)
+        k = ops.rms_norm(k, k_norm, norm_eps)
+    if clip < np.inf:
+        _clip(q[0], clip)
+        _clip(k[0], clip)
+        _clip(v, clip)
+    if qk_norm == 1:
+        q = ops.rms_norm(q.reshape((n_heads, head_dim)), q_norm, norm_eps)
+        k = ops.rms_norm(k.reshape((n_kv, head_dim)), k_norm, norm_eps)
+    q3 = q.reshape((1, n_heads, head_dim))
+    k3 = k.reshape((1, n_kv, head_dim))
+    ops.rope(q3, cos, sin, rot)
+    ops.rope(k3, cos, sin, rot)
+    kc[:, pos, :] = k3[0]
+    vc[:, pos, :] = v.reshape((n_kv, head_dim))
+    att = ops.attend_one(q3[0], kc, vc, pos + 1, scale)
     out = _mv(o, att, nthreads)
     if o_bias.shape[0]:
         out += o_bias

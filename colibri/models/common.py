@@ -428,10 +428,11 @@ class DecoderLayer:
         attn_args, mlp_args = self._fused if self._fused is not None else self._build_fused()
         nthreads = get_num_threads()  # not free (a lock and a thread check): once per layer
         if attn_args is not None:
-            eps, qkv, qkv_bias, o, o_bias, rot, h, kv, dh, scale = attn_args
+            eps, qkv, qkv_bias, o, o_bias, rot, h, kv, dh, scale, norms = attn_args
             x = decode.attention_block(x, self.input_norm, eps, qkv, qkv_bias, o, o_bias,
                                        np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32),
-                                       rot, cache.k[layer], cache.v[layer], pos0, h, kv, dh, scale, nthreads)
+                                       rot, cache.k[layer], cache.v[layer], pos0, h, kv, dh, scale, nthreads,
+                                       *norms)
         else:
             x = x + self.attn(rms_norm(x, self.input_norm, self.eps), cache, layer, pos0, cos, sin)
         if mlp_args is not None:
@@ -439,19 +440,22 @@ class DecoderLayer:
         return x + self.mlp(rms_norm(x, self.post_norm, self.eps))
 
     def _build_fused(self):
-        """Which halves of this layer the fused decode kernels cover: plain GQA attention with
-        fused int4 q/k/v (no q/k norm, no clipping) and a SwiGLU MLP with fused int4 gate/up.
+        """Which halves of this layer the fused decode kernels cover: GQA attention with fused
+        int4 q/k/v (optional q/k norms and clipping) and a SwiGLU MLP with fused int4 gate/up.
         Anything else keeps the step-by-step path, which computes the same numbers."""
         eps = np.float32(self.eps)
         attn, mlp = self.attn, self.mlp
         attn_args = mlp_args = None
-        if type(attn) is Attention and attn.qkv is not None and not attn.qk_norm and attn.clip_qkv is None:
+        if type(attn) is Attention and attn.qkv is not None:
             qkv, o = decode.int4_weight(attn.qkv), decode.int4_weight(attn.o_proj)
             if qkv is not None and o is not None:
-                def bias(b):
-                    return np.zeros(0, np.float32) if b is None else b.astype(np.float32)
-                attn_args = (eps, qkv, bias(attn.qkv_bias), o, bias(attn.o_bias), attn.rope.rotary_dim,
-                             attn.h, attn.kv, attn.dh, attn.scale)
+                def f32(a):
+                    return np.zeros(0, np.float32) if a is None else np.ascontiguousarray(a, np.float32)
+                norms = (decode.QK_NORM_CODES[attn.qk_norm], f32(getattr(attn, "q_norm", None)),
+                         f32(getattr(attn, "k_norm", None)), np.float32(attn.eps),
+                         np.float32(np.inf if attn.clip_qkv is None else attn.clip_qkv))
+                attn_args = (eps, qkv, f32(attn.qkv_bias), o, f32(attn.o_bias), attn.rope.rotary_dim,
+                             attn.h, attn.kv, attn.dh, attn.scale, norms)
         if type(mlp) is MLP and mlp.gate_up is not None:
             gate_up, down = decode.int4_weight(mlp.gate_up), decode.int4_weight(mlp.down)
             if gate_up is not None and down is not None:

@@ -97,7 +97,40 @@ def check_against_transformers(model_cls, config, tmp_path: Path, seed: int, bit
         ours = engine.logits(prompt + got)[-1]
         rel = np.max(np.abs(ours - ref_logits)) / np.max(np.abs(ref_logits))
         assert rel < 1e-4, f"prompt {prompt}: final logits differ by {rel:.2e} (relative to max)"
+    check_fused_decode_is_exact(engine, prompts[-1])
     return engine
+
+
+def check_fused_decode_is_exact(engine, prompt: list[int], steps: int = 8) -> int:
+    """colibri.kernels.decode runs whole attention and MLP blocks in one compiled call; on every
+    decode step they must give the same bits (logits and KV cache) as the step-by-step path they
+    replace. Returns how many layer halves took the fused path (0: nothing to compare)."""
+    model = engine.model
+    layers = [layer for layer in model.layers if hasattr(layer, "_build_fused")]
+    fused_halves = sum(half is not None for layer in layers for half in layer._build_fused())
+    if not fused_halves:
+        return 0
+    tokens = np.random.default_rng(len(prompt)).integers(0, engine.vocab_size, steps).tolist()
+
+    def run(fused: bool):
+        saved = [layer._fused for layer in layers]
+        if not fused:
+            for layer in layers:
+                layer._fused = (None, None)
+        try:
+            cache = model.new_cache(len(prompt) + steps + 1)
+            out = [model.forward(np.asarray(prompt), cache)[-1:]]
+            out += [model.forward(np.asarray([t]), cache) for t in tokens]
+            return np.concatenate(out), cache
+        finally:
+            for layer, f in zip(layers, saved):
+                layer._fused = f
+
+    (fused, cache_f), (plain, cache_p) = run(True), run(False)
+    np.testing.assert_array_equal(fused, plain)
+    for kf, kp in zip(cache_f.k, cache_p.k):
+        np.testing.assert_array_equal(kf[:, :cache_f.length], kp[:, :cache_p.length])
+    return fused_halves
 
 
 def prompts_for(vocab: int, seed: int, lengths=(1, 5, 23)) -> list[list[int]]:

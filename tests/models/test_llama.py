@@ -2,7 +2,7 @@
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from harness import check_against_transformers, prompts_for
+from harness import check_against_transformers, check_fused_decode_is_exact, prompts_for
 
 CASES = {
     "gqa": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
@@ -22,3 +22,12 @@ def test_llama_matches_transformers(tmp_path, case, bits):
     seed = sorted(CASES).index(case) + 11
     cfg = LlamaConfig(vocab_size=160, num_hidden_layers=2, max_position_embeddings=512, **CASES[case])
     check_against_transformers(LlamaForCausalLM, cfg, tmp_path, seed, bits, prompts_for(160, seed))
+
+
+def test_fused_decode_is_exact_on_smollm2(smollm2_container):
+    """The real model: every layer of SmolLM2 (q4_1) takes both fused blocks, bit for bit."""
+    from colibri import Engine
+
+    engine = Engine.load(smollm2_container)
+    prompt = engine.tokenizer.encode("The quick brown fox jumps over")
+    assert check_fused_decode_is_exact(engine, prompt, steps=12) == 2 * len(engine.model.layers)
