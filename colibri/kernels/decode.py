@@ -4,8 +4,10 @@ A small model's decode step is ~30 layers x ~15 Python-level operations (norm, m
 wrapper, slicing, RoPE, cache write, attention, residual add...), each a few microseconds of
 interpreter and dispatch overhead: about 1 ms of SmolLM2's ~4.5 ms per token. These functions
 run the same kernels in the same order from inside numba (the parallel matvec and attention
-kernels keep their own thread pool when called from here), so the results are bit-identical
-to the unfused path in colibri.models.common, which remains the reference and the fallback for
+kernels keep their own thread pool when called from here), so the results equal the unfused
+path in colibri.models.common within float32 rounding (the kernels' reductions may reassociate,
+and LLVM chooses the order per compiled specialization; tests/models/harness.py checks every
+model family), which remains the reference and the fallback for
 every layer these do not cover (MLA, unfused q/k/v or gate/up, non-int4 weights, prefill).
 
 A weight is passed as the tuple `int4_weight(t)` returns: (q, scales, offs, coef, half, cshift).

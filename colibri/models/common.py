@@ -342,7 +342,7 @@ class MLP:
 
 
 def swiglu_expert(x: np.ndarray, e: dict[str, QTensor]) -> np.ndarray:
-    if x.shape[0] == 1:  # decode: one compiled call when the weights are int4 (same numbers)
+    if x.shape[0] == 1:  # decode: one compiled call when the weights are int4 (same math)
         ws = [decode.int4_weight(e[p]) for p in ("gate_proj", "up_proj", "down_proj")]
         if all(w is not None for w in ws):
             return decode.swiglu(x[0], *ws, get_num_threads())[None, :]
@@ -424,7 +424,7 @@ class DecoderLayer:
         return x + self.mlp(rms_norm(x, self.post_norm, self.eps))
 
     def _decode(self, x, cache, layer, pos0, cos, sin):
-        """One token: each block the fused kernels cover is one compiled call, the same numbers."""
+        """One token: each block the fused kernels cover is one compiled call, the same math."""
         attn_args, mlp_args = self._fused if self._fused is not None else self._build_fused()
         nthreads = get_num_threads()  # not free (a lock and a thread check): once per layer
         if attn_args is not None:
@@ -442,7 +442,7 @@ class DecoderLayer:
     def _build_fused(self):
         """Which halves of this layer the fused decode kernels cover: GQA attention with fused
         int4 q/k/v (optional q/k norms and clipping) and a SwiGLU MLP with fused int4 gate/up.
-        Anything else keeps the step-by-step path, which computes the same numbers."""
+        Anything else keeps the step-by-step path, which computes the same math."""
         eps = np.float32(self.eps)
         attn, mlp = self.attn, self.mlp
         attn_args = mlp_args = None

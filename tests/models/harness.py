@@ -103,8 +103,10 @@ def check_against_transformers(model_cls, config, tmp_path: Path, seed: int, bit
 
 def check_fused_decode_is_exact(engine, prompt: list[int], steps: int = 8) -> int:
     """colibri.kernels.decode runs whole attention and MLP blocks in one compiled call; on every
-    decode step they must give the same bits (logits and KV cache) as the step-by-step path they
-    replace. Returns how many layer halves took the fused path (0: nothing to compare)."""
+    decode step they must give the step-by-step path's logits and KV cache within float32
+    rounding. (Not bit for bit: the kernels' reductions may reassociate, and LLVM picks the
+    order per compiled specialization, which differs between the two call paths depending on
+    what was compiled first.) Returns how many layer halves took the fused path."""
     model = engine.model
     layers = [layer for layer in model.layers if hasattr(layer, "_build_fused")]
     fused_halves = sum(half is not None for layer in layers for half in layer._build_fused())
@@ -127,9 +129,14 @@ def check_fused_decode_is_exact(engine, prompt: list[int], steps: int = 8) -> in
                 layer._fused = f
 
     (fused, cache_f), (plain, cache_p) = run(True), run(False)
-    np.testing.assert_array_equal(fused, plain)
+
+    def close(a, b):
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-5 * max(1.0, float(np.max(np.abs(b)))))
+
+    close(fused, plain)
     for kf, kp in zip(cache_f.k, cache_p.k):
-        np.testing.assert_array_equal(kf[:, :cache_f.length], kp[:, :cache_p.length])
+        close(kf[:, :cache_f.length], kp[:, :cache_p.length])
+    assert (np.argmax(fused, axis=-1) == np.argmax(plain, axis=-1)).all()
     return fused_halves
 
 

@@ -25,7 +25,8 @@ def test_llama_matches_transformers(tmp_path, case, bits):
 
 
 def test_fused_decode_is_exact_on_smollm2(smollm2_container):
-    """The real model: every layer of SmolLM2 (q4_1) takes both fused blocks, bit for bit."""
+    """The real model: every layer of SmolLM2 (q4_1) takes both fused blocks, with the step-by-step
+    path's results."""
     from colibri import Engine
 
     engine = Engine.load(smollm2_container)
