@@ -74,4 +74,3 @@ def test_seeded_sampling_is_reproducible(engine):
     a = engine.generate("Tell me a story.", max_tokens=16, temperature=0.9, top_p=0.9, top_k=40, seed=7)
     b = engine.generate("Tell me a story.", max_tokens=16, temperature=0.9, top_p=0.9, top_k=40, seed=7)
     assert a.token_ids == b.token_ids
-
