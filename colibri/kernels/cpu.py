@@ -28,7 +28,7 @@ from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .quant import GROUP_SIZE, SCHEMES, QTensor
+from .quant import GROUP_SIZE, INT4_SCHEMES, SCHEMES, QTensor
 
 # reassoc lets LLVM split each reduction over vector lanes; contract fuses to FMA. Sums
 # change only by float32 rounding.
@@ -690,6 +690,17 @@ def _int4_args(t: QTensor) -> tuple:
     return t.q, t.scales, t.mins if has_min else t.scales, GROUP_SIZE[t.scheme] // 2, has_min
 
 
+def int4_weight(t: QTensor) -> tuple | None:
+    """The int4 matvec kernel's weight arguments for t, (q, scales, offs, coef, half, cshift),
+    or None when t is not an int4 scheme (used by matvec and by the fused decode blocks)."""
+    if t.scheme not in INT4_SCHEMES:
+        return None
+    _check_tensor(t)
+    half = GROUP_SIZE[t.scheme] // 2
+    offs, coef = (t.mins, 1.0) if t.scheme == "q4_1" else (t.scales, -8.0)
+    return t.q, t.scales, offs, np.float32(coef), half, _chunk_shift(half)
+
+
 def matvec(t: QTensor, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """y = dequantize(t) @ x: float32 [in] -> float32 [out_features] (decode)."""
     _check_tensor(t)
@@ -698,10 +709,8 @@ def matvec(t: QTensor, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarr
     if t.shape[0] == 0:
         return y
     s = t.scheme
-    if s in ("int4_g64", "q4_0", "q4_1"):
-        offs, coef = (t.mins, 1.0) if s == "q4_1" else (t.scales, -8.0)
-        half = GROUP_SIZE[s] // 2
-        _matvec_int4(t.q, t.scales, offs, np.float32(coef), half, _chunk_shift(half), x, y, get_num_threads())
+    if s in INT4_SCHEMES:
+        _matvec_int4(*int4_weight(t), x, y, get_num_threads())
     elif s == "q8_0":
         group = GROUP_SIZE[s]
         _matvec_q8(t.q, t.scales, group, _chunk_shift(group), x, y, get_num_threads())

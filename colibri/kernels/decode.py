@@ -4,13 +4,14 @@ A small model's decode step is ~30 layers x ~15 Python-level operations (norm, m
 wrapper, slicing, RoPE, cache write, attention, residual add...), each a few microseconds of
 interpreter and dispatch overhead: about 1 ms of SmolLM2's ~4.5 ms per token. These functions
 run the same kernels in the same order from inside numba (the parallel matvec and attention
-kernels keep their own thread pool when called from here), so the results equal the unfused
-path in colibri.models.common within float32 rounding (the kernels' reductions may reassociate,
-and LLVM chooses the order per compiled specialization; tests/models/harness.py checks every
-model family), which remains the reference and the fallback for
-every layer these do not cover (MLA, unfused q/k/v or gate/up, non-int4 weights, prefill).
+kernels keep their own thread pool when called from here). colibri.models.common's
+step-by-step path stays the reference and the fallback for every layer these do not cover
+(MLA, unfused q/k/v or gate/up, non-int4 weights, prefill); the two agree within float32
+rounding, not bit for bit: the kernels' small reductions reassociate, and LLVM picks the order
+per compiled specialization (tests/models/harness.py checks every family).
 
-A weight is passed as the tuple `int4_weight(t)` returns: (q, scales, offs, coef, half, cshift).
+A weight is passed as the tuple colibri.kernels.cpu.int4_weight(t) returns:
+(q, scales, offs, coef, half, cshift).
 """
 from __future__ import annotations
 
@@ -18,20 +19,7 @@ import numpy as np
 from numba import njit
 
 from . import ops
-from .cpu import _chunk_shift, _matvec_int4
-from .quant import GROUP_SIZE, INT4_SCHEMES, QTensor
-
-
-def int4_weight(t: QTensor) -> tuple | None:
-    """The arguments of the int4 matvec kernel for t, or None when t is not an int4 scheme."""
-    if t.scheme not in INT4_SCHEMES:
-        return None
-    from .cpu import _check_tensor
-
-    _check_tensor(t)
-    half = GROUP_SIZE[t.scheme] // 2
-    offs, coef = (t.mins, 1.0) if t.scheme == "q4_1" else (t.scales, -8.0)
-    return t.q, t.scales, offs, np.float32(coef), half, _chunk_shift(half)
+from .cpu import _matvec_int4
 
 
 @njit(cache=True)

@@ -115,23 +115,20 @@ def attend_one(q, k, v, n, scale):
 # error_model="numpy": numba's default checks every float division for a zero divisor, a
 # branch that keeps the loop scalar (5x slower here).
 @njit(cache=True, fastmath={"contract"}, error_model="numpy")
+def _silu_gate(g, u, out):
+    for i in range(g.shape[0]):
+        v = g[i]
+        out[i] = v / (np.float32(1.0) + expf(-v)) * u[i]
+
+
+@njit(cache=True)
 def silu_mul(gu, n):
     """gu [L, 2n] = [gate | up] -> silu(gate) * up [L, n]."""
     L = gu.shape[0]
     out = np.empty((L, n), np.float32)
     for i in range(L):
-        row, o = gu[i], out[i]
-        for j in range(n):
-            g = row[j]
-            o[j] = g / (np.float32(1.0) + expf(-g)) * row[n + j]
+        _silu_gate(gu[i, :n], gu[i, n:], out[i])
     return out
-
-
-@njit(cache=True, fastmath={"contract"}, error_model="numpy")
-def _silu_gate(g, u, out):
-    for i in range(g.shape[0]):
-        v = g[i]
-        out[i] = v / (np.float32(1.0) + expf(-v)) * u[i]
 
 
 def silu_gate(g: np.ndarray, u: np.ndarray) -> np.ndarray:

@@ -17,6 +17,7 @@ from numba import get_num_threads
 
 from colibri.errors import ColibriError
 from colibri.kernels import decode, embedding, matmul, matvec, ops
+from colibri.kernels.cpu import int4_weight
 from colibri.kernels.quant import QTensor
 
 # ----------------------------------------------------------------------------- config
@@ -343,7 +344,7 @@ class MLP:
 
 def swiglu_expert(x: np.ndarray, e: dict[str, QTensor]) -> np.ndarray:
     if x.shape[0] == 1:  # decode: one compiled call when the weights are int4 (same math)
-        ws = [decode.int4_weight(e[p]) for p in ("gate_proj", "up_proj", "down_proj")]
+        ws = [int4_weight(e[p]) for p in ("gate_proj", "up_proj", "down_proj")]
         if all(w is not None for w in ws):
             return decode.swiglu(x[0], *ws, get_num_threads())[None, :]
     return linear(ops.silu_gate(linear(x, e["gate_proj"]), linear(x, e["up_proj"])), e["down_proj"])
@@ -447,7 +448,7 @@ class DecoderLayer:
         attn, mlp = self.attn, self.mlp
         attn_args = mlp_args = None
         if type(attn) is Attention and attn.qkv is not None:
-            qkv, o = decode.int4_weight(attn.qkv), decode.int4_weight(attn.o_proj)
+            qkv, o = int4_weight(attn.qkv), int4_weight(attn.o_proj)
             if qkv is not None and o is not None:
                 def f32(a):
                     return np.zeros(0, np.float32) if a is None else np.ascontiguousarray(a, np.float32)
@@ -457,7 +458,7 @@ class DecoderLayer:
                 attn_args = (eps, qkv, f32(attn.qkv_bias), o, f32(attn.o_bias), attn.rope.rotary_dim,
                              attn.h, attn.kv, attn.dh, attn.scale, norms)
         if type(mlp) is MLP and mlp.gate_up is not None:
-            gate_up, down = decode.int4_weight(mlp.gate_up), decode.int4_weight(mlp.down)
+            gate_up, down = int4_weight(mlp.gate_up), int4_weight(mlp.down)
             if gate_up is not None and down is not None:
                 mlp_args = (eps, gate_up, mlp.gate.shape[0], down)
         self._fused = (attn_args, mlp_args)

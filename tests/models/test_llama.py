@@ -2,7 +2,7 @@
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from harness import check_against_transformers, check_fused_decode_is_exact, prompts_for
+from harness import check_against_transformers, check_fused_decode_matches, prompts_for
 
 CASES = {
     "gqa": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
@@ -31,4 +31,4 @@ def test_fused_decode_is_exact_on_smollm2(smollm2_container):
 
     engine = Engine.load(smollm2_container)
     prompt = engine.tokenizer.encode("The quick brown fox jumps over")
-    assert check_fused_decode_is_exact(engine, prompt, steps=12) == 2 * len(engine.model.layers)
+    assert check_fused_decode_matches(engine, prompt, steps=12) == 2 * len(engine.model.layers)

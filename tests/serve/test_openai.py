@@ -3,6 +3,8 @@ chat and completions, streamed and not, usage, stop strings, seeds, logprobs, pr
 from __future__ import annotations
 
 import numpy as np
+
+from colibri.engine import _common_prefix  # the engine's own rule for how much of a slot is reused
 import pytest
 
 MODEL_ID = "smollm2"  # the --model-id tests/serve/conftest.py starts servers with
@@ -23,15 +25,6 @@ def local_engine(smollm2_container):
     from colibri.engine import Engine
 
     return Engine.load(smollm2_container)
-
-
-def _common_prefix(a, b):
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def test_models_are_listed_and_unknown_ones_are_404(openai_client):

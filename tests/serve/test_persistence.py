@@ -9,16 +9,9 @@ import threading
 import httpx
 import numpy as np
 
+from colibri.engine import _common_prefix  # the engine's own rule for how much of a slot is reused
+
 MODEL_ID = "smollm2"  # the --model-id tests/serve/conftest.py starts servers with
-
-
-def _common_prefix(a, b):
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _chat(url, messages, max_tokens, slot=0):
