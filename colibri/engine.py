@@ -121,7 +121,7 @@ class Engine:
         config = EngineConfig(**{k: v for k, v in options.items() if v is not None})
         # numpy's BLAS (OpenBLAS) serves prefill attention and MLA; its threads keep spinning
         # for a while after each call, and on the cores the numba kernels run on they took about
-        # half the CPU (SmolLM2 prefill of 500 tokens: 1.29 s -> 0.84 s with one BLAS thread).
+        # half the CPU (bench/decode_vs_peers.py: SmolLM2 prefill 351 -> 630 tok/s with one thread).
         threadpool_limits(limits=1, user_api="blas")
         if config.threads is not None:
             from colibri.kernels import set_threads
