@@ -11,7 +11,7 @@ Why the loops look as they do (timings: this repo's 2-core AMD EPYC sandbox, one
 - Quantized matvec works on blocks of eight rows that share each load of x, with per-lane
   accumulators kept across groups and reduced once per row. Its inner loop is written as LLVM
   vector IR (_block8_codegen): the same loop in numba kept the accumulators in memory and ran
-  2-2.6x slower; with the next block's bytes prefetched it streams int4 weights at ~95% of
+  2-2.6x slower; with the next block's bytes prefetched it streams int4 weights at ~85-100% of
   the measured read bandwidth (README, Measured).
 - Nibble, int8 and half-float decoding are LLVM IR intrinsics: numba widens small integers
   to int64, and int64->float conversion is slow in SIMD (absent on AVX2); ~35% measured.
