@@ -204,6 +204,9 @@ def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ColibriError(f"{path} is not valid JSON ({' '.join(str(exc).split())})") from None
+    if not isinstance(data, dict):  # the readers call .get on it
+        raise ColibriError(f"{path} holds a JSON {type(data).__name__}, not an object; restore the file")
+    return data

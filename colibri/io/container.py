@@ -7,6 +7,11 @@
     experts-LLL.safetensors one uint8 blob per routed expert of layer LLL, each blob a
                             contiguous, 4096-aligned range holding gate_proj, up_proj and
                             down_proj with their scales: one pread fetches one expert.
+
+The manifest records a checksum of every expert blob (`checksum`: the algorithm, `digests`: one
+hex digest per expert), written by ContainerWriter, the one place every writer goes through;
+the expert readers verify it when they read a blob from disk. Containers written before
+checksums existed have none and are read unverified.
 """
 from __future__ import annotations
 
@@ -14,14 +19,15 @@ import json
 import os
 import shutil
 import tempfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from colibri.errors import ColibriError
+from colibri.errors import ColibriError, EngineFault
 from colibri.io.safetensors_io import ALIGN, SafetensorsFile, safetensors_header
-from colibri.kernels.quant import QTensor
+from colibri.kernels.quant import SCHEMES, QTensor
 
 MANIFEST = "colibri.json"
 DENSE_FILE = "dense.safetensors"
@@ -34,6 +40,34 @@ def _round_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
+# ----------------------------------------------------------------------------- checksums
+# xxh3_64 is what writers record. Measured on one thread here (tools/checksum_bench.py): ~10 GB/s
+# at expert sizes (3.5 MB OLMoE, 22 MB DeepSeek-V3) against 2-3.3 GB/s for zlib.crc32, ~1.5 for
+# sha1 and ~0.7 for blake2b; that is ~5% of the time a 0.5 GB/s disk takes to read the expert
+# (crc32: 15-25%), ~2-3% of a streamed token's time, so verification stays on by default. All
+# of them release the GIL, so reader threads verify while the kernels compute. crc32 (stdlib)
+# is also accepted, for containers that record it.
+CHECKSUM = "xxh3_64"
+
+
+def _xxh3_64(buf) -> str:
+    import xxhash  # imported on first use: `colibri --help` does not load it
+
+    return f"{xxhash.xxh3_64_intdigest(buf):016x}"
+
+
+def _crc32(buf) -> str:
+    return f"{zlib.crc32(buf):08x}"
+
+
+CHECKSUMS = {"xxh3_64": _xxh3_64, "crc32": _crc32}
+
+
+def checksum(buf: np.ndarray, algorithm: str = CHECKSUM) -> str:
+    """Hex digest of a contiguous uint8 array (one expert blob) with `algorithm`."""
+    return CHECKSUMS[algorithm](memoryview(buf).cast("B"))
+
+
 @dataclass(frozen=True)
 class ExpertLayout:
     """Where each array of one expert lives inside its blob (the same for every expert of a layer)."""
@@ -43,6 +77,8 @@ class ExpertLayout:
     blob_bytes: int
     # projection -> {"scheme", "shape", "parts": {part: [offset, dtype, shape]}}
     projections: dict
+    checksum: str | None = None          # algorithm of `digests`; None: written before checksums
+    digests: tuple[str, ...] | None = None  # one hex digest per expert blob
 
     def unpack(self, blob: np.ndarray) -> dict[str, QTensor]:
         """Views into one expert's blob (uint8 [blob_bytes]) -> {projection: QTensor}; no copy."""
@@ -89,20 +125,19 @@ class Container:
             hint = " (it looks like a Hugging Face checkpoint: run `colibri convert` on it first)" \
                 if (self.dir / "config.json").exists() else ""
             raise ColibriError(f"{self.dir} is not a colibri model directory: no {MANIFEST}{hint}")
-        try:
-            self.manifest = json.loads(manifest_path.read_text())
-            self.config = json.loads((self.dir / "config.json").read_text())
-        except (OSError, ValueError) as e:
-            raise ColibriError(f"{self.dir}: cannot read its manifest or config.json ({e})") from None
+        self.manifest = _read_object(manifest_path, f"{self.dir}: its manifest {MANIFEST}")
+        self.config = _read_object(self.dir / "config.json", f"{self.dir}: its config.json")
         if self.manifest.get("version") != FORMAT_VERSION:
             raise ColibriError(f"{self.dir}: container version {self.manifest.get('version')} is not "
                                f"supported (expected {FORMAT_VERSION}); re-convert the model")
+        if not isinstance(self.config.get("model_type"), str):
+            raise ColibriError(f"{self.dir}/config.json names no model_type; restore the file or re-convert the model")
+        _check_manifest(self.dir, self.manifest)
         self.dense = SafetensorsFile(self.dir / self.manifest["dense_file"])
-        self.expert_layouts = {
-            prefix: ExpertLayout(spec["file"], spec["num_experts"], spec["blob_bytes"], spec["projections"])
-            for prefix, spec in self.manifest.get("experts", {}).items()
-        }
+        self.expert_layouts = {prefix: _layout(self.dir, prefix, spec)
+                               for prefix, spec in self.manifest.get("experts", {}).items()}
         self._expert_files: dict[str, SafetensorsFile] = {}
+        self._checked_prefixes: set[str] = set()
         missing = [n for n in self.manifest["tensors"] if f"{n}.q" not in self.dense.tensors]
         if missing:
             raise ColibriError(f"{self.dir}: {len(missing)} tensors of the manifest are missing from "
@@ -130,17 +165,126 @@ class Container:
             return parts["q"].astype(np.float32)
         return QTensor(spec["scheme"], tuple(spec["shape"]), parts["q"], parts.get("scales"), parts.get("mins"))
 
+    @property
+    def has_checksums(self) -> bool:
+        return any(l.digests is not None for l in self.expert_layouts.values())
+
     def expert_file(self, prefix: str) -> SafetensorsFile:
         layout = self.expert_layouts[prefix]
         if layout.file not in self._expert_files:
             self._expert_files[layout.file] = SafetensorsFile(self.dir / layout.file)
-        return self._expert_files[layout.file]
+        f = self._expert_files[layout.file]
+        if prefix not in self._checked_prefixes:
+            _check_expert_file(f, prefix, layout)
+            self._checked_prefixes.add(prefix)
+        return f
 
     def expert_range(self, prefix: str, expert: int) -> tuple[Path, int, int]:
         """(file path, absolute byte offset, byte count) of one expert's blob: one pread."""
         f = self.expert_file(prefix)
         info = f.tensors[f"{prefix}.experts.{expert}"]
         return f.path, info.offset, info.nbytes
+
+    def verify_expert(self, prefix: str, expert: int, blob: np.ndarray) -> None:
+        """Raise EngineFault when `blob` (the expert's bytes as read from disk) does not match the
+        checksum the manifest records; no-op for a container written without checksums."""
+        layout = self.expert_layouts[prefix]
+        if layout.digests is None:
+            return
+        got, want = checksum(blob, layout.checksum), layout.digests[expert]
+        if got != want:
+            raise EngineFault(f"expert {expert} of {prefix} in {self.dir / layout.file} failed its checksum "
+                              f"({layout.checksum} {got} != {want}): the file is damaged; re-convert or restore it")
+
+
+def _read_object(path: Path, what: str) -> dict:
+    """A JSON file that must hold an object; anything else is a one-line ColibriError."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ColibriError(f"{what} cannot be read as JSON ({' '.join(str(e).split())}); "
+                           "restore the file or re-convert the model") from None
+    if not isinstance(data, dict):
+        raise ColibriError(f"{what} holds a JSON {type(data).__name__}, not an object; "
+                           "restore the file or re-convert the model")
+    return data
+
+
+def _malformed(model_dir: Path, what: str) -> ColibriError:
+    return ColibriError(f"{model_dir}: its manifest {MANIFEST} is malformed ({what}); re-convert the model")
+
+
+def _check_manifest(model_dir: Path, m: dict) -> None:
+    """The manifest fields the loader relies on have the right types (checked once at load, so a
+    damaged manifest is a one-line error at start, not a TypeError in the middle of a request)."""
+    if not isinstance(m.get("dense_file"), str):
+        raise _malformed(model_dir, "dense_file is not a file name")
+    if not isinstance(m.get("tensors"), dict):
+        raise _malformed(model_dir, "tensors is not an object")
+    for name, spec in m["tensors"].items():
+        if not (isinstance(spec, dict) and spec.get("scheme") in SCHEMES and _is_shape(spec.get("shape"))):
+            raise _malformed(model_dir, f"tensor {name} has no valid scheme and shape")
+    if not isinstance(m.get("experts", {}), dict):
+        raise _malformed(model_dir, "experts is not an object")
+
+
+def _is_shape(shape) -> bool:
+    return isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+
+
+def _layout(model_dir: Path, prefix: str, spec) -> ExpertLayout:
+    """One MoE layer's manifest entry -> ExpertLayout, every field checked."""
+    if not isinstance(spec, dict):
+        raise _malformed(model_dir, f"experts of {prefix} is not an object")
+    n, size, projections = spec.get("num_experts"), spec.get("blob_bytes"), spec.get("projections")
+    if not (isinstance(spec.get("file"), str) and isinstance(n, int) and n > 0
+            and isinstance(size, int) and size > 0 and isinstance(projections, dict)):
+        raise _malformed(model_dir, f"experts of {prefix} lack file, num_experts, blob_bytes or projections")
+    for proj in EXPERT_PROJECTIONS:
+        if not _projection_fits(projections.get(proj), size):
+            raise _malformed(model_dir, f"{proj} of the experts of {prefix} does not fit its {size}-byte blob")
+    algorithm, digests = spec.get("checksum"), spec.get("digests")
+    if digests is None:
+        return ExpertLayout(spec["file"], n, size, projections)
+    if algorithm not in CHECKSUMS:
+        raise ColibriError(f"{model_dir}: the experts of {prefix} carry {algorithm!r} checksums, which this "
+                           f"colibri cannot check (it knows {', '.join(CHECKSUMS)}); upgrade colibri")
+    if algorithm == "xxh3_64":
+        try:
+            import xxhash  # noqa: F401  (missing after a --no-deps install: say so at start)
+        except ImportError:
+            raise ColibriError("checking this model's expert checksums needs the xxhash package: "
+                               "pip install xxhash") from None
+    if not (isinstance(digests, list) and len(digests) == n and all(isinstance(d, str) for d in digests)):
+        raise _malformed(model_dir, f"experts of {prefix} do not have one digest per expert")
+    return ExpertLayout(spec["file"], n, size, projections, algorithm, tuple(digests))
+
+
+def _projection_fits(spec, blob_bytes: int) -> bool:
+    """A projection's parts are [offset, dtype, shape] ranges that lie inside the blob."""
+    if not (isinstance(spec, dict) and spec.get("scheme") in SCHEMES and _is_shape(spec.get("shape"))
+            and isinstance(spec.get("parts"), dict) and "q" in spec["parts"]):
+        return False
+    for part in spec["parts"].values():
+        try:
+            off, dtype, shape = part
+            end = off + int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        except (TypeError, ValueError):
+            return False
+        if not (isinstance(off, int) and _is_shape(shape) and 0 <= off <= end <= blob_bytes):
+            return False
+    return True
+
+
+def _check_expert_file(f: SafetensorsFile, prefix: str, layout: ExpertLayout) -> None:
+    """The layer's file holds one blob of the manifest's size per expert (else a pread would read
+    the wrong bytes or too few)."""
+    for e in range(layout.num_experts):
+        info = f.tensors.get(f"{prefix}.experts.{e}")
+        if info is None or info.nbytes != layout.blob_bytes:
+            found = "is missing" if info is None else f"has {info.nbytes} bytes, not {layout.blob_bytes}"
+            raise ColibriError(f"{f.path}: expert {e} of {prefix} {found}; the file does not match the "
+                               "manifest: re-convert the model")
 
 
 class ContainerWriter:
@@ -160,6 +304,7 @@ class ContainerWriter:
         self._spool: dict[int, tuple] = {}           # itemsize -> (file, [(name, dtype, shape)])
         self._expert_files: dict[str, tuple] = {}    # prefix -> (fd, absolute offset of each expert)
         self._written: dict[str, set[int]] = {}
+        self._digests: dict[str, list] = {}          # prefix -> checksum of each expert blob
 
     def add_dense(self, name: str, t: QTensor | np.ndarray) -> None:
         if isinstance(t, QTensor):
@@ -191,6 +336,7 @@ class ContainerWriter:
             os.ftruncate(fd, len(head) + num_experts * blob.size)
             self._expert_files[prefix] = (fd, [offsets[n] for n in names])
             self._written[prefix] = set()
+            self._digests[prefix] = [None] * num_experts
             self.experts[prefix] = {"file": fname, "num_experts": num_experts, "blob_bytes": int(blob.size),
                                     "projections": spec}
         elif spec != self.experts[prefix]["projections"]:
@@ -200,6 +346,8 @@ class ContainerWriter:
         fd, offsets = self._expert_files[prefix]
         os.pwrite(fd, memoryview(blob), offsets[expert])
         self._written[prefix].add(expert)
+        # Of the blob as written, padding included: the readers hash the whole range they read.
+        self._digests[prefix][expert] = checksum(blob)
 
     def add_expert_layer(self, prefix: str, layer: int, experts: list[dict[str, QTensor]]) -> None:
         """All routed experts of one MoE block at once."""
@@ -213,6 +361,7 @@ class ContainerWriter:
                 raise ColibriError(f"{prefix}: {missing} routed experts never appeared in the checkpoint")
             os.fsync(fd)
             os.close(fd)
+            self.experts[prefix].update(checksum=CHECKSUM, digests=self._digests[prefix])
         self._expert_files.clear()
         self._write_dense()
         (self.dir / "config.json").write_text(json.dumps(config, indent=2))

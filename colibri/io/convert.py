@@ -110,6 +110,9 @@ def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
         raise ColibriError(f"{src} has no config.json; is it a Hugging Face checkpoint directory?") from None
     except ValueError as e:
         raise ColibriError(f"{src}/config.json is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ColibriError(f"{src}/config.json holds a JSON {type(config).__name__}, not an object; "
+                           "is it a Hugging Face checkpoint directory?")
     family(config.get("model_type"))  # unknown model_type: fail before reading any weights
     block = fp8.block_size(config)     # unsupported quantization_config: fail early too
     shards = sorted(src.glob("*.safetensors"))

@@ -15,6 +15,12 @@ a RAM cache under one byte budget, else disk — so models larger than RAM run.
   calls `prefetch`).
 
 Placement changes speed, never tokens: the bytes served are the container's bytes.
+
+Integrity: every blob read from disk is checked against the manifest's checksum in the reader
+thread, right after its pread (a RAM hit is not re-checked; with `io="mmap"` each expert is
+checked the first time this process touches it, as the page cache decides later re-reads). A
+mismatch, a short read or an I/O error is an EngineFault naming the file and the expert; it
+fails the generation that asked and leaves the store serving every other expert.
 """
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from colibri.errors import ColibriError
+from colibri.errors import ColibriError, EngineFault
 from colibri.io.container import Container, ExpertLayout
 
 IO_MODES = ("pread", "direct", "mmap")
@@ -73,6 +79,7 @@ class StoreConfig:
     threads: int = 2                # readahead threads
     hot_fraction: float = 0.5       # share of the slots pinned to the historically hottest experts
     prefetch: bool = True           # read the next layer's predicted experts during attention
+    verify: bool = True             # check each blob read from disk against the manifest checksum
     history: dict = field(default_factory=dict)  # prefix -> routing counts [E] (from usage history)
 
 
@@ -144,6 +151,7 @@ class ExpertStore:
         self._lock = threading.Lock()
         self._fds: dict[str, int] = {}
         self._maps: dict[str, np.ndarray] = {}
+        self._verified: set[tuple[str, int]] = set()  # mmap: experts checked since the files were mapped
         prefixes = list(container.expert_layouts)
         blob_total = sum(l.blob_bytes for l in container.expert_layouts.values())
         # Slots are sized for the largest blob (MoE layers of one model share expert shapes, so
@@ -159,10 +167,14 @@ class ExpertStore:
         # this very call); 2 per reader keeps the pipeline full.
         self._staging = [aligned_buffer(max_blob) for _ in range(2 * max(1, config.threads))] if max_blob else []
         self._readers = ThreadPoolExecutor(max_workers=max(1, config.threads), thread_name_prefix="colibri-read")
-        for p in prefixes:
-            self._open(p)
-        if config.hot_fraction > 0 and config.history:
-            self._pin_hot_set()
+        try:
+            for p in prefixes:
+                self._open(p)
+            if config.hot_fraction > 0 and config.history:
+                self._pin_hot_set()
+        except BaseException:
+            self.close()  # a damaged hot expert fails the load: leave no reader threads or fds behind
+            raise
 
     # ------------------------------------------------------------------ files
     def _open(self, prefix: str) -> None:
@@ -182,18 +194,32 @@ class ExpertStore:
                                "try --expert-io pread if the filesystem refuses O_DIRECT") from None
 
     def _read(self, prefix: str, e: int, buf: np.ndarray) -> np.ndarray:
+        """One expert from disk into `buf` (runs in a reader thread), verified. Failures are
+        EngineFaults: the client's request is fine, the model files are not."""
         path, offset, nbytes = self.container.expert_range(prefix, e)
         try:
             n = os.preadv(self._fds[str(path)], [memoryview(buf[:nbytes])], offset)
         except OSError as err:
-            raise ColibriError(f"reading expert {e} of {prefix} from {path} failed: {err.strerror}") from None
+            raise EngineFault(f"reading expert {e} of {prefix} from {path} failed ({err.strerror}); "
+                              "check the disk, then restore or re-convert the file") from None
         if n != nbytes:
-            raise ColibriError(f"{path}: short read of expert {e} of {prefix} ({n} of {nbytes} bytes); "
-                               "the file is truncated: re-convert the model")
+            raise EngineFault(f"expert {e} of {prefix} in {path} is truncated (read {n} of {nbytes} bytes): "
+                              "the file is damaged; re-convert or restore it")
+        if self.config.verify:
+            self.container.verify_expert(prefix, e, buf[:nbytes])
         with self._lock:
             self.stats.bytes_read += nbytes
             self.stats.reads += 1
         return buf
+
+    def _mapped(self, prefix: str, e: int, mm: np.ndarray) -> np.ndarray:
+        """One expert's bytes in the mapped file, verified the first time this process touches it."""
+        _, off, n = self.container.expert_range(prefix, e)
+        blob = mm[off: off + n]
+        if self.config.verify and (prefix, e) not in self._verified:
+            self.container.verify_expert(prefix, e, blob)
+            self._verified.add((prefix, e))
+        return blob
 
     # ------------------------------------------------------------------ placement
     def _pin_hot_set(self) -> None:
@@ -247,9 +273,9 @@ class ExpertStore:
             path, _, _ = self.container.expert_range(prefix, 0)
             mm = self._maps[str(path)]
             for e in ids:
-                _, off, n = self.container.expert_range(prefix, e)
+                blob = self._mapped(prefix, e, mm)
                 self.stats.hits += 1  # the page cache decides; counted as served
-                yield e, layout.unpack(mm[off: off + n])
+                yield e, layout.unpack(blob)
             return
         pool = self.slots
         protect = {(prefix, e) for e in ids}
@@ -287,30 +313,47 @@ class ExpertStore:
         done_staged = 0
         is_ready = [hit and (fut is None or fut.done()) for _, _, fut, hit in plan]
         order = [i for i, r in enumerate(is_ready) if r] + [i for i, r in enumerate(is_ready) if not r]
-        for i in order:
-            e, buf, fut, hit = plan[i]
-            if buf is None:  # staged: its read was submitted by submit_staged
-                fut = staged_futs[i]
-            if hit and (fut is None or fut.done()):
-                self.stats.hits += 1
+        try:
+            for i in order:
+                e, buf, fut, hit = plan[i]
+                if buf is None:  # staged: its read was submitted by submit_staged
+                    fut = staged_futs[i]
+                if hit and (fut is None or fut.done()):
+                    self.stats.hits += 1
+                    if fut is not None:
+                        self.stats.prefetch_hits += 1
+                else:
+                    self.stats.misses += 1
                 if fut is not None:
-                    self.stats.prefetch_hits += 1
-            else:
-                self.stats.misses += 1
-            if fut is not None:
-                t0 = time.perf_counter()
+                    t0 = time.perf_counter()
+                    try:
+                        buf = fut.result()
+                    except BaseException:
+                        # A failed read (EngineFault) fails this generation only: its slot is
+                        # freed, so the expert is read afresh when next asked for.
+                        self._forget(prefix, e)
+                        raise
+                    self.stats.wait_s += time.perf_counter() - t0
+                    pool.loading.pop((prefix, e), None)
+                yield e, layout.unpack(buf)
+                if i in staged_futs:
+                    done_staged += 1
+                    # The consumer is done with this staging buffer: reuse it for the next miss.
+                    submit_staged(done_staged + len(self._staging))
+        finally:
+            self._settle(staged_futs.values())
+
+    @staticmethod
+    def _settle(futures) -> None:
+        """Wait out staged reads this call left in flight (it raised, or its consumer stopped
+        early): the next call reuses their staging buffers, and a late write would land in an
+        expert being computed. Their own failures belong to no one and are dropped."""
+        for fut in futures:
+            if not fut.cancel():
                 try:
-                    buf = fut.result()
-                except ColibriError:
-                    self._forget(prefix, e)
-                    raise
-                self.stats.wait_s += time.perf_counter() - t0
-                pool.loading.pop((prefix, e), None)
-            yield e, layout.unpack(buf)
-            if i in staged_futs:
-                done_staged += 1
-                # The consumer is done with this staging buffer: reuse it for the next miss.
-                submit_staged(done_staged + len(self._staging))
+                    fut.result()
+                except BaseException:
+                    pass
 
     def _forget(self, prefix: str, e: int) -> None:
         """After a failed read, the slot must not claim to hold the expert."""

@@ -1,7 +1,8 @@
 """Routed-expert sources: what a MoE block asks for its experts.
 
 `ResidentExperts` reads every expert blob into RAM once at load (one pread per expert into
-one preallocated array per layer): the fastest choice when every expert fits the budget.
+one preallocated array per layer, each checked against the manifest checksum): the fastest
+choice when every expert fits the budget.
 `expert_store.ExpertStore` (disk -> RAM LRU, readahead, hot set, prefetch) implements the same
 `iter_experts` / `prefetch` contract, so models never know where an expert came from.
 """
@@ -15,24 +16,28 @@ from pathlib import Path
 
 import numpy as np
 
-from colibri.errors import ColibriError
+from colibri.errors import ColibriError, EngineFault
 from colibri.io.container import Container
 from colibri.io.expert_store import arena
 
 
 class ResidentExperts:
-    def __init__(self, container: Container):
+    def __init__(self, container: Container, verify: bool = True):
         self.layers: dict[str, list] = {}
         self.bytes_resident = 0
         for prefix, layout in container.expert_layouts.items():
             store = arena(layout.num_experts * layout.blob_bytes).reshape(layout.num_experts, layout.blob_bytes)
-            fd = os.open(container.expert_file(prefix).path, os.O_RDONLY)
+            path = container.expert_file(prefix).path
+            fd = os.open(path, os.O_RDONLY)
             try:
                 for e in range(layout.num_experts):
                     _, offset, nbytes = container.expert_range(prefix, e)
                     n = os.preadv(fd, [memoryview(store[e])], offset)
                     if n != nbytes:
-                        raise ColibriError(f"{container.dir}: short read of {prefix} expert {e}; the file is truncated")
+                        raise EngineFault(f"expert {e} of {prefix} in {path} is truncated (read {n} of {nbytes} "
+                                          "bytes): the file is damaged; re-convert or restore it")
+                    if verify:
+                        container.verify_expert(prefix, e, store[e])
             finally:
                 os.close(fd)
             self.layers[prefix] = [layout.unpack(store[e]) for e in range(layout.num_experts)]
@@ -115,12 +120,15 @@ def open_experts(container: Container, config):
     stream = config.stream_experts
     if stream is None:
         stream = expert_total > budget - dense or config.expert_io != "pread"
+    # EngineConfig.verify_experts (default on): check each expert read from disk against the
+    # manifest checksum. Read with a default so this module works before the field exists.
+    verify = bool(getattr(config, "verify_experts", True))
     if not stream or not container.expert_layouts:
-        return ResidentExperts(container)
+        return ResidentExperts(container, verify=verify)
     history = load_history(history_path(container))
     store_cfg = StoreConfig(ram_bytes=budget - dense, io=config.expert_io, threads=config.read_threads,
                             hot_fraction=0.5 if config.hot_set else 0.0, prefetch=config.prefetch,
-                            history=history)
+                            history=history, verify=verify)
     return ExpertStore(container, store_cfg)
 
 

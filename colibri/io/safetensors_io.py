@@ -18,6 +18,7 @@ import numpy as np
 from colibri.errors import ColibriError
 
 ALIGN = 4096
+MAX_HEADER = 100_000_000  # the safetensors library refuses larger headers too
 
 # safetensors dtype -> numpy dtype of the stored bytes (bf16 and fp8 stay raw bits).
 _DTYPES = {
@@ -56,22 +57,24 @@ class SafetensorsFile:
                 (hlen,) = struct.unpack("<Q", head)
                 if hlen > size - 8:
                     raise ValueError("header length points past the end of the file")
+                if hlen > MAX_HEADER:  # as the safetensors library: garbage must not allocate GBs
+                    raise ValueError(f"header length {hlen} exceeds the format's {MAX_HEADER} bytes")
                 header = json.loads(f.read(hlen))
+            if not isinstance(header, dict) or not isinstance(header.get("__metadata__") or {}, dict):
+                raise ValueError("the header is not a JSON object of tensors")
         except (OSError, ValueError, UnicodeDecodeError) as e:
-            raise ColibriError(f"{self.path}: not a readable safetensors file ({e})") from None
+            raise ColibriError(f"{self.path}: not a readable safetensors file ({' '.join(str(e).split())})") from None
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
         data_start = 8 + hlen
         self.tensors: dict[str, TensorInfo] = {}
         for name, h in header.items():
-            start, end = h["data_offsets"]
+            dtype, shape, start, end = _entry(self.path, name, h)
             if data_start + end > size:
                 raise ColibriError(
                     f"{self.path}: truncated (tensor {name} ends at byte {data_start + end}, "
                     f"file has {size}); re-download or re-convert it"
                 )
-            if h["dtype"] not in _DTYPES:
-                raise ColibriError(f"{self.path}: tensor {name} has unsupported dtype {h['dtype']}")
-            self.tensors[name] = TensorInfo(name, h["dtype"], tuple(h["shape"]), data_start + start, end - start)
+            self.tensors[name] = TensorInfo(name, dtype, shape, data_start + start, end - start)
         self._mm = np.memmap(self.path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
 
     def keys(self):
@@ -103,6 +106,26 @@ class SafetensorsFile:
         if info.dtype.startswith("F8"):
             raise ColibriError(f"{self.path}: tensor {name} is {info.dtype}; FP8 checkpoints are not supported yet")
         return a.astype(np.float32)
+
+
+def _entry(path: Path, name: str, h) -> tuple[str, tuple[int, ...], int, int]:
+    """One header entry -> (dtype, shape, start, end), or a one-line ColibriError when it is not
+    a well-formed tensor: a known dtype, a shape, and data offsets spanning exactly its bytes."""
+    try:
+        dtype, shape, (start, end) = h["dtype"], tuple(h["shape"]), h["data_offsets"]
+        ok = isinstance(dtype, str) and start <= end and all(isinstance(v, int) and v >= 0
+                                                             for v in (*shape, start, end))
+    except (KeyError, TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ColibriError(f"{path}: the header entry of tensor {name} is malformed (needs dtype, shape and "
+                           "data_offsets); re-download or re-convert the file")
+    if dtype not in _DTYPES:
+        raise ColibriError(f"{path}: tensor {name} has unsupported dtype {dtype}")
+    if int(np.prod(shape, dtype=np.int64)) * np.dtype(_DTYPES[dtype]).itemsize != end - start:
+        raise ColibriError(f"{path}: tensor {name} of shape {list(shape)} does not span its "
+                           f"{end - start} bytes; re-download or re-convert the file")
+    return dtype, shape, start, end
 
 
 def safetensors_header(entries: list[tuple[str, np.dtype, tuple[int, ...]]],
