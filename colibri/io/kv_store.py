@@ -1,8 +1,12 @@
 """KV cache persistence: a slot's token ids and its K/V arrays in one .npz file, written
-crash-safely (temporary file, fsync, rename), so a killed process never leaves a torn file."""
+crash-safely (temporary file, fsync, rename), so a killed process never leaves a torn file.
+A slot holds a whole conversation, so its file is private to the user (0600), from the moment
+the temporary file exists; `private_dir` makes the directory that holds them 0700."""
 from __future__ import annotations
 
+import logging
 import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +14,10 @@ import numpy as np
 from colibri.errors import ColibriError
 
 FORMAT_VERSION = 1
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+
+log = logging.getLogger("colibri")
 
 
 def save_kv(path: str | os.PathLike, ids: list[int], cache, model_id: str) -> None:
@@ -21,7 +29,7 @@ def save_kv(path: str | os.PathLike, ids: list[int], cache, model_id: str) -> No
         arrays[f"v{i}"] = v[:, :n]
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with os.fdopen(_create_private(tmp), "wb") as f:
         np.savez(f, **arrays)
         f.flush()
         os.fsync(f.fileno())
@@ -31,6 +39,36 @@ def save_kv(path: str | os.PathLike, ids: list[int], cache, model_id: str) -> No
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def _create_private(path: Path) -> int:
+    """A new file only the owner can read, 0600 from its creation (a chmod afterwards would leave
+    a moment in which it is readable). A temporary file left by a crash is replaced; O_EXCL and
+    O_NOFOLLOW refuse to write through a link planted in its place."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), FILE_MODE)
+
+
+def private_dir(path: str | os.PathLike) -> Path:
+    """Create `path` as a 0700 directory, or take an existing one down to 0700 if others could
+    read or enter it (a warning says so)."""
+    path = Path(path)
+    try:
+        path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+        if mode & 0o077:
+            os.chmod(path, DIR_MODE)
+            log.warning("%s was readable by others (mode %04o); it holds saved conversations, so it is now 0700",
+                        path, mode)
+    except FileExistsError:
+        raise ColibriError(f"{path} exists and is not a directory; pick another --state-dir") from None
+    except PermissionError as e:
+        raise ColibriError(f"cannot make {path} private to this user ({e.strerror}); pick another --state-dir") \
+            from None
+    return path
 
 
 def load_kv(path: str | os.PathLike, cache, model_id: str) -> list[int]:

@@ -8,8 +8,8 @@ import uuid
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, StreamingResponse
 
-from colibri.serve.app import ClientGone, ServerState, Turn, collect, gone_response, read_json, sse
-from colibri.serve.errors import bad_request, error_body
+from colibri.serve.app import ClientGone, ServerState, Turn, collect, error_event, gone_response, read_json, sse
+from colibri.serve.errors import bad_request
 from colibri.serve.openai_api import stop_list
 from colibri.serve.scheduler import Failed, Finished
 from colibri.serve.schemas import CountTokensRequest, MessagesRequest, AnthropicPrompt
@@ -100,11 +100,12 @@ async def messages(request: Request):
     req = await read_json(request, MessagesRequest)
     state.check_model(req.model)
     ids, prompt_text, split = await _prompt(state, req)
-    state.check_prompt(ids)
+    state.check_prompt(ids, "messages")
     stops = stop_list(req.stop_sequences, "stop_sequences")
-    options = state.sampling(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+    max_tokens, adjusted = state.token_budget(req.max_tokens, "max_tokens", len(ids))
+    options = state.sampling(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                              top_k=req.top_k, seed=req.seed, stop=stops, logprobs=None)
-    turn = Turn(state, request, ids, options, state.check_slot(req.cache_slot))
+    turn = Turn(state, request, ids, options, state.check_slot(req.cache_slot), adjusted=adjusted)
     await turn.start()
     splitter = state.splitter(split, prompt_text)
     mid = "msg_" + uuid.uuid4().hex[:24]
@@ -179,7 +180,7 @@ async def _stream(state: ServerState, turn: Turn, mid: str, stops: list[str], sp
         while True:
             item = await turn.next()
             if isinstance(item, Failed):
-                yield sse(error_body(PATH, 500, f"generation failed: {item.error}"), "error")
+                yield sse(error_event(PATH, item.error), "error")
                 return
             if isinstance(item, Finished):
                 g = item.generation

@@ -22,9 +22,9 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 
 from colibri.engine import Engine, TokenEvent
-from colibri.errors import ColibriError
+from colibri.errors import ColibriError, EngineFault
 from colibri.serve import schemas
-from colibri.serve.errors import ApiError, api_error_response, bad_request, error_response
+from colibri.serve.errors import ApiError, api_error_response, bad_request, error_body, error_response
 from colibri.serve.metrics import CONTENT_TYPE, ServeMetrics
 from colibri.serve.reasoning import ReasoningSplitter, has_thinking_switch, prompt_opens_thinking
 from colibri.serve.scheduler import Failed, Finished, Job, Rejected, Scheduler, Started
@@ -41,7 +41,7 @@ class ServeConfig:
     cors_origins: list[str] = field(default_factory=list)   # exact origins; "*" only when asked for
     allowed_hosts: set[str] | None = None  # Host header names; None accepts any
     queue_timeout: float = 300.0         # seconds a request may wait for its turn before a 429
-    max_tokens: int = 4096               # the most tokens one request may generate (larger asks are clamped)
+    max_tokens: int = 4096               # the most tokens one request may generate (larger asks get a 400)
     max_body_bytes: int = MAX_BODY_BYTES
     read_timeout: float = 30.0           # seconds to receive a request body
 
@@ -73,16 +73,33 @@ class ServerState:
                               "(0-based; start it with --kv-slots N for more)", param="cache_slot")
         return slot
 
-    def check_prompt(self, ids: list[int]) -> list[int]:
+    def check_prompt(self, ids: list[int], param: str) -> list[int]:
+        """`param`: the field the prompt came in (`messages`, or `prompt` on /v1/completions)."""
         if not ids:
-            raise bad_request("the prompt is empty", param="messages")
+            raise bad_request("the prompt is empty", param=param)
         if len(ids) >= self.engine.max_context:
             raise bad_request(f"this model's context holds {self.engine.max_context} tokens, but the prompt has "
-                              f"{len(ids)}; shorten it", param="messages", code="context_length_exceeded")
+                              f"{len(ids)}; shorten it", param=param, code="context_length_exceeded")
         return ids
 
-    def clamp_max_tokens(self, requested: int | None) -> int:
-        return min(self.config.max_tokens if requested is None else requested, self.config.max_tokens)
+    def token_budget(self, requested: int | None, param: str, n_prompt: int,
+                     default: int | None = None) -> tuple[int, str | None]:
+        """-> (the tokens this request may generate, a note when that is fewer than it asked for).
+
+        More than --max-tokens is a 400 naming the field, as OpenAI and Anthropic refuse more
+        than a model's output limit. An ask that runs past the end of the context (max_context -
+        prompt tokens) is shortened to it: the generation ends there with finish_reason "length"
+        (Anthropic: stop_reason "max_tokens") and the response says so in `x-colibri-adjusted`.
+        Without an ask: `default` (else --max-tokens), up to the context end, with no note."""
+        cap = self.config.max_tokens
+        if requested is not None and requested > cap:
+            raise bad_request(f"'{param}' is {requested}, but this server generates at most {cap} tokens per request "
+                              f"(its --max-tokens); ask for at most {cap}", param=param, code="max_tokens_too_large")
+        room = self.engine.max_context - n_prompt
+        want = min(cap, default if default is not None else cap) if requested is None else requested
+        if want <= room:
+            return want, None
+        return room, f"{param}={room}; reason=context_end" if requested is not None else None
 
     def thinking(self, enable: bool | None, param: str) -> tuple[dict, bool]:
         """-> (chat-template variables, whether to split reasoning from the answer).
@@ -96,15 +113,16 @@ class ServerState:
             return {}, False
         return {"enable_thinking": enable}, True
 
-    def sampling(self, *, max_tokens: int | None, temperature: float | None, top_p: float | None,
+    def sampling(self, *, max_tokens: int, temperature: float | None, top_p: float | None,
                  top_k: int | None, seed: int | None, stop: list[str], logprobs: int | None) -> dict:
-        """engine.stream keywords, with the APIs' defaults (temperature 1, top_p 1)."""
+        """engine.stream keywords, with the APIs' defaults (temperature 1, top_p 1). `max_tokens`
+        comes from token_budget; `seed` is in 0..2**64-1 (the schema refuses others)."""
         t = 1.0 if temperature is None else temperature
         p = 1.0 if top_p is None else top_p
         if p == 0:  # the limit of nucleus sampling is the most likely token
             t, p = 0.0, 1.0
-        return dict(max_tokens=self.clamp_max_tokens(max_tokens), temperature=t, top_p=p, top_k=max(0, top_k or 0),
-                    seed=None if seed is None else seed % (1 << 64), stop=stop, logprobs=logprobs)
+        return dict(max_tokens=max_tokens, temperature=t, top_p=p, top_k=max(0, top_k or 0), seed=seed, stop=stop,
+                    logprobs=logprobs)
 
     # ------------------------------------------------------------------ prompts
     async def encode_chat(self, messages: list[dict], prefill: str = "", **template_kwargs) -> tuple[list[int], str]:
@@ -142,8 +160,9 @@ class Turn:
     `start` returns only once the job has its turn and its first token (or its end) exists, so
     every refusal still has its own status code: nothing has been sent yet."""
 
-    def __init__(self, state: ServerState, request: Request, ids: list[int], options: dict, slot: int | None):
-        self.state, self.request = state, request
+    def __init__(self, state: ServerState, request: Request, ids: list[int], options: dict, slot: int | None,
+                 adjusted: str | None = None):
+        self.state, self.request, self.adjusted = state, request, adjusted
         self.job = Job(ids, options, asyncio.get_running_loop(), slot=slot,
                        request_id=request.scope.get("state", {}).get("request_id", ""))
         self.started: Started | None = None
@@ -153,11 +172,17 @@ class Turn:
     @property
     def headers(self) -> dict[str, str]:
         s = self.started
-        return {"x-colibri-queue-wait-ms": str(round(s.queue_wait_s * 1000)), "x-colibri-kv-slot": str(s.slot),
-                "x-colibri-prompt-tokens-reused": str(s.reused)}
+        h = {"x-colibri-queue-wait-ms": str(round(s.queue_wait_s * 1000)), "x-colibri-kv-slot": str(s.slot),
+             "x-colibri-prompt-tokens-reused": str(s.reused)}
+        if self.adjusted:
+            h["x-colibri-adjusted"] = self.adjusted
+        return h
 
     async def start(self) -> None:
         scheduler = self.state.scheduler
+        if self.adjusted:
+            log.info("request %s: %s (the context holds %d tokens, the prompt has %d)", self.job.request_id,
+                     self.adjusted, self.state.engine.max_context, len(self.job.ids))
         try:
             scheduler.submit(self.job)
         except Rejected as r:
@@ -174,7 +199,7 @@ class Turn:
             self.started = item
             first = await self._next(None)
             if isinstance(first, Failed):
-                raise _failure(first.error)
+                raise failure(first.error)
             self._pending.append(first)
         except BaseException:
             self.close()
@@ -211,10 +236,24 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-def _failure(error: Exception) -> ApiError:
+def failure(error: Exception) -> ApiError:
+    """What a generation's exception tells the client. A ColibriError is the request's fault
+    (400); an EngineFault is the server's (a damaged expert file, non-finite logits): a 500 with
+    its message, which names the file and expert to blame, so whoever sees it can report it;
+    anything else is a bug, whose details stay in the server log (the scheduler logs its
+    traceback)."""
     if isinstance(error, ColibriError):
         return bad_request(str(error))
-    return ApiError(500, f"internal error: {type(error).__name__}; see the server log")
+    if isinstance(error, EngineFault):
+        return ApiError(500, str(error), code="engine_fault")
+    return ApiError(500, f"internal error: {type(error).__name__}; see the server log", code="internal_error")
+
+
+def error_event(path: str, error: Exception) -> dict:
+    """The error frame of a stream whose headers (200) are already sent: the same body a
+    non-streamed request would get with its status code."""
+    e = failure(error)
+    return error_body(path, e.status, e.message, e.param, e.code)
 
 
 async def collect(turn: Turn) -> tuple[list[TokenEvent], Finished]:
@@ -225,7 +264,7 @@ async def collect(turn: Turn) -> tuple[list[TokenEvent], Finished]:
         if isinstance(item, Finished):
             return events, item
         if isinstance(item, Failed):
-            raise _failure(item.error)
+            raise failure(item.error)
         events.append(item)
 
 
@@ -261,6 +300,11 @@ def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig, metric
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, e: StarletteHTTPException):
         return error_response(request.url.path, e.status_code, str(e.detail), headers=getattr(e, "headers", None))
+
+    @app.exception_handler(EngineFault)
+    async def on_engine_fault(request: Request, e: EngineFault):
+        log.error("engine fault on %s: %s", request.url.path, e)
+        return error_response(request.url.path, 500, str(e), code="engine_fault")
 
     @app.exception_handler(Exception)
     async def on_internal_error(request: Request, e: Exception):
@@ -338,7 +382,7 @@ def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig, metric
                            allow_headers=["authorization", "content-type", "x-api-key", "x-request-id",
                                           "anthropic-version", "anthropic-beta"],
                            expose_headers=["x-request-id", "x-colibri-queue-wait-ms", "x-colibri-kv-slot",
-                                           "x-colibri-prompt-tokens-reused", "retry-after"],
+                                           "x-colibri-prompt-tokens-reused", "x-colibri-adjusted", "retry-after"],
                            allow_credentials=False, max_age=600)
     app.add_middleware(HostAllowlistMiddleware, allowed=config.allowed_hosts)
     app.add_middleware(RequestIdMiddleware, metrics=metrics)

@@ -26,6 +26,10 @@ class ServeMetrics:
     def attach(self, scheduler, engine) -> None:
         self.registry.register(_StateCollector(scheduler, engine))
 
+    def attach_connections(self, guard) -> None:
+        """The connection guard's counts (colibri/serve/connections.py), read at scrape time."""
+        self.registry.register(_ConnectionCollector(guard))
+
     def observe_generation(self, g) -> None:
         if g.completion_tokens:
             self.ttft.observe(g.ttft_s)
@@ -77,3 +81,22 @@ class _StateCollector:
         else:
             ratio = 1.0
         yield GaugeMetricFamily("colibri_expert_hit_ratio", "Share of expert lookups served from RAM", value=ratio)
+
+
+class _ConnectionCollector:
+    def __init__(self, guard):
+        self.guard = guard
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        g = self.guard
+        yield GaugeMetricFamily("colibri_open_connections", "Open HTTP connections", value=g.total)
+        refused = CounterMetricFamily("colibri_connections_refused", "Connections refused at accept, by the cap "
+                                      "they were over", labels=["limit"])
+        refused.add_metric(["per_ip"], g.refused_per_ip)
+        refused.add_metric(["total"], g.refused_total)
+        yield refused
+        yield CounterMetricFamily("colibri_header_timeouts", "Connections closed because a request's headers "
+                                  "did not arrive within --header-timeout", value=g.header_timeouts)

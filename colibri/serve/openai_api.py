@@ -8,8 +8,8 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from colibri.engine import TokenEvent
-from colibri.serve.app import ClientGone, ServerState, Turn, collect, gone_response, read_json, sse
-from colibri.serve.errors import bad_request, error_body
+from colibri.serve.app import ClientGone, ServerState, Turn, collect, error_event, gone_response, read_json, sse
+from colibri.serve.errors import bad_request
 from colibri.serve.scheduler import Failed, Finished
 from colibri.serve.schemas import MAX_STOP, ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
 
@@ -136,12 +136,15 @@ async def chat_completions(request: Request):
         enable, param = req.reasoning_effort != "none", "reasoning_effort"
     template_kwargs, split = state.thinking(enable, param)
     ids, prompt_text = await state.encode_chat(template_messages(req.messages), **template_kwargs)
-    state.check_prompt(ids)
+    state.check_prompt(ids, "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    options = state.sampling(max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature,
-                             top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=stop_list(req.stop),
-                             logprobs=logprobs)
-    turn = Turn(state, request, ids, options, state.check_slot(req.cache_slot))
+    if req.max_completion_tokens is not None:  # OpenAI's newer name wins over the deprecated one
+        budget = state.token_budget(req.max_completion_tokens, "max_completion_tokens", len(ids))
+    else:
+        budget = state.token_budget(req.max_tokens, "max_tokens", len(ids))
+    options = state.sampling(max_tokens=budget[0], temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                             seed=req.seed, stop=stop_list(req.stop), logprobs=logprobs)
+    turn = Turn(state, request, ids, options, state.check_slot(req.cache_slot), adjusted=budget[1])
     await turn.start()
     splitter = state.splitter(split, prompt_text)
     rid = "chatcmpl-" + turn.job.request_id.removeprefix("req_")
@@ -194,7 +197,7 @@ async def _chat_stream(state: ServerState, turn: Turn, rid: str, created: int, i
         while True:
             item = await turn.next()
             if isinstance(item, Failed):
-                yield sse(error_body("/v1/chat/completions", 500, f"generation failed: {item.error}"))
+                yield sse(error_event("/v1/chat/completions", item.error))
                 return
             if isinstance(item, Finished):
                 g = item.generation
@@ -250,11 +253,11 @@ async def completions(request: Request):
         prompt = prompt[0]
     if isinstance(prompt, str) and not prompt:
         raise bad_request("the prompt is empty", param="prompt")
-    ids = state.check_prompt(await state.encode(prompt, raw=True))
-    options = state.sampling(max_tokens=16 if req.max_tokens is None else req.max_tokens,  # OpenAI's default
-                             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
-                             stop=stop_list(req.stop), logprobs=req.logprobs)
-    turn = Turn(state, request, ids, options, state.check_slot(req.cache_slot))
+    ids = state.check_prompt(await state.encode(prompt, raw=True), "prompt")
+    max_tokens, adjusted = state.token_budget(req.max_tokens, "max_tokens", len(ids), default=16)  # OpenAI's default
+    options = state.sampling(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                             seed=req.seed, stop=stop_list(req.stop), logprobs=req.logprobs)
+    turn = Turn(state, request, ids, options, state.check_slot(req.cache_slot), adjusted=adjusted)
     await turn.start()
     rid = "cmpl-" + turn.job.request_id.removeprefix("req_")
     created = int(time.time())
@@ -292,7 +295,7 @@ async def _completion_stream(state: ServerState, turn: Turn, rid: str, created: 
         while True:
             item = await turn.next()
             if isinstance(item, Failed):
-                yield sse(error_body("/v1/completions", 500, f"generation failed: {item.error}"))
+                yield sse(error_event("/v1/completions", item.error))
                 return
             if isinstance(item, Finished):
                 g = item.generation

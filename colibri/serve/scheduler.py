@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from colibri.engine import Engine, Generation
-from colibri.errors import ColibriError
+from colibri.errors import ColibriError, EngineFault
 
 log = logging.getLogger("colibri.serve")
 
@@ -194,7 +194,9 @@ class Scheduler:
             self.metrics.queue_wait.observe(wait)
         self._emit(job, Started(wait, slot, reused))
         outcome, result = "completed", None
-        stream = engine.stream(job.ids, slot=slot, **job.options)
+        # The engine polls the flag between prefill chunks too: a client that leaves during a
+        # long prompt frees the scheduler within one chunk.
+        stream = engine.stream(job.ids, slot=slot, cancel=job.cancelled.is_set, **job.options)
         try:
             for ev in stream:
                 if job.cancelled.is_set():
@@ -203,7 +205,12 @@ class Scheduler:
                 self._emit(job, ev)
             else:
                 result = engine.last
+                if result.finish_reason == "cancelled":
+                    outcome = "cancelled"
         except ColibriError as e:
+            outcome, result = "failed", e
+        except EngineFault as e:  # its message names the damaged file: no traceback needed
+            log.error("request %s: %s", job.request_id, e)
             outcome, result = "failed", e
         except Exception as e:
             log.exception("generation failed (request %s)", job.request_id)

@@ -16,6 +16,9 @@ from colibri.serve.errors import bad_request
 
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
+# Seeds are what numpy's generator takes without folding: 0..2**64-1. A negative or larger seed
+# is a 400 naming `seed` (leave it out for a random one), never silently reduced modulo 2**64.
+MAX_SEED = 2 ** 64 - 1
 
 
 class _Strict(BaseModel):
@@ -53,7 +56,7 @@ class SamplingRequest(_Strict):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # -1 and 0: off (vLLM and llama.cpp spellings)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -132,7 +135,7 @@ class MessagesRequest(AnthropicPrompt):
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=0)
     stream: bool | None = False
-    seed: int | None = None  # not in Anthropic's API; colibri's extension, as for OpenAI
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)  # not in Anthropic's API; colibri's extension, as for OpenAI
     # accepted and without effect on a local server
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None

@@ -1,9 +1,11 @@
-"""Running `colibri serve`: check the bind, load the Engine, restore the KV slots, start the
-scheduler thread and uvicorn. SIGTERM (or Ctrl-C) drains: new requests get 503 while the admitted
-ones finish, then the server exits; a second signal stops at once."""
+"""Running `colibri serve`: check the options, bind the port, load the Engine, restore the KV
+slots, start the scheduler thread and uvicorn. SIGTERM (or Ctrl-C) drains: new requests get 503
+while the admitted ones finish, then the server exits; a second signal stops at once."""
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 import sys
 import threading
 import time
@@ -13,6 +15,7 @@ from pathlib import Path
 import uvicorn
 
 from colibri.errors import ColibriError
+from colibri.serve.connections import ConnectionGuard, ConnectionLimits, protocol_class
 from colibri.serve.security import MAX_BODY_BYTES, allowed_hosts, check_bind
 
 log = logging.getLogger("colibri.serve")
@@ -35,7 +38,9 @@ class ServeOptions:
     max_context: int | None = None
     state_dir: Path | None = None
     persist: bool = True
-    max_connections: int = 256
+    max_connections: int = 64         # open connections in all
+    max_connections_per_ip: int = 8   # open connections from one client address
+    header_timeout: float = 10.0      # seconds a client has to send a request's headers
     read_timeout: float = 30.0
     drain_timeout: float = 120.0
     log_level: str = "info"
@@ -50,14 +55,16 @@ def check(o: ServeOptions) -> None:
         raise ColibriError(f"--port must be between 0 and 65535, not {o.port}")
     if o.max_queue < 0:
         raise ColibriError(f"--max-queue must be >= 0, not {o.max_queue}")
-    if o.queue_timeout <= 0 or o.read_timeout <= 0 or o.drain_timeout < 0:
-        raise ColibriError("--queue-timeout and --read-timeout must be > 0, --drain-timeout >= 0")
+    if o.queue_timeout <= 0 or o.read_timeout <= 0 or o.header_timeout <= 0 or o.drain_timeout < 0:
+        raise ColibriError("--queue-timeout, --read-timeout and --header-timeout must be > 0, --drain-timeout >= 0")
     if o.max_tokens < 1:
         raise ColibriError(f"--max-tokens must be >= 1, not {o.max_tokens}")
     if not 1 <= o.kv_slots <= 16:
         raise ColibriError(f"--kv-slots must be between 1 and 16, not {o.kv_slots}")
     if o.max_connections < 1:
         raise ColibriError(f"--max-connections must be >= 1, not {o.max_connections}")
+    if o.max_connections_per_ip < 1:
+        raise ColibriError(f"--max-connections-per-ip must be >= 1, not {o.max_connections_per_ip}")
     if o.log_level.lower() not in ("critical", "error", "warning", "info", "debug"):
         raise ColibriError(f"--log-level must be critical, error, warning, info or debug, not {o.log_level!r}")
     if "*" in o.cors_origins and not o.api_key:
@@ -90,8 +97,52 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (not yet listening) before the model loads, so a busy port is
+    a one-line error at once instead of after a long load. Options as uvicorn's own bind:
+    SO_REUSEADDR lets a restart take the port while old connections sit in TIME_WAIT (it never
+    lets two servers listen on one port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host.strip("[]"), port))
+    except (socket.gaierror, UnicodeError) as e:  # a host name that does not resolve
+        sock.close()
+        raise ColibriError(f"cannot listen on {host!r}: {e}") from None
+    except OSError as e:
+        sock.close()
+        raise ColibriError(_bind_error(host, port, e)) from None
+    return sock
+
+
+def start_listening(sock: socket.socket, host: str, port: int, backlog: int = 2048) -> None:
+    """listen() right before serving: until then a client is refused rather than left waiting
+    in the backlog while the model loads. Two servers that bound the same port with
+    SO_REUSEADDR meanwhile are told apart here (only one may listen)."""
+    try:
+        sock.listen(backlog)
+    except OSError as e:
+        raise ColibriError(_bind_error(host, port, e)) from None
+
+
+def _bind_error(host: str, port: int, e: OSError) -> str:
+    if e.errno == errno.EADDRINUSE:
+        return f"port {port} is in use on {host}; pick another with --port"
+    if e.errno == errno.EADDRNOTAVAIL:
+        return f"cannot listen on {host}: no interface of this machine has that address; check --host"
+    if e.errno == errno.EACCES:
+        return f"not allowed to listen on port {port} (ports below 1024 need privileges); pick another with --port"
+    return f"cannot listen on {host}:{port}: {e.strerror or e}"
+
+
+def url_of(host: str, port: int) -> str:
+    return f"http://[{host.strip('[]')}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def run(o: ServeOptions) -> None:
     from colibri.engine import Engine
+    from colibri.io.kv_store import private_dir
     from colibri.serve.app import ServeConfig, create_app, default_state_dir
     from colibri.serve.metrics import ServeMetrics
     from colibri.serve.scheduler import Scheduler
@@ -99,32 +150,43 @@ def run(o: ServeOptions) -> None:
     check(o)
     logging.basicConfig(level=o.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     log_level = o.log_level.lower()
-    engine = Engine.load(o.model, progress=True, kv_slots=o.kv_slots, max_context=o.max_context, ram_gb=o.ram_gb,
-                         threads=o.threads)
-    state_dir = None
-    if o.persist:
-        state_dir = Path(o.state_dir) if o.state_dir else default_state_dir(engine)
-        state_dir.mkdir(parents=True, exist_ok=True)
-    metrics = ServeMetrics()
-    scheduler = Scheduler(engine, max_queue=o.max_queue, state_dir=state_dir, metrics=metrics)
-    metrics.attach(scheduler, engine)
-    held = scheduler.restore()
-    config = ServeConfig(model_id=o.model_id, api_key=o.api_key, cors_origins=list(o.cors_origins),
-                         allowed_hosts=allowed_hosts(o.host, o.allowed_hosts), queue_timeout=o.queue_timeout,
-                         max_tokens=o.max_tokens, max_body_bytes=MAX_BODY_BYTES, read_timeout=o.read_timeout)
-    app = create_app(engine, scheduler, config, metrics)
-    scheduler.start()
-    model_id = o.model_id or engine.model_id
-    print(f"colibri serve: {model_id} on http://{o.host}:{o.port} ({o.kv_slots} KV slot(s) holding {held} tokens; "
-          f"state in {state_dir or 'memory only'})", file=sys.stderr, flush=True)
-    uconfig = uvicorn.Config(app, host=o.host, port=o.port, log_level=log_level, access_log=False,
-                             limit_concurrency=o.max_connections, timeout_keep_alive=5,
-                             timeout_graceful_shutdown=10, lifespan="off", server_header=False)
-    server = DrainingServer(uconfig, scheduler, o.drain_timeout)
+    sock = bind_listener(o.host, o.port)
+    port = sock.getsockname()[1]  # the real one when --port 0 asked for any
+    scheduler = None
     try:
-        server.run()
+        engine = Engine.load(o.model, progress=True, kv_slots=o.kv_slots, max_context=o.max_context,
+                             ram_gb=o.ram_gb, threads=o.threads)
+        state_dir = None
+        if o.persist:
+            state_dir = Path(o.state_dir) if o.state_dir else default_state_dir(engine)
+            private_dir(state_dir)  # saved conversations: 0700, their files 0600
+        metrics = ServeMetrics()
+        scheduler = Scheduler(engine, max_queue=o.max_queue, state_dir=state_dir, metrics=metrics)
+        metrics.attach(scheduler, engine)
+        guard = ConnectionGuard(ConnectionLimits(o.max_connections, o.max_connections_per_ip, o.header_timeout))
+        metrics.attach_connections(guard)
+        held = scheduler.restore()
+        config = ServeConfig(model_id=o.model_id, api_key=o.api_key, cors_origins=list(o.cors_origins),
+                             allowed_hosts=allowed_hosts(o.host, o.allowed_hosts), queue_timeout=o.queue_timeout,
+                             max_tokens=o.max_tokens, max_body_bytes=MAX_BODY_BYTES, read_timeout=o.read_timeout)
+        app = create_app(engine, scheduler, config, metrics)
+        # uvicorn's own limit_concurrency answers 503 once connections or tasks reach it; the guard
+        # already caps connections at accept time, so it stays only as a backstop for request tasks
+        # that outlive their connection (one above the cap: it counts the asking connection too).
+        uconfig = uvicorn.Config(app, host=o.host, port=port, log_level=log_level, access_log=False,
+                                 http=protocol_class(guard), ws="none", limit_concurrency=o.max_connections + 1,
+                                 timeout_keep_alive=5, timeout_graceful_shutdown=10, lifespan="off",
+                                 server_header=False)
+        server = DrainingServer(uconfig, scheduler, o.drain_timeout)
+        start_listening(sock, o.host, port, uconfig.backlog)
+        scheduler.start()
+        model_id = o.model_id or engine.model_id
+        print(f"colibri serve: {model_id} listening on {url_of(o.host, port)} ({o.kv_slots} KV slot(s) holding "
+              f"{sum(held)} tokens; state in {state_dir or 'memory only'})", file=sys.stderr, flush=True)
+        server.run(sockets=[sock])
     finally:
-        scheduler.stop()
+        if scheduler is not None:
+            scheduler.stop()
+        sock.close()
     if server._draining:
         print("colibri serve: drained, bye", file=sys.stderr, flush=True)
-

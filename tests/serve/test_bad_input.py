@@ -116,6 +116,9 @@ CHAT_BAD = [
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"unknown_field": 1}, "unknown_field"),
     ({"enable_thinking": True}, "enable_thinking"),
+    ({"max_tokens": 3}, "max_tokens"), ({"max_completion_tokens": 10 ** 12}, "max_completion_tokens"),
+    ({"max_tokens": 1, "max_completion_tokens": 3}, "max_completion_tokens"),
+    ({"seed": 2 ** 70}, "seed"), ({"seed": 2 ** 64}, "seed"), ({"seed": -1}, "seed"),
 ]
 
 
@@ -133,9 +136,12 @@ def test_unknown_model(http):
 
 def test_prompt_longer_than_the_context(http):
     long = [{"role": "user", "content": "word " * 400}]
-    err = _openai_error(http.post("/v1/chat/completions", json={**CHAT, "messages": long}), 400)
+    err = _openai_error(http.post("/v1/chat/completions", json={**CHAT, "messages": long}), 400, param="messages")
     assert err["code"] == "context_length_exceeded"
-    err = _openai_error(http.post("/v1/completions", json={**COMPLETION, "prompt": "word " * 400}), 400)
+    err = _openai_error(http.post("/v1/completions", json={**COMPLETION, "prompt": "word " * 400}), 400,
+                        param="prompt")
+    assert err["code"] == "context_length_exceeded"
+    err = _openai_error(http.post("/v1/completions", json={**COMPLETION, "prompt": [1] * 300}), 400, param="prompt")
     assert err["code"] == "context_length_exceeded"
     r = http.post("/v1/messages", json={**MESSAGES, "messages": long})
     assert r.status_code == 400 and "context" in r.json()["error"]["message"]
@@ -156,16 +162,48 @@ def test_oversize_body(http):
     assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
 
 
-def test_max_tokens_is_clamped_not_rejected(http):
-    r = http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 10 ** 12})
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
+def test_max_tokens_above_the_servers_cap_is_a_400_naming_the_field(http):
+    """Never clamped silently: OpenAI and Anthropic refuse more than a model's output limit too."""
+    err = _openai_error(http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 10 ** 12}), 400,
+                        param="max_tokens")
+    assert err["code"] == "max_tokens_too_large" and "at most 2" in err["message"]
+    _openai_error(http.post("/v1/completions", json={**COMPLETION, "max_tokens": 3}), 400, param="max_tokens")
     r = http.post("/v1/messages", json={**MESSAGES, "max_tokens": 100000})
-    assert r.status_code == 200 and r.json()["usage"]["output_tokens"] <= 2
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert "'max_tokens'" in r.json()["error"]["message"]
+    r = http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})  # the cap itself is fine
+    assert r.status_code == 200 and "x-colibri-adjusted" not in r.headers
+    r = http.post("/v1/completions", json={k: v for k, v in COMPLETION.items() if k != "max_tokens"})
+    assert r.status_code == 200  # OpenAI's default of 16 is a default: it yields to the cap of 2
+
+
+def test_seeds_cover_64_bits_and_no_more(http):
+    for seed in (0, 2 ** 63, 2 ** 64 - 1):
+        r = http.post("/v1/completions", json={**COMPLETION, "seed": seed, "temperature": 1})
+        assert r.status_code == 200, r.text
+    _openai_error(http.post("/v1/completions", json={**COMPLETION, "seed": 2 ** 70}), 400, param="seed")
+    r = http.post("/v1/messages", json={**MESSAGES, "seed": -5})
+    assert r.status_code == 400 and "seed" in r.json()["error"]["message"]
+
+
+def test_the_context_end_shortens_an_ask_visibly(http):
+    """A 255-token prompt in a 256-token context has room for 1 token: an ask for 2 ends there
+    with finish_reason "length", and the response header says what was done."""
+    r = http.post("/v1/completions", json={**COMPLETION, "prompt": [1] * 255, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-colibri-adjusted"] == "max_tokens=1; reason=context_end"
+    body = r.json()
+    assert body["usage"]["prompt_tokens"] == 255 and body["usage"]["completion_tokens"] <= 1
+    assert body["choices"][0]["finish_reason"] in ("length", "stop")
+    with http.stream("POST", "/v1/completions", json={**COMPLETION, "prompt": [1] * 255, "max_tokens": 2,
+                                                        "stream": True}) as s:
+        assert s.headers["x-colibri-adjusted"] == "max_tokens=1; reason=context_end"
+        s.read()
 
 
 def test_bad_token_ids(http):
     _openai_error(http.post("/v1/completions", json={**COMPLETION, "prompt": [1, 10 ** 9]}), 400)
-    _openai_error(http.post("/v1/completions", json={**COMPLETION, "prompt": []}), 400)
+    _openai_error(http.post("/v1/completions", json={**COMPLETION, "prompt": []}), 400, param="prompt")
     _openai_error(http.post("/v1/completions", json={**COMPLETION, "prompt": ["a", "b"]}), 400, param="prompt")
 
 

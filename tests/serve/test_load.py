@@ -8,9 +8,19 @@ import json
 import re
 
 import httpx
+import pytest
 
 MODEL_ID = "smollm2"  # the --model-id tests/serve/conftest.py starts servers with
 CLIENTS = 64
+
+
+@pytest.fixture(scope="module")
+def server(start_server):
+    """The shared server's settings, but with room for all 64 clients on one address: here they
+    stand for 64 different clients, and this test is about admission (the queue), not about the
+    per-address connection cap (8 by default; tests/serve/test_hardening.py covers it)."""
+    return start_server("--kv-slots", "3", "--max-tokens", "64", "--max-connections", str(CLIENTS + 8),
+                        "--max-connections-per-ip", str(CLIENTS + 8))
 
 
 async def _one(client: httpx.AsyncClient, i: int) -> str:

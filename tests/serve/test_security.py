@@ -102,16 +102,19 @@ def test_a_slow_body_gets_408(srv):
     assert httpx.get(srv.url + "/health").status_code == 200
 
 
-def _serve(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "colibri.cli", "serve", "--model", "/nonexistent", *args],
+def _serve(model_dir, *args, env=None):
+    """`colibri serve` on a model directory that exists but cannot load: an error about the
+    options shows they were checked before the model was touched."""
+    (model_dir / "config.json").write_text("{}")
+    return subprocess.run([sys.executable, "-m", "colibri.cli", "serve", "--model", str(model_dir), *args],
                           capture_output=True, text=True, timeout=120, env=env)
 
 
-def test_refuses_a_non_loopback_bind_without_a_key():
-    r = _serve("--host", "0.0.0.0", "--kv-slots", "17")  # the bind is checked first, before the model loads
+def test_refuses_a_non_loopback_bind_without_a_key(tmp_path):
+    r = _serve(tmp_path, "--host", "0.0.0.0", "--kv-slots", "17")  # the bind is checked first
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "refusing to listen" in " ".join(r.stderr.split())
-    r = _serve(env={**os.environ, "COLI_HOST": "::", "COLI_KV_SLOTS": "17"})
+    r = _serve(tmp_path, env={**os.environ, "COLI_HOST": "::", "COLI_KV_SLOTS": "17"})
     assert r.returncode == 1 and "refusing to listen" in " ".join(r.stderr.split())
     for host in ("192.168.1.10", "example.com", "::"):
         with pytest.raises(ColibriError, match="refusing to listen"):
@@ -122,10 +125,14 @@ def test_refuses_a_non_loopback_bind_without_a_key():
     check(ServeOptions(host="0.0.0.0", allow_insecure_bind=True))
 
 
-def test_bad_options_are_one_line_errors():
-    r = _serve("--kv-slots", "17")
+def test_bad_options_are_one_line_errors(tmp_path):
+    r = _serve(tmp_path, "--kv-slots", "17")
     assert r.returncode == 1 and "Traceback" not in r.stderr and "kv-slots" in r.stderr
+    r = _serve(tmp_path, env={**os.environ, "COLI_MAX_CONNECTIONS_PER_IP": "0"})
+    assert r.returncode == 1 and "--max-connections-per-ip must be >= 1" in r.stderr
+    r = _serve(tmp_path, "--header-timeout", "0")
+    assert r.returncode == 1 and "--header-timeout" in r.stderr
     for kw in ({"max_tokens": 0}, {"max_queue": -1}, {"port": 70000}, {"queue_timeout": 0}, {"max_connections": 0},
-               {"log_level": "loud"}):
+               {"log_level": "loud"}, {"max_connections_per_ip": 0}, {"header_timeout": -1}):
         with pytest.raises(ColibriError):
             check(ServeOptions(**kw))

@@ -1,0 +1,425 @@
+"""Server hardening against real `colibri serve` processes: slow or silent clients (the header
+deadline), the connection caps per address and in all, a busy port found before the model
+loads, private KV slot files, and engine faults answered as 500s while the server keeps serving."""
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from colibri.errors import ColibriError, EngineFault
+
+MODEL_ID = "smollm2"  # the --model-id tests/serve/conftest.py starts servers with
+HEADER_TIMEOUT = 1.5
+PER_IP = 8     # the default --max-connections-per-ip
+TOTAL = 24     # --max-connections of the fixture (default 64): small enough to fill from three addresses
+
+
+def _can_bind(addr: str) -> bool:
+    """Linux routes all of 127.0.0.0/8 to loopback: other addresses there stand for other clients."""
+    try:
+        with socket.socket() as s:
+            s.bind((addr, 0))
+        return True
+    except OSError:
+        return False
+
+
+needs_loopback_aliases = pytest.mark.skipif(not _can_bind("127.0.0.2"), reason="127.0.0.2 is not a loopback address "
+                                            "here (Linux has all of 127/8)")
+
+
+@pytest.fixture(scope="module")
+def srv(start_server):
+    s = start_server("--max-tokens", "4", "--header-timeout", str(HEADER_TIMEOUT), "--max-connections",
+                     str(TOTAL), "--no-persist")
+    # the first generation compiles the kernels (seconds): not what the latency checks measure
+    httpx.post(s.url + "/v1/completions", json={"model": MODEL_ID, "prompt": "Hi", "max_tokens": 1}, timeout=120)
+    return s
+
+
+# ---------------------------------------------------------------------------------- slow clients
+class Drippers:
+    """`n` connections from `source` that send a request line, then one header line every
+    `every` seconds and never finish; records when and how each one was closed."""
+
+    def __init__(self, port: int, source: str, n: int, every: float = 0.3):
+        self.every, self.t0 = every, time.monotonic()
+        self.closed: dict[int, tuple[float, bytes]] = {}  # index -> (seconds after start, first bytes heard)
+        self.sel = selectors.DefaultSelector()
+        for i in range(n):
+            s = socket.socket()
+            s.bind((source, 0))
+            s.settimeout(5)
+            s.connect(("127.0.0.1", port))
+            try:
+                s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\n")
+            except OSError:
+                pass  # already refused: the selector sees it closed
+            s.setblocking(False)
+            self.sel.register(s, selectors.EVENT_READ, i)
+
+    def pump(self, seconds: float) -> None:
+        end, last = time.monotonic() + seconds, 0.0
+        while time.monotonic() < end and self.sel.get_map():
+            for key, _ in self.sel.select(timeout=0.05):
+                try:
+                    data = key.fileobj.recv(4096)
+                except OSError as e:  # a reset: closed all the same
+                    data = f"<{type(e).__name__}>".encode()
+                self.closed[key.data] = (time.monotonic() - self.t0, data)
+                self.sel.unregister(key.fileobj)
+                key.fileobj.close()
+            if time.monotonic() - last >= self.every:
+                last = time.monotonic()
+                for key in list(self.sel.get_map().values()):
+                    try:
+                        key.fileobj.send(b"x-drip: 1\r\n")
+                    except OSError:
+                        pass
+
+    def close(self) -> None:
+        for key in list(self.sel.get_map().values()):
+            key.fileobj.close()
+        self.sel.close()
+
+
+class NormalClient(threading.Thread):
+    """A well-behaved client on 127.0.0.1 asking for the model list and a 1-token completion in turns."""
+
+    def __init__(self, url: str, seconds: float):
+        super().__init__(daemon=True)
+        self.url, self.seconds = url, seconds
+        self.results: list[tuple[str, object, float]] = []  # (path, status or error, seconds)
+
+    def run(self):
+        end = time.monotonic() + self.seconds
+        while time.monotonic() < end:
+            completion = {"model": MODEL_ID, "prompt": "Hi", "max_tokens": 1}
+            for method, path, body in (("GET", "/v1/models", None), ("POST", "/v1/completions", completion)):
+                t = time.monotonic()
+                try:
+                    status = httpx.request(method, self.url + path, json=body, timeout=30).status_code
+                except httpx.HTTPError as e:
+                    status = type(e).__name__
+                self.results.append((path, status, time.monotonic() - t))
+            time.sleep(0.2)
+
+
+@needs_loopback_aliases
+def test_drippers_from_one_address_are_capped_and_cut_off_while_others_are_served(srv):
+    normal = NormalClient(srv.url, 3.5)
+    drippers = Drippers(srv.port, "127.0.0.2", 40)
+    normal.start()
+    try:
+        drippers.pump(HEADER_TIMEOUT + 3.0)
+    finally:
+        drippers.close()
+    normal.join(30)
+    early = {i: c for i, c in drippers.closed.items() if c[0] < 1.0}
+    late = {i: c for i, c in drippers.closed.items() if c[0] >= 1.0}
+    print(f"\n40 drippers: {len(early)} refused at once, {len(late)} cut off at "
+          f"{sorted(round(t, 2) for t, _ in late.values())} s; normal client: "
+          f"{[(p, s, round(t, 3)) for p, s, t in normal.results]}")
+    # over the per-address cap: refused at accept with a 429 (or a reset, if the close beat it)
+    assert len(early) == 40 - PER_IP
+    assert all(d.startswith(b"HTTP/1.1 429") or d.startswith(b"<") for _, d in early.values())
+    assert any(d.startswith(b"HTTP/1.1 429") for _, d in early.values())
+    # the 8 admitted ones: closed at the header deadline, not before, with a 408
+    assert len(late) == PER_IP
+    assert all(HEADER_TIMEOUT * 0.9 <= t <= HEADER_TIMEOUT + 2.5 for t, _ in late.values())
+    assert all(d.startswith(b"HTTP/1.1 408") or d.startswith(b"<") or d == b"" for _, d in late.values())
+    # meanwhile another address was served at once
+    assert normal.results and all(s == 200 for _, s, _ in normal.results), normal.results
+    assert max(t for _, _, t in normal.results) < 2.0
+    metrics = httpx.get(srv.url + "/metrics").text
+    assert _metric(metrics, 'colibri_connections_refused_total{limit="per_ip"}') >= 40 - PER_IP
+    assert _metric(metrics, "colibri_header_timeouts_total") >= PER_IP
+
+
+@needs_loopback_aliases
+def test_the_total_cap_holds_only_until_the_header_deadline(srv):
+    """Drippers from three addresses fill all 24 connections: newcomers get a cheap 503 (not a
+    hang), and the deadline frees the server within HEADER_TIMEOUT."""
+    groups = [Drippers(srv.port, f"127.0.0.{3 + g}", PER_IP) for g in range(TOTAL // PER_IP)]
+    try:
+        for g in groups:
+            g.pump(0.1)
+        t = time.monotonic()
+        try:
+            r = httpx.get(srv.url + "/v1/models", timeout=10)
+            refused = (r.status_code, r.headers.get("retry-after"), r.json()["error"]["code"])
+        except httpx.TransportError as e:  # the close overtook the 503
+            refused = type(e).__name__
+        refused_s = time.monotonic() - t
+        for g in groups:
+            g.pump(0.0)
+        served_at = None
+        while time.monotonic() - t < HEADER_TIMEOUT + 5:
+            for g in groups:
+                g.pump(0.05)
+            try:
+                if httpx.get(srv.url + "/v1/models", timeout=10).status_code == 200:
+                    served_at = time.monotonic() - t
+                    break
+            except httpx.TransportError:
+                pass
+    finally:
+        for g in groups:
+            g.close()
+    print(f"\nall {TOTAL} connections held: newcomer got {refused} in {refused_s:.3f} s; served again after "
+          f"{served_at} s")
+    assert refused in ((503, "1", "server_busy"), "RemoteProtocolError", "ReadError", "WriteError")
+    assert refused_s < 1.0
+    assert served_at is not None and served_at <= HEADER_TIMEOUT + 1.5
+
+
+def test_a_kept_alive_connection_cannot_drip_its_next_request(srv):
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        assert _read_response(s).startswith(b"HTTP/1.1 200")
+        time.sleep(HEADER_TIMEOUT + 0.5)  # idle between requests: the keep-alive timeout (5 s) governs
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        assert _read_response(s).startswith(b"HTTP/1.1 200")
+        t = time.monotonic()
+        s.sendall(b"GET /health HTTP/1.1\r\n")
+        closed = _drip_until_closed(s, HEADER_TIMEOUT + 4)
+        assert closed is not None and HEADER_TIMEOUT * 0.9 <= closed - t <= HEADER_TIMEOUT + 2.5
+
+
+def test_a_silent_connection_is_closed_at_the_deadline(srv):
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=HEADER_TIMEOUT + 5) as s:
+        t = time.monotonic()
+        assert s.recv(4096) == b""  # closed without a word: it never asked anything
+        assert HEADER_TIMEOUT * 0.9 <= time.monotonic() - t <= HEADER_TIMEOUT + 2.5
+
+
+def _read_response(s: socket.socket) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += s.recv(4096)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += s.recv(4096)
+    return head
+
+
+def _drip_until_closed(s: socket.socket, seconds: float) -> float | None:
+    s.settimeout(0.3)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            s.sendall(b"x-drip: 1\r\n")
+            if s.recv(4096) is not None:  # a 408 or the end of the stream
+                return time.monotonic()
+        except socket.timeout:
+            continue
+        except OSError:
+            return time.monotonic()
+    return None
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+# ---------------------------------------------------------------------------------- busy port
+def test_a_busy_port_is_a_one_line_error_before_the_model_loads(tmp_path):
+    (tmp_path / "config.json").write_text("{}")  # a model directory that cannot load
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        t = time.monotonic()
+        # had the port been checked after Engine.load, the broken model would be the error
+        r = subprocess.run([sys.executable, "-m", "colibri.cli", "serve", "--model", str(tmp_path), "--port",
+                            str(port)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"port {port} is in use on 127.0.0.1; pick another with --port" in " ".join(r.stderr.split())
+    assert "listening" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    print(f"\nbusy port reported in {time.monotonic() - t:.2f} s (process start included)")
+
+
+def test_the_banner_names_the_bound_port(srv):
+    assert f"listening on http://127.0.0.1:{srv.port}" in srv.log()
+
+
+# ---------------------------------------------------------------------------------- private state
+def test_slot_files_are_0600_in_a_0700_directory(start_server, tmp_path):
+    state = tmp_path / "state"
+    state.mkdir(mode=0o755)
+    os.chmod(state, 0o755)  # as a user's umask might have left it
+    srv = start_server("--max-tokens", "2", state_dir=state)
+    assert stat.S_IMODE(state.stat().st_mode) == 0o700  # tightened at start
+    assert "it is now 0700" in srv.log()
+    r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL_ID, "prompt": "Hi", "max_tokens": 1}, timeout=60)
+    assert r.status_code == 200
+    files = list(state.iterdir())
+    assert [f.name for f in files] == ["slot-0.npz"]
+    assert stat.S_IMODE(files[0].stat().st_mode) == 0o600
+    fresh = tmp_path / "a" / "b"
+    from colibri.io.kv_store import private_dir
+
+    private_dir(fresh)
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o700
+
+
+def test_the_temporary_slot_file_is_private_from_creation(tmp_path):
+    from colibri.io.kv_store import _create_private
+
+    old = os.umask(0)  # the most open umask: the mode must come from the open() call itself
+    try:
+        tmp = tmp_path / "slot-0.npz.tmp"
+        tmp.write_bytes(b"left by a crash")
+        os.chmod(tmp, 0o666)
+        os.close(_create_private(tmp))
+        assert stat.S_IMODE(tmp.stat().st_mode) == 0o600 and tmp.read_bytes() == b""
+        target = tmp_path / "victim"
+        target.write_bytes(b"keep")
+        tmp.unlink()
+        tmp.symlink_to(target)  # a link planted in its place is replaced, never written through
+        os.close(_create_private(tmp))
+        assert target.read_bytes() == b"keep" and not tmp.is_symlink()
+    finally:
+        os.umask(old)
+
+
+# ---------------------------------------------------------------------------------- engine faults
+def test_error_classes_map_to_status_codes():
+    from colibri.serve.app import error_event, failure
+
+    assert failure(ColibriError("the prompt is empty")).status == 400
+    fault = failure(EngineFault("non-finite logits at token 3"))
+    assert (fault.status, fault.message, fault.code) == (500, "non-finite logits at token 3", "engine_fault")
+    bug = failure(KeyError("/secret/path"))  # a bug: its details stay in the server log
+    assert bug.status == 500 and "secret" not in bug.message and "KeyError" in bug.message
+    assert error_event("/v1/messages", EngineFault("bad expert"))["error"] == {"type": "api_error",
+                                                                                "message": "bad expert"}
+    assert error_event("/v1/chat/completions", EngineFault("bad expert"))["error"]["type"] == "server_error"
+
+
+def _poison_embeddings(model_dir: Path, keep: set[int]) -> None:
+    """NaN into the embedding scales of every token but `keep`: a prompt made of kept tokens
+    gives finite logits for its first token, and the step that feeds back a generated token
+    (not kept) gives NaN logits, as a damaged dense tensor would."""
+    path = model_dir / "dense.safetensors"
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+    entry = header["model.embed_tokens.weight.scales"]
+    assert entry["dtype"] == "F32"
+    scales = np.memmap(path, dtype=np.float32, mode="r+", offset=8 + n + entry["data_offsets"][0],
+                       shape=tuple(entry["shape"]))
+    poison = np.ones(scales.shape[0], bool)
+    poison[sorted(keep)] = False
+    scales[poison] = np.nan
+    scales.flush()
+    del scales
+
+
+HI = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def faulty(start_server, tmp_path_factory):
+    """A tiny synthetic MoE (untied lm_head) whose embeddings are NaN outside its test prompts."""
+    from synthetic_moe import write_container
+
+    from colibri.tokenizer import Tokenizer
+
+    d = write_container(tmp_path_factory.mktemp("faulty") / "model", "tiny", progress=False)
+    tok = Tokenizer.from_dir(d)
+    keep = set(tok.encode("Hello")) | set(tok.encode("Hello", add_special_tokens=False)) | set(tok.encode_chat(HI))
+    _poison_embeddings(d, keep)
+    srv = start_server("--max-tokens", "8", "--no-persist", model_dir=d)
+    srv.poisoned = next(i for i in range(1000, 49152) if i not in keep)
+    return srv
+
+
+def _sse(r) -> list[tuple[str | None, dict | str]]:
+    frames, event = [], None
+    for line in r.iter_lines():
+        if line.startswith("event: "):
+            event = line[7:]
+        elif line.startswith("data: "):
+            frames.append((event, line[6:] if line == "data: [DONE]" else json.loads(line[6:])))
+            event = None
+    return frames
+
+
+def test_an_engine_fault_is_a_500_with_its_message_and_the_server_keeps_serving(faulty):
+    """Needs the engine's non-finite logits guard (EngineFault("non-finite logits ...")):
+    without it the NaN logits give token 0 and a 200."""
+    url = faulty.url
+    before = httpx.get(url + "/health").json()
+    completion = {"model": MODEL_ID, "prompt": "Hello", "max_tokens": 6, "temperature": 0}
+    r = httpx.post(url + "/v1/completions", json=completion, timeout=60)
+    assert r.status_code == 500, r.text
+    err = r.json()["error"]
+    assert err["type"] == "server_error" and "non-finite" in err["message"] and err["code"] == "engine_fault"
+    chat = {"model": MODEL_ID, "messages": HI, "max_tokens": 6, "temperature": 0}
+    r = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60)
+    assert r.status_code == 500 and "non-finite" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/messages", json=chat, timeout=60)
+    assert r.status_code == 500 and r.json()["type"] == "error"
+    assert r.json()["error"]["type"] == "api_error" and "non-finite" in r.json()["error"]["message"]
+    # a fault at the first token comes before the headers: a real status even when streaming
+    r = httpx.post(url + "/v1/completions", json={**completion, "prompt": [1, faulty.poisoned], "stream": True},
+                   timeout=60)
+    assert r.status_code == 500 and "non-finite" in r.json()["error"]["message"]
+    # the official clients raise their server-error class with the fault's message
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.InternalServerError, match="non-finite"):
+        client.chat.completions.create(**chat)
+    anthropic = pytest.importorskip("anthropic")
+    with pytest.raises(anthropic.InternalServerError, match="non-finite"):  # this client takes no temperature
+        anthropic.Anthropic(base_url=url, api_key="x", max_retries=0).messages.create(model=MODEL_ID, messages=HI,
+                                                                                      max_tokens=6)
+    # and it keeps serving: a generation that never feeds back a poisoned token completes
+    r = httpx.post(url + "/v1/completions", json={**completion, "max_tokens": 1}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+    after = httpx.get(url + "/health").json()
+    assert after["status"] == "ok" and after["failed"] - before["failed"] == 6
+
+
+def test_an_engine_fault_mid_stream_is_an_error_event(faulty):
+    url = faulty.url
+    body = {"model": MODEL_ID, "prompt": "Hello", "max_tokens": 6, "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200  # the first token was fine: headers went out with it
+        frames = _sse(r)
+    assert frames[0][1]["choices"][0]["text"] is not None
+    last = frames[-1][1]
+    assert isinstance(last, dict) and "error" in last, f"no error event (is the engine's guard in?): {frames[-2:]}"
+    assert last["error"]["type"] == "server_error" and "non-finite" in last["error"]["message"]
+    chat = {"model": MODEL_ID, "messages": HI, "max_tokens": 6, "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/messages", json=chat, timeout=60) as r:
+        assert r.status_code == 200
+        frames = _sse(r)
+    event, data = frames[-1]
+    assert event == "error" and data["error"]["type"] == "api_error" and "non-finite" in data["error"]["message"]
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.APIError, match="non-finite"):
+        for _ in client.chat.completions.create(model=MODEL_ID, messages=HI, max_tokens=6, temperature=0,
+                                                stream=True):
+            pass
+    assert httpx.get(url + "/health").json()["status"] == "ok"
