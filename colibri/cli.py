@@ -9,13 +9,75 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from colibri.errors import ColibriError
+from colibri.errors import ColibriError, EngineFault
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Run Mixture-of-Experts language models bigger than memory.")
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # soft_wrap: a message stays one line in a log or pipe
 
-ModelOpt = typer.Option(None, "--model", "-m", help="Model container directory (default: embedded SmolLM2-135M-Instruct).")
+MODEL_HELP = ("Model container directory or .gguf file (a GGUF is converted once into the cache; "
+              "default: embedded SmolLM2-135M-Instruct).")
+ModelOpt = typer.Option(None, "--model", "-m", help=MODEL_HELP)
+
+
+def model_dir(model: Optional[Path], progress: bool = True, default: bool = False) -> Optional[Path]:
+    """What -m names, as a container directory: a directory as is, a .gguf file converted once
+    into the cache (colibri.default_model.gguf_model_dir), nothing as None (Engine.load takes the
+    default model) or, with `default`, the default model's directory."""
+    from colibri.default_model import default_model_dir, gguf_model_dir
+
+    if model is None:
+        return default_model_dir(progress=progress) if default else None
+    if model.is_dir():
+        return model
+    if model.is_file() and model.suffix.lower() == ".gguf":
+        return gguf_model_dir(model, progress=progress)
+    what = "does not exist" if not model.exists() else "is neither a directory nor a .gguf file"
+    raise ColibriError(f"--model {model} {what}; -m takes a model directory (from `colibri convert`) "
+                       "or a .gguf file")
+
+
+def need_tokenizer(model: Optional[Path]) -> None:
+    """Text in and out needs the tokenizer; a container converted without one fails here, before
+    its weights load, saying how to fix it (the engine alone would say "pass token ids")."""
+    from colibri.io.container import MANIFEST
+
+    if model is not None and (model / MANIFEST).exists() and not (model / "tokenizer.json").exists():
+        raise ColibriError(f"{model} has no tokenizer.json, so it can only be driven with token ids; copy "
+                           "tokenizer.json and tokenizer_config.json from the original checkpoint into it")
+
+
+def check_threads(threads: Optional[int]) -> Optional[int]:
+    """--threads: at least 1; more than numba's pool (NUMBA_NUM_THREADS, all cores by default) is
+    cut to the pool with a warning, as the engine would do silently."""
+    if threads is None:
+        return None
+    if threads < 1:
+        raise ColibriError(f"--threads must be >= 1, not {threads}")
+    from numba import config
+
+    if threads > config.NUMBA_NUM_THREADS:
+        err.print(f"[yellow]warning:[/yellow] --threads {threads} is more than the {config.NUMBA_NUM_THREADS} "
+                  f"threads numba runs here (NUMBA_NUM_THREADS; default: the cores): using "
+                  f"{config.NUMBA_NUM_THREADS}", highlight=False)
+        return config.NUMBA_NUM_THREADS
+    return threads
+
+
+def threads_option(**kw):
+    """--threads for every command that loads a model (None: the engine's default)."""
+    return typer.Option(None, "--threads", callback=check_threads, help="Kernel threads, at least 1 "
+                        "(default: all cores; use 1 when other work keeps the cores busy).", **kw)
+
+
+def fit_max_tokens(engine, prompt, max_tokens: int, **encode) -> None:
+    """The engine stops at the end of the context without a word; say so up front when -n asks
+    for more than the context leaves after the prompt. (A prompt that fills the context is the
+    engine's error.)"""
+    room = engine.max_context - len(engine.encode_prompt(prompt, **encode))
+    if 0 < room < max_tokens:
+        err.print(f"note: -n {max_tokens} is past the context ({engine.max_context} tokens): "
+                  f"generating at most {room}", highlight=False)
 
 
 @app.command()
@@ -36,7 +98,7 @@ def run(
     expert_io: str = typer.Option("pread", "--expert-io", help="How missed experts are read: pread, direct, mmap."),
     prefetch: bool = typer.Option(False, "--prefetch/--no-prefetch", help="Prefetch the next layer's predicted "
                                   "experts (off: it measured slower, see README)."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="Kernel threads (default: all cores)."),
+    threads: Optional[int] = threads_option(),
     auto_tier: bool = typer.Option(False, "--auto-tier", help="Apply `colibri plan` (its RAM budget) where "
                                    "--ram-gb is not given."),
     stats: bool = typer.Option(False, "--stats", help="Print speed figures to stderr at the end."),
@@ -46,12 +108,15 @@ def run(
 
     if max_tokens < 0:
         raise ColibriError(f"--max-tokens must be >= 0, not {max_tokens}")
+    model = model_dir(model)
+    need_tokenizer(model)
     if auto_tier and ram_gb is None:
         from colibri.plan import engine_options
 
         ram_gb = engine_options(model, None, True).get("ram_gb")
     engine = Engine.load(model, progress=True, max_context=max_context, ram_gb=ram_gb, expert_io=expert_io,
                          prefetch=prefetch, threads=threads)
+    fit_max_tokens(engine, prompt, max_tokens, raw=raw, system=system)
     for ev in engine.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, seed=seed, raw=raw, system=system):
         sys.stdout.write(ev.text)
@@ -76,6 +141,10 @@ def convert(
 
     out = do_convert(src, dst, bits=bits, progress=True)
     err.print(f"wrote {out}")
+    if not (out / "tokenizer.json").exists():
+        err.print(f"[yellow]warning:[/yellow] no tokenizer.json in {src}: the container can only be driven with "
+                  f"token ids; copy tokenizer.json/tokenizer_config.json into {out} to chat with it",
+                  highlight=False)
 
 
 # ---- chat, plan, info (colibri/tui.py, colibri/plan.py, colibri/info.py) ----
@@ -99,15 +168,21 @@ def chat(
     auto_tier: bool = AutoTierOpt,
     stats: Optional[str] = typer.Option(None, "--stats", help="Stats line per turn: full, compact or off "
                                         "(default: full in a terminal, off when piped)."),
+    threads: Optional[int] = threads_option(),
 ):
     """Talk with a model in the terminal (plain lines in, plain text out when not a terminal)."""
     from colibri.plan import engine_options
     from colibri.tui import chat as run_chat
 
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
+    if not attach:
+        model = model_dir(model)
+        need_tokenizer(model)
     options = {} if attach else engine_options(model, ram_gb, auto_tier)
     if max_context is not None:
         options["max_context"] = max_context
+    if threads is not None and not attach:
+        options["threads"] = threads
     run_chat(model, attach=attach, system=system, max_tokens=max_tokens, stats=stats, sampling=sampling,
              engine_options=options)
 
@@ -126,10 +201,7 @@ def plan(
 
     from colibri import plan as planner
 
-    if model is None:
-        from colibri.default_model import default_model_dir
-
-        model = default_model_dir(progress=not json_out)
+    model = model_dir(model, progress=not json_out, default=True)
     facts = planner.analyze_model(model)
     mach = planner.read_machine_file(machine) if machine else planner.probe_machine(facts)
     result = planner.build_plan(facts, mach, ram_gb=ram_gb, vram_gb=vram_gb, max_context=max_context)
@@ -150,10 +222,7 @@ def info(
 
     from colibri.info import describe, render_info
 
-    if model is None:
-        from colibri.default_model import default_model_dir
-
-        model = default_model_dir(progress=not json_out)
+    model = model_dir(model, progress=not json_out, default=True)
     facts = describe(model)
     if json_out:
         print(json.dumps(facts, indent=2))
@@ -164,7 +233,7 @@ def info(
 @app.command()
 def serve(
     model: Optional[Path] = typer.Option(None, "--model", "-m", envvar="COLI_MODEL",
-                                         help="Model container directory (default: embedded SmolLM2-135M-Instruct)."),
+                                         help=MODEL_HELP),
     host: str = typer.Option("127.0.0.1", "--host", envvar="COLI_HOST", help="Address to listen on."),
     port: int = typer.Option(8000, "--port", envvar="COLI_PORT"),
     model_id: Optional[str] = typer.Option(None, "--model-id", envvar="COLI_MODEL_ID",
@@ -184,14 +253,19 @@ def serve(
                                         help="Seconds a request may wait before a 429."),
     kv_slots: int = typer.Option(1, "--kv-slots", envvar="COLI_KV_SLOTS", help="Conversations kept warm (1-16)."),
     max_tokens: int = typer.Option(4096, "--max-tokens", envvar="COLI_MAX_TOKENS",
-                                   help="Most tokens one request may generate (larger asks are clamped)."),
+                                   help="Most tokens one request may generate (larger asks get a 400)."),
     max_context: Optional[int] = typer.Option(None, "--max-context", envvar="COLI_MAX_CONTEXT",
                                               help="Context length in tokens (default: the model's, at most 8192)."),
     state_dir: Optional[Path] = typer.Option(None, "--state-dir", envvar="COLI_STATE_DIR",
                                              help="Where KV slots persist (default: in the colibri cache)."),
     persist: bool = typer.Option(True, "--persist/--no-persist", envvar="COLI_PERSIST",
                                  help="Save KV slots at every turn end and restore them at start."),
-    max_connections: int = typer.Option(256, "--max-connections", envvar="COLI_MAX_CONNECTIONS"),
+    max_connections: int = typer.Option(64, "--max-connections", envvar="COLI_MAX_CONNECTIONS",
+                                        help="Open connections in all (more are refused with 503)."),
+    max_connections_per_ip: int = typer.Option(8, "--max-connections-per-ip", envvar="COLI_MAX_CONNECTIONS_PER_IP",
+                                               help="Open connections from one client address (more get 429)."),
+    header_timeout: float = typer.Option(10.0, "--header-timeout", envvar="COLI_HEADER_TIMEOUT",
+                                         help="Seconds a client may take to send a request's headers."),
     read_timeout: float = typer.Option(30.0, "--read-timeout", envvar="COLI_READ_TIMEOUT",
                                        help="Seconds a client may take to send its request body."),
     drain_timeout: float = typer.Option(120.0, "--drain-timeout", envvar="COLI_DRAIN_TIMEOUT",
@@ -201,12 +275,13 @@ def serve(
                                            help="RAM budget for weights (dense + cached experts)."),
     auto_tier: bool = typer.Option(False, "--auto-tier", envvar="COLI_AUTO_TIER",
                                    help="Apply `colibri plan` where --ram-gb is not given."),
-    threads: Optional[int] = typer.Option(None, "--threads", envvar="COLI_THREADS", help="Kernel threads."),
+    threads: Optional[int] = threads_option(envvar="COLI_THREADS"),
 ):
     """Serve the model over an OpenAI- and Anthropic-compatible HTTP API."""
     from colibri.serve.server import ServeOptions
     from colibri.serve.server import run as run_server
 
+    model = model_dir(model)
     if auto_tier and ram_gb is None:
         from colibri.plan import engine_options
 
@@ -216,7 +291,9 @@ def serve(
                             cors_origins=cors_origin or [], allowed_hosts=allowed_host or [],
                             allow_insecure_bind=allow_insecure_bind, max_queue=max_queue, queue_timeout=queue_timeout,
                             kv_slots=kv_slots, max_tokens=max_tokens, max_context=max_context, state_dir=state_dir,
-                            persist=persist, max_connections=max_connections, read_timeout=read_timeout,
+                            persist=persist, max_connections=max_connections,
+                            max_connections_per_ip=max_connections_per_ip, header_timeout=header_timeout,
+                            read_timeout=read_timeout,
                             drain_timeout=drain_timeout, log_level=log_level, ram_gb=ram_gb, threads=threads))
 
 
@@ -228,7 +305,7 @@ def bench(
     prefetch: bool = typer.Option(False, "--prefetch/--no-prefetch"),
     hot_set: bool = typer.Option(True, "--hot-set/--no-hot-set"),
     tokens: int = typer.Option(32, "--tokens", help="Forced tokens decoded per run."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="Kernel threads (default: all cores)."),
+    threads: Optional[int] = threads_option(),
     auto_tier: bool = typer.Option(False, "--auto-tier", help="Apply `colibri plan` where --ram-gb is not given."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ):
@@ -239,6 +316,7 @@ def bench(
 
     if tokens < 2:
         raise ColibriError(f"--tokens must be at least 2, not {tokens}")
+    model = model_dir(model)
     if auto_tier and ram_gb is None:
         from colibri.plan import engine_options
 
@@ -254,7 +332,7 @@ def bench(
 def main() -> None:
     try:
         app()
-    except ColibriError as e:
+    except (ColibriError, EngineFault) as e:
         err.print(f"[bold red]error:[/bold red] {e}", highlight=False)
         sys.exit(1)
     except KeyboardInterrupt:

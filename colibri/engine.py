@@ -7,7 +7,7 @@ common token prefix, so a conversation only prefills its new tokens.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,12 +15,13 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from colibri import generate as gen
-from colibri.errors import ColibriError
+from colibri.errors import ColibriError, EngineFault
 from colibri.io.container import Container
 from colibri.io.expert_store import ExpertStore
 from colibri.io.experts import open_experts
 from colibri.models import family
 from colibri.tokenizer import Tokenizer
+from colibri.warmup import compile_kernels
 
 
 @dataclass
@@ -38,6 +39,11 @@ class EngineConfig:
     hot_set: bool = True            # pin each layer's historically hottest experts
     read_threads: int = 2           # readahead threads
     threads: int | None = None      # kernel threads (default: all cores; 1 when cores are busy elsewhere)
+    verify_experts: bool = True     # check each expert read from disk against the container's checksum
+    # Prompt tokens per forward pass. Bounds a prompt's working memory (activations, MoE token
+    # groups, attention score blocks) by O(chunk x context) instead of O(prompt x context), and is
+    # where a prefill can be cancelled. 512 keeps the weights' reads amortized over many tokens.
+    prefill_chunk: int = 512
 
 
 DEFAULT_MAX_CONTEXT = 8192
@@ -55,7 +61,7 @@ class TokenEvent:
 class Generation:
     token_ids: list[int]
     text: str
-    finish_reason: str                  # "stop" (end-of-sequence token or stop string) or "length"
+    finish_reason: str                  # "stop" (end-of-sequence token or stop string), "length" or "cancelled"
     prompt_tokens: int
     prompt_tokens_reused: int           # served from the KV cache, not prefilled
     ttft_s: float                       # request start -> first token sampled
@@ -103,6 +109,8 @@ class Engine:
             raise ColibriError(f"max_context must be at least 1, not {self.max_context}")
         if not 1 <= config.kv_slots <= 16:
             raise ColibriError(f"kv_slots must be between 1 and 16, not {config.kv_slots}")
+        if config.prefill_chunk < 1:
+            raise ColibriError(f"prefill_chunk must be at least 1, not {config.prefill_chunk}")
         self.slots = [KVSlot(model.new_cache(self.max_context)) for _ in range(config.kv_slots)]
         self.last: Generation | None = None
 
@@ -133,7 +141,7 @@ class Engine:
         model = module.build(container.config, container, experts)
         model.prefetch = isinstance(experts, ExpertStore) and config.prefetch
         if progress:
-            _compile_kernels_once(model)
+            compile_kernels(model, model_dir=container.dir)
         tok_path = Path(model_dir) / "tokenizer.json"
         tokenizer = Tokenizer.from_dir(model_dir) if tok_path.exists() else None
         return cls(container, tokenizer, model, config, load_s=time.perf_counter() - t0, experts=experts)
@@ -221,10 +229,14 @@ class Engine:
     def stream(self, prompt, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, seed: int | None = None, raw: bool = False, system: str | None = None,
                stop: list[str] | None = None, logprobs: int | None = None, slot: int | None = None,
-               stop_at_eos: bool = True, **template_kwargs) -> Iterator[TokenEvent]:
+               stop_at_eos: bool = True, cancel: Callable[[], bool] | None = None,
+               **template_kwargs) -> Iterator[TokenEvent]:
         """Yield tokens as they are produced. When the iterator is exhausted, `self.last` holds
         the finished Generation. Closing the iterator early (a client went away) leaves the
-        slot holding exactly the tokens computed so far.
+        slot holding exactly the tokens computed so far. `cancel` is polled between prefill
+        chunks and between tokens; when it returns True the generation ends with finish_reason
+        "cancelled" (a long prompt stops within one chunk, and the chunks already prefilled
+        stay in the slot for a retry to reuse).
 
         The texts of the events concatenate to the generation's text. Text held back until the
         end (the start of a stop string that never completed, a split UTF-8 character) comes
@@ -265,11 +277,10 @@ class Engine:
         t_decode0 = t_prefill0
         try:
             if max_tokens > 0:
-                logits = gen.prefill(self.model, kv.cache, ids[reused:])
-                kv.ids = list(ids)
+                logits = self._prefill(kv, ids, reused, cancel)
                 prefill_s = time.perf_counter() - t_prefill0
                 t_decode0 = time.perf_counter()
-                while True:
+                while logits is not None:
                     tok = gen.sample(logits, params, rng)
                     if not out:
                         ttft = time.perf_counter() - t_start
@@ -285,8 +296,13 @@ class Engine:
                         break
                     if len(out) >= max_tokens:
                         break
-                    logits = gen.decode_one(self.model, kv.cache, tok)
+                    if cancel is not None and cancel():
+                        logits = None
+                        break
+                    logits = _finite(gen.decode_one(self.model, kv.cache, tok), len(kv.ids), self.model_id)
                     kv.ids.append(tok)
+                if logits is None:
+                    finish = "cancelled"
             if not hit:  # text held back for a possible stop string (or a split character) is real
                 tail = stops.feed(decoder.flush() if decoder else "")[0] + stops.flush()
                 if tail:
@@ -299,6 +315,20 @@ class Engine:
                                time.perf_counter() - t_decode0, slot, _turn_stats(stats0, self._store_stats()))
         if isinstance(self.experts, ExpertStore):
             self.experts.save_history()
+
+    def _prefill(self, kv: KVSlot, ids: list[int], start: int, cancel) -> np.ndarray | None:
+        """Prefill ids[start:] in chunks of `prefill_chunk` tokens; the last position's logits,
+        or None when cancelled between chunks. kv.ids follows every chunk, so the slot always
+        names exactly what its cache holds."""
+        chunk = self.config.prefill_chunk
+        logits = None
+        for a in range(start, len(ids), chunk):
+            if cancel is not None and cancel():
+                return None
+            piece = ids[a : a + chunk]
+            logits = gen.prefill(self.model, kv.cache, piece)
+            kv.ids = ids[: a + len(piece)]
+        return _finite(logits, len(ids) - 1, self.model_id)
 
     @staticmethod
     def _event(tok: int, text: str, logits: np.ndarray, logprobs: int | None) -> TokenEvent:
@@ -361,6 +391,15 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def _finite(logits: np.ndarray, position: int, model_id: str) -> np.ndarray:
+    """The guard against damaged weights that no checksum caught (a dense tensor, a container
+    without checksums): NaN or infinite logits would otherwise sample token 0 forever."""
+    if not np.isfinite(logits).all():
+        raise EngineFault(f"non-finite logits at position {position} of {model_id}: a weight file is damaged "
+                          "(run `colibri info` on the model, re-convert it or restore its files)")
+    return logits
+
+
 def _turn_stats(before: dict | None, after: dict | None) -> dict | None:
     if before is None or after is None:
         return None
@@ -368,20 +407,3 @@ def _turn_stats(before: dict | None, after: dict | None) -> dict | None:
     asked = d["hits"] + d["misses"]
     d["hit_rate"] = d["hits"] / asked if asked else 0.0
     return d
-
-
-def _compile_kernels_once(model) -> None:
-    """numba compiles the kernels on their first call and caches them on disk (cache=True). On a
-    first start, when no cache exists yet, do it up front under a spinner instead of stalling
-    silently inside the first answer: one prefill and one decode step in a throwaway cache."""
-    import colibri.kernels
-
-    cache_dir = Path(colibri.kernels.__file__).parent / "__pycache__"
-    if any(cache_dir.glob("*.nbi")):
-        return
-    from rich.console import Console
-
-    with Console(stderr=True).status("compiling kernels (first start only, about a minute)"):
-        cache = model.new_cache(4)
-        model.forward(np.array([0, 1], dtype=np.int64), cache)
-        model.forward(np.array([2], dtype=np.int64), cache)

@@ -300,6 +300,8 @@ def test_piped_chat_prints_plain_text(smollm2_container, tmp_path):
     (["--model", "{tmp}"], "not a colibri model directory"),
     (["--stats", "loud"], "--stats must be one of"),
     (["--max-tokens", "0"], "--max-tokens"),
+    (["--threads", "0"], "--threads must be >= 1"),
+    (["--model", "{tmp}/weights.bin"], "-m takes a model directory (from `colibri convert`) or a .gguf file"),
 ])
 def test_chat_bad_input(tmp_path, args, needle):
     args = [a.format(tmp=tmp_path) for a in args]
@@ -308,6 +310,21 @@ def test_chat_bad_input(tmp_path, args, needle):
     assert p.returncode == 1 and "Traceback" not in p.stderr
     msg = " ".join(p.stderr.split())
     assert msg.startswith("error:") and needle in msg
+
+
+def test_chat_passes_threads_to_the_engine(smollm2_container, monkeypatch):
+    """--threads reaches Engine.load (as on run, bench and serve); without it, the engine's default."""
+    from typer.testing import CliRunner
+
+    import colibri.tui
+    from colibri.cli import app
+
+    seen = []
+    monkeypatch.setattr(colibri.tui, "chat", lambda model, **kw: seen.append(kw["engine_options"]))
+    for args in (["--threads", "1"], []):
+        r = CliRunner().invoke(app, ["chat", "--model", str(smollm2_container), *args])
+        assert r.exit_code == 0, r.output
+    assert seen[0].get("threads") == 1 and "threads" not in seen[1]
 
 
 def test_context_overflow_keeps_the_chat_going(smollm2_container, tmp_path):

@@ -114,3 +114,108 @@ def test_chat_prompt_without_chat_template(model_copy):
     raw = colibri("run", "--model", model_copy, "--raw", "The capital of France is", "-n", "6")
     assert raw.returncode == 0, raw.stderr
     assert raw.stdout.strip()
+
+
+def test_installed_console_script_answers(smollm2_container):
+    """The `colibri` entry point pip installed (not `python -m`): after `pip install .` then
+    `pip install -e .` in one environment (README, .ci/run), a package directory left behind in
+    site-packages used to shadow the editable install (No module named 'colibri.kernels.quant')."""
+    script = os.path.join(os.path.dirname(sys.executable), "colibri")
+    if not os.path.exists(script):
+        script = shutil.which("colibri")
+    if script is None:
+        pytest.skip("the colibri console script is not installed")
+    p = subprocess.run([script, "run", "--model", str(smollm2_container), "-n", "8",
+                        "What is the capital of France?"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "Paris" in p.stdout
+
+
+def test_model_option_takes_a_gguf_file(smollm2_gguf, tmp_path):
+    """-m model.gguf: converted once into the cache, reused after, on every command with -m."""
+    env = {"COLIBRI_HOME": str(tmp_path / "home")}
+    first = colibri("run", "-m", smollm2_gguf, "-n", "24", "What is the capital of France?", env=env)
+    assert first.returncode == 0, first.stderr
+    assert "Paris" in first.stdout and "converting" in first.stderr
+    containers = list((tmp_path / "home" / "models" / "gguf").glob("*/*/colibri.json"))
+    assert len(containers) == 1
+    info = colibri("info", "-m", smollm2_gguf, "--json", env=env)
+    assert info.returncode == 0, info.stderr
+    assert json.loads(info.stdout)["model_type"] == "llama" and "converting" not in info.stderr
+    plan = colibri("plan", "-m", smollm2_gguf, "--json", env=env)
+    assert plan.returncode == 0, plan.stderr
+    assert list((tmp_path / "home" / "models" / "gguf").glob("*/*/colibri.json")) == containers  # reused
+
+
+def test_model_option_rejects_other_files(tmp_path):
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"\0" * 16)
+    for cmd in (["run", "-m", f, "hi"], ["info", "-m", f], ["plan", "-m", f], ["bench", "-m", f]):
+        assert_clean_error(colibri(*cmd), "neither a directory nor a .gguf file", "-m takes a model directory")
+
+
+@pytest.mark.parametrize("cmd", [["run", "hi"], ["bench"], ["serve"], ["chat"]])
+def test_threads_must_be_positive(cmd):
+    assert_clean_error(colibri(*cmd, "--threads", "0"), "--threads must be >= 1")
+    assert_clean_error(colibri(*cmd, "--threads", "-2"), "--threads must be >= 1")
+
+
+def test_more_threads_than_numba_runs_is_a_warning(smollm2_container):
+    p = colibri("run", "--model", smollm2_container, "--threads", "4096", "--raw", "The capital of France is",
+                "-n", "4")
+    assert p.returncode == 0, p.stderr
+    warning = [line for line in p.stderr.splitlines() if "--threads 4096" in line]
+    assert len(warning) == 1 and warning[0].startswith("warning:") and "using" in warning[0]
+
+
+def test_max_tokens_past_the_context_is_announced(smollm2_container):
+    """The engine stops at the end of the context; -n asking for more gets a one-line note."""
+    p = colibri("run", "--model", smollm2_container, "--max-context", "32", "-n", "1000000", "--raw",
+                "Once upon a time")
+    assert p.returncode == 0, p.stderr
+    notes = [line for line in p.stderr.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1, p.stderr
+    room = 32 - 4  # "Once upon a time" is 4 tokens for SmolLM2
+    assert notes[0] == f"note: -n 1000000 is past the context (32 tokens): generating at most {room}"
+    quiet = colibri("run", "--model", smollm2_container, "--max-context", "32", "-n", "8", "--raw", "Once upon a time")
+    assert quiet.returncode == 0 and "note:" not in quiet.stderr
+
+
+def write_tiny_llama(path):
+    """A tiny random Llama checkpoint (config + safetensors, no tokenizer), written with numpy."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    d, f, v = 64, 128, 32
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(dict(
+        model_type="llama", hidden_size=d, intermediate_size=f, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=v, max_position_embeddings=64, rms_norm_eps=1e-5,
+        tie_word_embeddings=True)))
+    rng = np.random.default_rng(0)
+
+    def w(*shape):
+        return (rng.standard_normal(shape) * 0.02).astype(np.float32)
+
+    p = "model.layers.0."
+    save_file({"model.embed_tokens.weight": w(v, d), "model.norm.weight": np.ones(d, np.float32),
+               p + "self_attn.q_proj.weight": w(d, d), p + "self_attn.k_proj.weight": w(d // 2, d),
+               p + "self_attn.v_proj.weight": w(d // 2, d), p + "self_attn.o_proj.weight": w(d, d),
+               p + "mlp.gate_proj.weight": w(f, d), p + "mlp.up_proj.weight": w(f, d),
+               p + "mlp.down_proj.weight": w(d, f), p + "input_layernorm.weight": np.ones(d, np.float32),
+               p + "post_attention_layernorm.weight": np.ones(d, np.float32)},
+              str(path / "model.safetensors"))
+    return path
+
+
+def test_checkpoint_without_tokenizer(tmp_path):
+    """Converting warns at once; running says what is missing and how to fix it (one line each)."""
+    src = write_tiny_llama(tmp_path / "hf")
+    dst = tmp_path / "out"
+    conv = colibri("convert", src, dst)
+    assert conv.returncode == 0, conv.stderr
+    warning = [line for line in conv.stderr.splitlines() if line.startswith("warning:")]
+    assert warning == [f"warning: no tokenizer.json in {src}: the container can only be driven with token ids; "
+                       f"copy tokenizer.json/tokenizer_config.json into {dst} to chat with it"]
+    assert_clean_error(colibri("run", "--model", dst, "hi"), "no tokenizer.json", "tokenizer_config.json")
+    assert_clean_error(colibri("chat", "--model", dst), "no tokenizer.json")

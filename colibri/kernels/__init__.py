@@ -1,6 +1,48 @@
-"""Compute kernels: the QTensor format and its numpy reference (quant), numba CPU kernels (cpu)."""
-from . import ops
-from .cpu import embedding, matmul, matvec
+"""Compute kernels: the QTensor format and its numpy reference (quant), numba CPU kernels (cpu).
+
+numba caches the compiled kernels on disk (every kernel is `@njit(cache=True)`) in the user's
+cache directory, never inside the package: files that pip did not install there make
+`pip uninstall` leave the package directory behind, and that stale directory then shadows a
+later editable install (`pip install .` then `pip install -e .` in one virtualenv ended in
+"No module named 'colibri.kernels.quant'")."""
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def numba_cache_dir() -> Path:
+    """Where the compiled kernels are cached: numba's cache directory when the user set one, else
+    $XDG_CACHE_HOME/colibri/numba (~/.cache/colibri/numba). Not under $COLIBRI_HOME: compiled
+    code depends only on colibri's source and this machine, and runs that keep their models
+    apart (tests, servers with their own state) should not each compile again."""
+    from numba.core import config
+
+    if os.environ.get("NUMBA_CACHE_DIR") or config.CACHE_DIR:  # the environment, or .numba_config.yaml
+        return Path(os.environ.get("NUMBA_CACHE_DIR") or config.CACHE_DIR)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "colibri" / "numba"
+
+
+@contextmanager
+def _cache_in_user_dir():
+    """numba picks a function's cache directory when its decorator runs, from
+    numba.config.CACHE_DIR (read from $NUMBA_CACHE_DIR when numba was imported, which may have
+    been before colibri). So set it while the kernel modules are imported, then put it back:
+    the user's own cached functions keep numba's default place."""
+    from numba.core import config
+
+    saved = config.CACHE_DIR
+    if not saved:  # an explicit NUMBA_CACHE_DIR (environment or .numba_config.yaml) wins
+        config.CACHE_DIR = str(numba_cache_dir())
+    try:
+        yield
+    finally:
+        config.CACHE_DIR = saved
+
+
+# Every module holding kernels is imported here, inside the block (tests/test_warmup.py checks).
+with _cache_in_user_dir():
+    from . import decode, ops
+    from .cpu import embedding, matmul, matvec
 from .quant import (
     FLOAT_SCHEMES,
     GROUP_SIZE,
@@ -16,7 +58,6 @@ from .quant import (
 )
 
 
-
 def set_threads(n: int) -> None:
     """Threads the parallel kernels use (numba's pool; at most the cores numba started with)."""
     from numba import config, set_num_threads
@@ -27,5 +68,5 @@ def set_threads(n: int) -> None:
 __all__ = [
     "QTensor", "SCHEMES", "GROUP_SIZE", "FLOAT_SCHEMES", "INT4_SCHEMES",
     "quantize", "dequantize", "pack_nibbles", "unpack_nibbles", "bf16_to_f32", "f32_to_bf16",
-    "matvec", "matmul", "embedding", "ops", "set_threads",
+    "matvec", "matmul", "embedding", "ops", "decode", "set_threads", "numba_cache_dir",
 ]

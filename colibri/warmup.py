@@ -1,0 +1,215 @@
+"""First start: compile the numba kernels a model uses before its first answer, and say so.
+
+numba compiles a kernel on its first call and caches it on disk (colibri.kernels.numba_cache_dir).
+A first start therefore spends tens of seconds compiling; done inside the first answer, that
+looks like a hang. `compile_kernels` runs one tiny prefill and one decode step in a throwaway
+KV cache instead, so every kernel this model's forward calls is compiled (or loaded from the
+cache) up front, with progress on stderr:
+
+- a terminal: a spinner with the seconds elapsed, then "compiled kernels for MODEL in 23.4 s";
+- anything else (a pipe, a log): "compiling kernels for MODEL (first start only)... done in 23.4 s".
+
+What is missing is decided per kernel and signature, by numba itself: progress starts at the
+first "numba:compile" event, which numba sends only on a cache miss. A model that needs a kernel
+no earlier model compiled is therefore noticed, and a cached start prints nothing.
+
+The tiny forward itself is skipped when this model's kernels are known to be cached: after a
+warmup, the kernels the model called are listed in a marker file next to numba's cache, and a
+later start checks that each one's cache index is still there and newer than its source. That
+matters for large models, whose forward reads experts from disk even for three tokens.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+MARKERS = "colibri-warm"   # folder in the numba cache: one marker per model directory
+
+
+def compile_kernels(model, out=None, model_dir: str | Path | None = None) -> float | None:
+    """Compile (or load from numba's cache) every kernel `model` uses, showing progress on `out`
+    (a Rich Console or a text stream; default stderr) while numba really compiles. `model_dir`
+    names the model in the message and keys the marker that lets a later start skip all this.
+    Returns the seconds spent when something was compiled, else None."""
+    marker = _marker_path(model_dir)
+    if marker is not None and _kernels_cached(marker):
+        return None
+    name = Path(model_dir).name if model_dir is not None else model.args.model_type
+    progress = _Progress(out, name)
+    t0 = time.perf_counter()
+    with _on_first_compile(progress.start):
+        cache = model.new_cache(4)
+        model.forward(np.array([0, 1], dtype=np.int64), cache)   # prefill kernels
+        model.forward(np.array([2], dtype=np.int64), cache)      # decode kernels
+    seconds = time.perf_counter() - t0
+    progress.stop(seconds)
+    if marker is not None:
+        _write_marker(marker)
+    return seconds if progress.started else None
+
+
+# ----------------------------------------------------------------------------- progress
+
+class _Progress:
+    """Shown from the first compile to the end of the warmup; nothing when nothing compiles."""
+
+    def __init__(self, out, name: str):
+        self.out, self.name = out, name
+        self.started = False
+        self._status = None
+        self._t0 = 0.0
+
+    def start(self) -> None:
+        if self.started:
+            return
+        self.started = True
+        self._t0 = time.perf_counter()
+        console = _console(self.out)
+        if console is not None:
+            self._console = console
+            self._status = console.status(_Elapsed(f"compiling kernels for {self.name} (first start only)",
+                                                   self._t0))
+            self._status.start()
+        else:
+            stream = _stream(self.out)
+            stream.write(f"compiling kernels for {self.name} (first start only)... ")
+            stream.flush()
+
+    def stop(self, seconds: float) -> None:
+        if not self.started:
+            return
+        if self._status is not None:
+            self._status.stop()
+            self._console.print(f"compiled kernels for {self.name} in {seconds:.1f} s (first start only)",
+                                highlight=False)
+        else:
+            stream = _stream(self.out)
+            stream.write(f"done in {seconds:.1f} s\n")
+            stream.flush()
+
+
+class _Elapsed:
+    """A status text that Rich re-renders at every refresh, so the seconds count up."""
+
+    def __init__(self, text: str, t0: float):
+        self.text, self.t0 = text, t0
+
+    def __rich__(self) -> str:
+        return f"{self.text} {time.perf_counter() - self.t0:.0f} s"
+
+
+def _console(out):
+    """The Rich console to draw a spinner on, or None when `out` is not a terminal."""
+    from rich.console import Console
+
+    if isinstance(out, Console):
+        return out if out.is_terminal else None
+    if out is None:
+        from rich import get_console
+
+        shared = get_console()
+        # `colibri chat` loads the model under a spinner on Rich's global console; a second live
+        # display on another console would fight it for the same rows, so nest under it.
+        if shared.is_terminal and getattr(shared, "_live_stack", None):
+            return shared
+        out = sys.stderr
+    return Console(file=out) if out.isatty() else None
+
+
+def _stream(out):
+    from rich.console import Console
+
+    if isinstance(out, Console):
+        return out.file
+    return out if out is not None else sys.stderr
+
+
+class _on_first_compile:
+    """Calls `callback` when numba starts compiling (a cache miss), at most once per call."""
+
+    def __init__(self, callback):
+        from numba.core import event
+
+        class Listener(event.Listener):
+            def on_start(self, ev):
+                callback()
+
+            def on_end(self, ev):
+                pass
+
+        self._event = event
+        self._listener = Listener()
+
+    def __enter__(self):
+        self._event.register("numba:compile", self._listener)
+        return self
+
+    def __exit__(self, *exc):
+        self._event.unregister("numba:compile", self._listener)
+        return False
+
+
+# ----------------------------------------------------------------------------- markers
+
+def _marker_path(model_dir) -> Path | None:
+    if model_dir is None:
+        return None
+    from colibri.kernels import numba_cache_dir
+
+    key = hashlib.sha1(str(Path(model_dir).resolve()).encode()).hexdigest()[:20]
+    return numba_cache_dir() / MARKERS / f"{key}.json"
+
+
+def kernel_dispatchers() -> dict:
+    """'module.qualname' -> numba dispatcher, for every kernel in the colibri.kernels modules."""
+    import importlib
+    import pkgutil
+
+    from numba.core.dispatcher import Dispatcher
+
+    import colibri.kernels as pkg
+
+    found = {}
+    for info in pkgutil.iter_modules(pkg.__path__):
+        mod = importlib.import_module(f"{pkg.__name__}.{info.name}")
+        for value in vars(mod).values():
+            if isinstance(value, Dispatcher) and value.py_func.__module__ == mod.__name__:
+                found[f"{mod.__name__}.{value.py_func.__qualname__}"] = value
+    return found
+
+
+def _index_is_current(dispatcher) -> bool:
+    """numba's cache index for this kernel matches its source file and numba's version and
+    holds code for this CPU: numba's own tests before it loads a kernel instead of compiling."""
+    try:
+        index = dispatcher._cache._cache_file._load_index()   # {} when the source or numba changed
+        magic = dispatcher.targetctx.codegen().magic_tuple()   # target triple, CPU name, features
+        return any(key[1] == magic for key in index)
+    except Exception:  # another numba's layout, or an unreadable index: not known to be cached
+        return False
+
+
+def _kernels_cached(marker: Path) -> bool:
+    try:
+        names = json.loads(marker.read_text())["kernels"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    kernels = kernel_dispatchers()
+    return bool(names) and all(n in kernels and _index_is_current(kernels[n]) for n in names)
+
+
+def _write_marker(marker: Path) -> None:
+    """List the kernels this process has called (the warmup's, at least)."""
+    used = sorted(n for n, d in kernel_dispatchers().items() if d.overloads)
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        tmp = marker.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"kernels": used}))
+        tmp.replace(marker)
+    except OSError:  # an unwritable cache only costs the tiny forward at the next start
+        pass
