@@ -17,6 +17,7 @@ from numba import get_num_threads
 
 from colibri.errors import ColibriError
 from colibri.kernels import decode, embedding, matmul, matvec, ops
+from colibri.kernels.attention import causal_attention
 from colibri.kernels.cpu import int4_weight
 from colibri.kernels.quant import QTensor
 
@@ -302,26 +303,9 @@ class Attention:
         if L == 1:  # decode: one fused kernel over the cache
             out = ops.attend_one(q[0], kc, vc, pos0 + 1, self.scale)[None, :]
         else:
-            out = attend(q, kc[:, : pos0 + L], vc[:, : pos0 + L], pos0, self.scale)  # [L, H*Dh]
+            out = causal_attention(q, kc[:, : pos0 + L], vc[:, : pos0 + L], pos0, self.scale,
+                                   get_num_threads())  # [L, H*Dh]
         return linear(out, self.o_proj, self.o_bias)
-
-
-def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale: np.float32) -> np.ndarray:
-    """Causal softmax attention. q [L, H, Dk]; k [KV, N, Dk]; v [KV, N, Dv] -> [L, H*Dv].
-
-    Query i sits at position pos0 + i and sees keys 0 .. pos0 + i.
-    """
-    L, H, _ = q.shape
-    KV, N, Dv = v.shape
-    G = H // KV
-    qg = q.reshape(L, KV, G, -1).transpose(1, 2, 0, 3)               # [KV, G, L, Dk]
-    scores = np.matmul(qg, k.transpose(0, 2, 1)[:, None]) * scale     # [KV, G, L, N]
-    if L > 1:
-        future = np.arange(N)[None, :] > (pos0 + np.arange(L))[:, None]  # [L, N]
-        scores = np.where(future, np.float32(-np.inf), scores)
-    probs = softmax(scores).astype(np.float32)
-    out = np.matmul(probs, v[:, None])                                # [KV, G, L, Dv]
-    return out.transpose(2, 0, 1, 3).reshape(L, H * Dv)
 
 
 class MLP:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from colibri.errors import ColibriError
+from colibri.kernels.attention import key_block
 from colibri.models import mla
 from colibri.models.common import linear
 
@@ -96,11 +97,16 @@ class Indexer:
         if N <= self.topk:  # every past token is selected: dense attention
             return causal
         q = self._rotate(linear(q_resid, self.wq_b).reshape(L, self.h, self.d), cos, sin)  # [L, Hi, Di]
+        q = np.ascontiguousarray(q).reshape(L * self.h, self.d)
         keys = cache.index_keys(layer)[:N]                                              # [N, Di]
-        scores = np.maximum(np.matmul(q, keys.T) * self.scale, np.float32(0.0))          # [L, Hi, N]
         weights = linear(x, self.weights_proj) * np.float32(self.h ** -0.5)              # [L, Hi]
-        index = np.matmul(weights[:, None, :], scores)[:, 0]                             # [L, N]
-        index = np.where(causal, index, np.float32(-np.inf))
+        index = np.empty((L, N), np.float32)
+        b = key_block(L * self.h)  # the per-head scores exist a block of keys at a time
+        for n0 in range(0, N, b):
+            n1 = min(N, n0 + b)
+            scores = np.maximum((q @ keys[n0:n1].T) * self.scale, np.float32(0.0))       # [L*Hi, b]
+            index[:, n0:n1] = np.matmul(weights[:, None, :], scores.reshape(L, self.h, -1))[:, 0]
+        index = np.where(causal, index, np.float32(-np.inf))                            # [L, N]
         top = np.argpartition(-index, self.topk - 1, axis=-1)[:, : self.topk]            # [L, topk]
         chosen = np.zeros((L, N), bool)
         np.put_along_axis(chosen, top, True, axis=-1)

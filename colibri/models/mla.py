@@ -24,9 +24,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from colibri.errors import ColibriError
+from colibri.kernels.attention import OnlineSoftmax, key_block, kernel_threads, run_tasks, split
 from colibri.kernels.quant import dequantize
 from colibri.models import common
-from colibri.models.common import KVCache, linear, rms_norm, softmax
+from colibri.models.common import KVCache, linear, rms_norm
 from colibri.models.routing import GroupedMoEArgs, build_mlp
 
 
@@ -89,11 +90,6 @@ def rope_interleaved(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndar
     c, s = cos[:, None, :half], sin[:, None, :half]
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
-
-
-def masked_softmax(scores: np.ndarray, visible: np.ndarray) -> np.ndarray:
-    """scores [H, L, N], visible [L, N] bool -> probabilities (exactly 0 where not visible)."""
-    return softmax(np.where(visible[None], scores, np.float32(-np.inf))).astype(np.float32)
 
 
 def causal_mask(pos0: int, L: int, N: int) -> np.ndarray:
@@ -160,36 +156,77 @@ class MLAttention:
         return self.attend(q_nope, q_rope, cache, layer, pos0, causal_mask(pos0, x.shape[0], pos0 + x.shape[0]))
 
     def attend(self, q_nope, q_rope, cache: MLACache, layer: int, pos0: int, visible: np.ndarray) -> np.ndarray:
-        """Attention of L queries over the N = pos0 + L cached positions where `visible` [L, N]."""
+        """Attention of L queries over the N = pos0 + L cached positions where `visible` [L, N],
+        over the keys in blocks with an online softmax (kernels/attention.py): memory stays
+        O(L x block) per head at any context length."""
         L = q_nope.shape[0]
         N = pos0 + L
         c = cache.latent(layer)[:N]                                          # [N, r]
         k_rope = cache.k_rope(layer)[:N]                                      # [N, R]
-        rope_scores = np.matmul(q_rope.transpose(1, 0, 2), k_rope.T)          # [H, L, N]
+        q_rope = np.ascontiguousarray(q_rope.transpose(1, 0, 2)) * self.scale  # [H, L, R]
         if 2 * L < self.dn + self.dv:
-            out = self._absorbed(q_nope, c, rope_scores, visible)
+            out = self._absorbed(q_nope, q_rope, c, k_rope, visible)
         else:
-            out = self._expanded(q_nope, c, rope_scores, visible)
+            out = self._expanded(q_nope, q_rope, c, k_rope, visible)
         return linear(np.ascontiguousarray(out), self.o_proj, self.o_bias)
 
-    def _absorbed(self, q_nope, c, rope_scores, visible) -> np.ndarray:
+    def _absorbed(self, q_nope, q_rope, c, k_rope, visible) -> np.ndarray:
         """Scores and outputs in latent space; the cache is never expanded (decode)."""
-        L = q_nope.shape[0]
-        q_lat = np.matmul(q_nope.transpose(1, 0, 2), self.w_uk)              # [H, L, r]
-        scores = (np.matmul(q_lat, c.T) + rope_scores) * self.scale           # [H, L, N]
-        o_lat = np.matmul(masked_softmax(scores, visible), c)                 # [H, L, r]
+        L, N = q_nope.shape[0], c.shape[0]
+        q_lat = np.matmul(q_nope.transpose(1, 0, 2), self.w_uk) * self.scale  # [H, L, r]
+        groups = head_groups(self.h, L * N)
+        b = key_block(L * (groups[0][1] - groups[0][0]))
+        o_lat = np.empty((self.h, L, self.r), np.float32)
+
+        def task(heads):
+            h0, h1 = heads
+            acc = OnlineSoftmax((h1 - h0, L), self.r)
+            for n0 in range(0, N, b):
+                n1 = min(N, n0 + b)
+                s = q_lat[h0:h1] @ c[n0:n1].T + q_rope[h0:h1] @ k_rope[n0:n1].T   # [P, L, b]
+                acc.update(mask(s, visible[:, n0:n1]), c[n0:n1])
+            o_lat[h0:h1] = acc.result()
+
+        run_tasks(task, groups)
         out = np.matmul(o_lat, self.w_uv_t)                                   # [H, L, Dv]
         return out.transpose(1, 0, 2).reshape(L, self.h * self.dv)
 
-    def _expanded(self, q_nope, c, rope_scores, visible) -> np.ndarray:
-        """Expand every cached latent to per-head k_nope and v, as transformers does (long prefill)."""
+    def _expanded(self, q_nope, q_rope, c, k_rope, visible) -> np.ndarray:
+        """Expand the cached latents to per-head k_nope and v a block at a time, as transformers
+        does for the whole cache (long prefill: cheaper than absorbing when 2L >= Dn + Dv)."""
         L, N = q_nope.shape[0], c.shape[0]
-        kv = linear(np.ascontiguousarray(c), self.kv_b).reshape(N, self.h, self.dn + self.dv)
-        k_nope = kv[..., : self.dn].transpose(1, 2, 0)                        # [H, Dn, N]
-        v = kv[..., self.dn :].transpose(1, 0, 2)                             # [H, N, Dv]
-        scores = (np.matmul(q_nope.transpose(1, 0, 2), k_nope) + rope_scores) * self.scale  # [H, L, N]
-        out = np.matmul(masked_softmax(scores, visible), v)                   # [H, L, Dv]
+        q_nope = np.ascontiguousarray(q_nope.transpose(1, 0, 2)) * self.scale  # [H, L, Dn]
+        groups = head_groups(self.h, L * N)
+        accs = [OnlineSoftmax((h1 - h0, L), self.dv) for h0, h1 in groups]
+        b = key_block(L * self.h)
+        for n0 in range(0, N, b):
+            n1 = min(N, n0 + b)
+            kv = linear(np.ascontiguousarray(c[n0:n1]), self.kv_b).reshape(n1 - n0, self.h, self.dn + self.dv)
+            k_nope = kv[..., : self.dn].transpose(1, 2, 0)                    # [H, Dn, b]
+            v = kv[..., self.dn :].transpose(1, 0, 2)                         # [H, b, Dv]
+            vis = visible[:, n0:n1]
+
+            def task(g, n0=n0, n1=n1, k_nope=k_nope, v=v, vis=vis):
+                h0, h1 = groups[g]
+                s = q_nope[h0:h1] @ k_nope[h0:h1] + q_rope[h0:h1] @ k_rope[n0:n1].T   # [P, L, b]
+                accs[g].update(mask(s, vis), v[h0:h1])
+
+            run_tasks(task, list(range(len(groups))))
+        out = np.concatenate([a.result() for a in accs], axis=0)            # [H, L, Dv]
         return out.transpose(1, 0, 2).reshape(L, self.h * self.dv)
+
+
+def head_groups(h: int, work: int) -> list[tuple[int, int]]:
+    """Heads split over the threads when there is enough work to pay for handing it out."""
+    n = kernel_threads() if work >= 4096 else 1
+    return split(h, 2 * n if n > 1 else 1)
+
+
+def mask(s: np.ndarray, visible: np.ndarray) -> np.ndarray:
+    """s [P, L, b] with -inf where visible [L, b] is False (in place; skipped when all are)."""
+    if not visible.all():
+        s[:, ~visible] = -np.inf
+    return s
 
 
 class MLAModel(common.DecoderModel):

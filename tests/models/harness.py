@@ -7,6 +7,7 @@ compared is the kernels and the model code, not the quantizer's rounding.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from colibri import Engine
 from colibri.io.container import Container
 from colibri.io.convert import convert
+from colibri.kernels import attention
 from colibri.kernels.quant import dequantize
 
 NEW_TOKENS = 32
@@ -98,7 +100,33 @@ def check_against_transformers(model_cls, config, tmp_path: Path, seed: int, bit
         rel = np.max(np.abs(ours - ref_logits)) / np.max(np.abs(ref_logits))
         assert rel < 1e-4, f"prompt {prompt}: final logits differ by {rel:.2e} (relative to max)"
     check_fused_decode_matches(engine, prompts[-1])
+    check_chunked_prefill(out, prompts[-1], ref)
     return engine
+
+
+def check_chunked_prefill(container_dir: Path, prompt: list[int], ref, chunk: int = 7) -> None:
+    """A prompt longer than one prefill chunk, with attention over 4-key blocks (so every
+    blockwise path runs several blocks), gives transformers' tokens and final logits."""
+    expected, ref_logits = hf_greedy(ref, prompt, 8)
+    engine = Engine.load(container_dir, prefill_chunk=chunk)
+    with small_key_blocks():
+        got = engine.generate(prompt, max_tokens=8, stop_at_eos=False).token_ids
+        assert got == expected, f"chunked prefill: tokens differ\n colibri {got}\n transformers {expected}"
+        cache = engine.model.new_cache(len(prompt) + len(got))
+        for a in range(0, len(prompt) + len(got), chunk):
+            ours = engine.model.forward(np.asarray((prompt + got)[a : a + chunk]), cache)[-1]
+    rel = np.max(np.abs(ours - ref_logits)) / np.max(np.abs(ref_logits))
+    assert rel < 1e-4, f"chunked prefill: final logits differ by {rel:.2e} (relative to max)"
+
+
+@contextlib.contextmanager
+def small_key_blocks(keys: int = 4):
+    saved = attention.SCORE_BLOCK_BYTES, attention.MIN_BLOCK
+    attention.SCORE_BLOCK_BYTES, attention.MIN_BLOCK = 1, keys
+    try:
+        yield
+    finally:
+        attention.SCORE_BLOCK_BYTES, attention.MIN_BLOCK = saved
 
 
 def check_fused_decode_matches(engine, prompt: list[int], steps: int = 8) -> int:

@@ -81,10 +81,10 @@ def test_absorbed_attention_equals_expanded(tmp_path, bits):
     cos, sin = engine.model.rope.cos_sin(np.arange(40))
     _, q_nope, q_rope = attn.query(x, cos, sin)
     attn.store_latent(x, cache, 1, 0, cos, sin)
-    rope_scores = np.matmul(q_rope.transpose(1, 0, 2), cache.k_rope(1)[:40].T)
-    c, visible = cache.latent(1)[:40], causal_mask(0, 40, 40)
-    np.testing.assert_allclose(attn._absorbed(q_nope, c, rope_scores, visible),
-                               attn._expanded(q_nope, c, rope_scores, visible), rtol=1e-4, atol=1e-5)
+    q_rope = np.ascontiguousarray(q_rope.transpose(1, 0, 2)) * attn.scale  # [H, L, R]
+    c, k_rope, visible = cache.latent(1)[:40], cache.k_rope(1)[:40], causal_mask(0, 40, 40)
+    np.testing.assert_allclose(attn._absorbed(q_nope, q_rope, c, k_rope, visible),
+                               attn._expanded(q_nope, q_rope, c, k_rope, visible), rtol=1e-4, atol=1e-5)
 
 
 def test_mtp_layer_kept_in_container(tmp_path):

@@ -1,0 +1,124 @@
+"""Prefill attention over the keys in blocks with an online softmax (flash attention's
+recurrence, Dao et al. 2022), in numpy + BLAS: a block of scores exists at a time, so a prompt's
+attention memory is O(queries x block) per head instead of O(queries x context); the work is
+spread over a few Python threads (BLAS calls and large ufuncs release the GIL).
+
+Decode attention (one query) is ops.attend_one; these serve chunks of prompt tokens and MLA.
+Reference: a full softmax over the whole score matrix (tests/kernels/test_attention.py).
+
+Shape letters: L queries, N keys, KV key heads, G = H // KV query heads per key head, P heads
+in one task, b keys in one block.
+"""
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+
+import numpy as np
+from numba import get_num_threads
+
+# Bytes of scores one task holds at a time. A few MB stays in L2/L3 while exp and the value
+# product read it back, and bounds a prompt's attention memory whatever its length.
+SCORE_BLOCK_BYTES = 4 << 20
+MIN_BLOCK, MAX_BLOCK = 64, 2048
+
+
+class OnlineSoftmax:
+    """Running max m, denominator l and weighted value sum acc for rows of queries; fed blocks
+    of scores (-inf where a key is not visible) and their values, it ends with softmax(S) V
+    without ever holding all of S."""
+
+    def __init__(self, rows: tuple, dv: int):
+        self.m = np.full(rows + (1,), -np.inf, np.float32)
+        self.l = np.zeros(rows + (1,), np.float32)
+        self.acc = np.zeros(rows + (dv,), np.float32)
+
+    def update(self, s: np.ndarray, v: np.ndarray) -> None:
+        """s [..., rows, b] (overwritten), v [..., b, Dv]."""
+        m_new = np.maximum(self.m, s.max(axis=-1, keepdims=True))
+        # A row with nothing visible yet keeps m = -inf; subtract 0 there, not -inf (NaN).
+        m_safe = np.where(np.isfinite(m_new), m_new, np.float32(0.0))
+        np.subtract(s, m_safe, out=s)
+        np.exp(s, out=s)
+        c = np.exp(self.m - m_safe)
+        self.l = self.l * c + s.sum(axis=-1, keepdims=True)
+        self.acc = self.acc * c + np.matmul(s, v)
+        self.m = m_new
+
+    def result(self) -> np.ndarray:
+        return self.acc / self.l
+
+
+def key_block(rows: int) -> int:
+    """Keys per block so that `rows` score rows of float32 fit SCORE_BLOCK_BYTES."""
+    return int(min(MAX_BLOCK, max(MIN_BLOCK, SCORE_BLOCK_BYTES // (4 * max(rows, 1)))))
+
+
+@lru_cache(maxsize=4)
+def _pool(n: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=n, thread_name_prefix="colibri-attn")
+
+
+def kernel_threads() -> int:
+    """The kernels' thread count (numba's, set per calling thread by kernels.set_threads)."""
+    return get_num_threads()
+
+
+def run_tasks(fn, tasks: list, nthreads: int | None = None) -> list:
+    """fn over tasks, on `nthreads` threads (default: the kernels'; inline for one of either)."""
+    nthreads = kernel_threads() if nthreads is None else nthreads
+    if nthreads <= 1 or len(tasks) <= 1:
+        return [fn(t) for t in tasks]
+    return list(_pool(nthreads).map(fn, tasks))
+
+
+def split(n: int, parts: int) -> list[tuple[int, int]]:
+    """[0, n) in `parts` contiguous ranges of nearly equal size (none empty)."""
+    parts = max(1, min(parts, n))
+    step = math.ceil(n / parts)
+    return [(a, min(n, a + step)) for a in range(0, n, step)]
+
+
+def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale: np.float32,
+                     nthreads: int = 1) -> np.ndarray:
+    """Causal GQA softmax attention. q [L, H, Dk]; k [KV, N, Dk]; v [KV, N, Dv] with
+    N >= pos0 + L -> [L, H*Dv]. Query i sits at position pos0 + i and sees keys 0 .. pos0 + i.
+
+    One task is a key head and a range of queries (its G query heads stacked as rows), so each
+    task's keys are read once per block for all its rows."""
+    L, H, Dk = q.shape
+    KV, _, Dv = v.shape
+    G = H // KV
+    qg = np.ascontiguousarray(q.reshape(L, KV, G, Dk).transpose(1, 2, 0, 3))  # [KV, G, L, Dk]
+    qg *= scale  # once here, not on every block of scores
+    tiles = split(L, math.ceil(2 * nthreads / KV))  # >= 2 tasks per thread when heads are few
+    out = np.empty((KV, G, L, Dv), np.float32)
+
+    def task(t):
+        h, (i0, i1) = t
+        Lt = i1 - i0
+        qt = qg[h, :, i0:i1].reshape(G * Lt, Dk)                               # [G*Lt, Dk]
+        last = pos0 + i1                                                       # keys this tile can see
+        b = key_block(G * Lt)
+        acc = OnlineSoftmax((G * Lt,), Dv)
+        for n0 in range(0, last, b):
+            n1 = min(last, n0 + b)
+            s = qt @ k[h, n0:n1].T                                             # [G*Lt, b]
+            if n1 > pos0 + i0 + 1:  # some key of this block is in the future of some query
+                future = np.arange(n0, n1)[None, :] > (pos0 + np.arange(i0, i1))[:, None]  # [Lt, b]
+                s.reshape(G, Lt, -1)[:, future] = -np.inf
+            acc.update(s, v[h, n0:n1])
+        out[h, :, i0:i1] = acc.result().reshape(G, Lt, Dv)
+
+    run_tasks(task, [(h, t) for h in range(KV) for t in tiles], nthreads)
+    return out.transpose(2, 0, 1, 3).reshape(L, H * Dv)
+
+
+def reference_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, visible: np.ndarray, scale) -> np.ndarray:
+    """The plain form the blockwise kernels are tested against: q [P, L, Dk], k [P, N, Dk],
+    v [P, N, Dv], visible [L, N] -> softmax(q k^T * scale, masked) v  [P, L, Dv]."""
+    s = np.matmul(q, k.transpose(0, 2, 1)) * np.float32(scale)
+    s = np.where(visible[None], s, np.float32(-np.inf))
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    return np.matmul((p / p.sum(axis=-1, keepdims=True)).astype(np.float32), v)
