@@ -276,6 +276,9 @@ def serve(
     auto_tier: bool = typer.Option(False, "--auto-tier", envvar="COLI_AUTO_TIER",
                                    help="Apply `colibri plan` where --ram-gb is not given."),
     threads: Optional[int] = threads_option(envvar="COLI_THREADS"),
+    prefill_chunk: int = typer.Option(512, "--prefill-chunk", envvar="COLI_PREFILL_CHUNK", min=1,
+                                      help="Prompt tokens per forward pass: bounds a long prompt's memory, and a "
+                                           "client that leaves stops its prefill within one chunk."),
 ):
     """Serve the model over an OpenAI- and Anthropic-compatible HTTP API."""
     from colibri.serve.server import ServeOptions
@@ -294,7 +297,8 @@ def serve(
                             persist=persist, max_connections=max_connections,
                             max_connections_per_ip=max_connections_per_ip, header_timeout=header_timeout,
                             read_timeout=read_timeout,
-                            drain_timeout=drain_timeout, log_level=log_level, ram_gb=ram_gb, threads=threads))
+                            drain_timeout=drain_timeout, log_level=log_level, ram_gb=ram_gb, threads=threads,
+                            prefill_chunk=prefill_chunk))
 
 
 @app.command()

@@ -46,6 +46,7 @@ class ServeOptions:
     log_level: str = "info"
     ram_gb: float | None = None       # engine budget for resident weights (None: planned)
     threads: int | None = None        # kernel threads (None: all cores)
+    prefill_chunk: int = 512          # prompt tokens per forward pass (memory bound, cancellation point)
 
 
 def check(o: ServeOptions) -> None:
@@ -155,7 +156,7 @@ def run(o: ServeOptions) -> None:
     scheduler = None
     try:
         engine = Engine.load(o.model, progress=True, kv_slots=o.kv_slots, max_context=o.max_context,
-                             ram_gb=o.ram_gb, threads=o.threads)
+                             ram_gb=o.ram_gb, threads=o.threads, prefill_chunk=o.prefill_chunk)
         state_dir = None
         if o.persist:
             state_dir = Path(o.state_dir) if o.state_dir else default_state_dir(engine)

@@ -1,0 +1,52 @@
+"""A long prompt on a real server: a client that leaves during its prefill frees the scheduler
+within about one prefill chunk (the engine polls the cancel flag between chunks), and the chunks
+already prefilled stay in the slot, so the same prompt sent again reuses them."""
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+MODEL_ID = "smollm2"
+CHUNK = 64
+
+
+@pytest.fixture(scope="module")
+def srv(start_server):
+    return start_server("--prefill-chunk", str(CHUNK), "--max-context", "8192", "--max-tokens", "16")
+
+
+def _long_prompt(url: str, tokens: int) -> tuple[str, int]:
+    text = "The quick brown fox jumps over the lazy dog near the river bank. " * (tokens // 13)
+    n = httpx.post(url + "/tokenize", json={"prompt": text}).json()["count"]
+    return text, n
+
+
+def test_client_leaving_during_prefill_frees_the_server_within_a_chunk(srv):
+    prompt, n_prompt = _long_prompt(srv.url, 6000)
+    before = srv.health()
+    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    t0 = time.monotonic()
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up 3 s into the prefill and hangs up
+        httpx.post(srv.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=3.0))
+    left = time.monotonic()
+    while time.monotonic() - left < 30:
+        h = srv.health()
+        if h["active"] == 0 and h["cancelled"] == before["cancelled"] + 1:
+            break
+        time.sleep(0.02)
+    freed_s = time.monotonic() - left
+    h = srv.health()
+    assert h["active"] == 0 and h["cancelled"] == before["cancelled"] + 1, h
+    held = max(h["kv_slots"])
+    # It stopped inside the prefill, on a chunk boundary, with the prefilled chunks kept.
+    assert 0 < held < n_prompt - 1 and held % CHUNK == 0, (held, n_prompt)
+    per_chunk_s = (left - t0) / max(held / CHUNK, 1)
+    print(f"\nprompt {n_prompt} tokens; left after {left - t0:.1f} s with {held} prefilled; "
+          f"server free {freed_s:.2f} s later (one chunk takes ~{per_chunk_s:.2f} s)")
+    assert freed_s < 3 * per_chunk_s + 1.0
+    # The same prompt again starts from the chunks already prefilled, and completes.
+    r = httpx.post(srv.url + "/v1/completions", json={**body, "max_tokens": 1}, timeout=300)
+    assert r.status_code == 200
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == held
