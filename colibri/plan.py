@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from colibri.errors import ColibriError
+from colibri.workspace import prefill_workspace_bytes
 
 PLAN_VERSION = 1
 GiB = 1 << 30
@@ -52,7 +53,8 @@ class Policy:
     ram_headroom_min_bytes: int = 512 * MiB
     vram_headroom_fraction: float = 0.10
     vram_headroom_min_bytes: int = 2 * GiB       # the original keeps 2 GB free per GPU
-    runtime_bytes: int = 384 * MiB               # interpreter, numba, activations
+    runtime_bytes: int = 384 * MiB               # interpreter, numba, decode temporaries
+    prefill_chunk: int = 512                     # the engine's default: a prompt's working memory (workspace.py)
     kv_slots: int = 1
     overhead_per_layer_s: float = 1e-3           # Python work per decoder layer per token (measured ~1 ms)
     kernel_gbs_per_core: float = 3.5             # int4 matvec, GB of weights/s per core (DESIGN.md section 6)
@@ -85,6 +87,7 @@ class ModelFacts:
     model_max_context: int
     disk_bytes: int                # every file of the model directory
     probe_files: list[str] = field(default_factory=list)  # where the disk probe reads
+    config: dict = field(default_factory=dict)             # config.json (shapes for the prefill workspace)
 
     @property
     def expert_count(self) -> int:
@@ -162,7 +165,7 @@ def _analyze_container(d: Path) -> ModelFacts:
                       int(c.config.get("num_hidden_layers") or 0), dense, per_token, layers,
                       _top_k(c.config), _kv_bytes_per_token(c.config),
                       int(c.config.get("max_position_embeddings") or DEFAULT_MAX_CONTEXT),
-                      _dir_bytes(d), files)
+                      _dir_bytes(d), files, c.config)
 
 
 # Bytes per weight after `colibri convert --bits 4` (convert.scheme_for): int4 g64 with f32
@@ -211,7 +214,7 @@ def _analyze_hf(d: Path) -> ModelFacts:
     return ModelFacts(str(d), "hf", config.get("model_type", "?"), int(config.get("num_hidden_layers") or 0),
                       dense, per_token, layers, _top_k(config), _kv_bytes_per_token(config),
                       int(config.get("max_position_embeddings") or DEFAULT_MAX_CONTEXT), disk,
-                      [str(p) for p in shards])
+                      [str(p) for p in shards], config)
 
 
 def _converted_bytes(name: str, shape: tuple[int, ...]) -> float:
@@ -494,7 +497,8 @@ def build_plan(model: ModelFacts, machine: Machine, ram_gb: float | None = None,
 
     ram_dense = 0 if dense_in_vram else model.dense_bytes
     ram_kv = 0 if dense_in_vram else kv_bytes
-    ram_runtime = p.runtime_bytes + staging
+    prefill = prefill_workspace_bytes(model.config, p.prefill_chunk, context, machine.cores)
+    ram_runtime = p.runtime_bytes + staging + prefill
     ram_fixed = ram_dense + ram_kv + ram_runtime
     if ram_gb is not None:  # like the engine's --ram-gb: weights only (dense + cached experts)
         asked = int(ram_gb * GiB) + ram_kv + ram_runtime
@@ -590,7 +594,8 @@ def build_plan(model: ModelFacts, machine: Machine, ram_gb: float | None = None,
                      "expert_bytes": vram_expert_bytes, "experts": vram_experts, "slots_per_layer": vram_slots},
             "ram": {"available_bytes": ram_avail, "headroom_bytes": ram_headroom, "limit_bytes": ram_limit,
                     "budget_bytes": ram_budget, "dense_bytes": ram_dense, "kv_bytes": ram_kv,
-                    "runtime_bytes": ram_runtime, "expert_bytes": ram_expert_bytes, "experts": ram_experts,
+                    "runtime_bytes": ram_runtime, "prefill_bytes": prefill, "expert_bytes": ram_expert_bytes,
+                    "experts": ram_experts,
                     "slots_per_layer": ram_slots},
             "disk": {"bytes": model.disk_bytes, "expert_bytes": model.expert_bytes,
                      "experts": model.expert_count, "experts_disk_only": disk_only,

@@ -291,3 +291,19 @@ def test_gpus_from_nvidia_smi(tmp_path, monkeypatch):
     assert discover_gpus() == [GPU("NVIDIA H200", 143771 * MiB, 140000 * MiB), GPU("NVIDIA L4", 23034 * MiB, 22000 * MiB)]
     monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
     assert discover_gpus() == []
+
+
+def test_plan_reserves_the_prefill_workspace_bounded_by_the_chunk():
+    """A prompt's working memory is planned from the chunk size, not the prompt: it grows with the
+    chunk, and with the context only for GLM-5's sparse indexer (its per-query token scores)."""
+    from colibri.workspace import prefill_workspace_bytes
+
+    llama = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
+             "vocab_size": 49152}
+    small, big = (prefill_workspace_bytes(llama, chunk, 8192, 2) for chunk in (128, 512))
+    assert small < big < 64 * MiB
+    assert prefill_workspace_bytes(llama, 512, 32768, 2) == big
+    dsa = {"hidden_size": 6144, "moe_intermediate_size": 2048, "num_attention_heads": 64, "kv_lora_rank": 512,
+           "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "v_head_dim": 256, "index_topk": 2048,
+           "vocab_size": 154880}
+    assert prefill_workspace_bytes(dsa, 512, 32768, 2) > prefill_workspace_bytes(dsa, 512, 8192, 2)
