@@ -72,8 +72,12 @@ def attention_block(x, norm_w, eps, qkv, qkv_bias, o, o_bias, cos, sin, rot,
     k3 = k.reshape((1, n_kv, head_dim))
     ops.rope(q3, cos, sin, rot)
     ops.rope(k3, cos, sin, rot)
-    kc[:, pos, :] = k3[0]
-    vc[:, pos, :] = v.reshape((n_kv, head_dim))
+    # Element loops, not slice assignment: numba compiles a slice store with its shape-mismatch
+    # error path, ~5 s of the first start's compile for the same stores.
+    for g in range(n_kv):
+        for d in range(head_dim):
+            kc[g, pos, d] = k3[0, g, d]
+            vc[g, pos, d] = v[g * head_dim + d]
     att = ops.attend_one(q3[0], kc, vc, pos + 1, scale)
     out = _mv(o, att, nthreads)
     if o_bias.shape[0]:
