@@ -55,7 +55,9 @@ def child(model: str | None, n: int, ram_gb: float | None, chunk: int | None) ->
     t0 = time.perf_counter()
     g = engine.generate(ids, max_tokens=1, stop_at_eos=False)
     dt = time.perf_counter() - t0
-    return {"tokens": n, "prefill_s": round(g.prefill_s, 3), "prefill_tok_s": round(n / g.prefill_s, 1),
+    cache = engine.slots[0].cache
+    kv_mb = cache.capacity * cache.bytes_per_token / 2**20  # the context's own memory, not working memory
+    return {"kv_cache_mb": round(kv_mb, 1), "tokens": n, "prefill_s": round(g.prefill_s, 3), "prefill_tok_s": round(n / g.prefill_s, 1),
             "total_s": round(dt, 3), "base_rss_mb": round(base_kb / 1024, 1),
             "peak_growth_mb": round((_status_kb("VmHWM") - base_kb) / 1024, 1)}
 
@@ -100,13 +102,14 @@ def main() -> None:
         return
     print(f"model {a.model or 'default (SmolLM2-135M Q4_1)'}, threads {os.environ.get('NUMBA_NUM_THREADS', 'default')}"
           + (f", memory cgroup {a.limit_mb} MiB" if a.limit_mb else ""))
-    print(f"{'tokens':>7} {'prefill tok/s':>14} {'prefill s':>10} {'base RSS MB':>12} {'peak growth MB':>15}")
+    print(f"{'tokens':>7} {'prefill tok/s':>14} {'prefill s':>10} {'base RSS MB':>12} {'peak growth MB':>15} "
+          f"{'of it KV cache MB':>18}")
     for r in rows:
         if "error" in r:
             print(f"{r['tokens']:>7}  FAILED: {r['error']}" + ("  (OOM-killed)" if r.get("oom_killed") else ""))
             continue
         print(f"{r['tokens']:>7} {r['prefill_tok_s']:>14} {r['prefill_s']:>10} {r['base_rss_mb']:>12} "
-              f"{r['peak_growth_mb']:>15}" + (f"  group peak {r['group_peak_mb']} MiB" if "group_peak_mb" in r else ""))
+              f"{r['peak_growth_mb']:>15} {r.get('kv_cache_mb', '?'):>18}" + (f"  group peak {r['group_peak_mb']} MiB" if "group_peak_mb" in r else ""))
 
 
 if __name__ == "__main__":
