@@ -20,6 +20,7 @@ from colibri.io.container import Container
 from colibri.io.expert_store import ExpertStore
 from colibri.io.experts import open_experts
 from colibri.models import family
+from colibri.threads import ThreadPolicy, run_apart
 from colibri.tokenizer import Tokenizer
 from colibri.warmup import compile_kernels
 
@@ -113,6 +114,7 @@ class Engine:
             raise ColibriError(f"prefill_chunk must be at least 1, not {config.prefill_chunk}")
         self.slots = [KVSlot(model.new_cache(self.max_context)) for _ in range(config.kv_slots)]
         self.last: Generation | None = None
+        self._threads = ThreadPolicy(config.threads)  # kernel threads: explicit, else adapted to the machine's load
 
     @classmethod
     def load(cls, model_dir: str | Path | None = None, progress: bool = False, **options) -> "Engine":
@@ -140,8 +142,8 @@ class Engine:
         experts = open_experts(container, config)
         model = module.build(container.config, container, experts)
         model.prefetch = isinstance(experts, ExpertStore) and config.prefetch
-        if progress:
-            compile_kernels(model, model_dir=container.dir)
+        if progress:  # in a thread of its own: see run_apart (the server generates on another thread)
+            run_apart(compile_kernels, model, model_dir=container.dir)
         tok_path = Path(model_dir) / "tokenizer.json"
         tokenizer = Tokenizer.from_dir(model_dir) if tok_path.exists() else None
         return cls(container, tokenizer, model, config, load_s=time.perf_counter() - t0, experts=experts)
@@ -299,6 +301,7 @@ class Engine:
                     if cancel is not None and cancel():
                         logits = None
                         break
+                    self._threads.apply()
                     logits = _finite(gen.decode_one(self.model, kv.cache, tok), len(kv.ids), self.model_id)
                     kv.ids.append(tok)
                 if logits is None:
@@ -325,6 +328,7 @@ class Engine:
         for a in range(start, len(ids), chunk):
             if cancel is not None and cancel():
                 return None
+            self._threads.apply()
             piece = ids[a : a + chunk]
             logits = gen.prefill(self.model, kv.cache, piece)
             kv.ids = ids[: a + len(piece)]
@@ -369,6 +373,7 @@ class Engine:
         times = []
         for tok in ids:
             t0 = time.perf_counter()
+            self._threads.apply()
             gen.decode_one(self.model, kv.cache, int(tok))
             kv.ids.append(int(tok))
             times.append(time.perf_counter() - t0)

@@ -59,10 +59,12 @@ from .quant import (
 
 
 def set_threads(n: int) -> None:
-    """Threads the parallel kernels use (numba's pool; at most the cores numba started with)."""
-    from numba import config, set_num_threads
+    """Threads the parallel kernels called from this thread use (at most numba's pool, the
+    cores numba started with). The engine's default adapts to the other processes on the
+    machine: colibri/threads.py, where every thread count is decided."""
+    from colibri.threads import ThreadPolicy
 
-    set_num_threads(max(1, min(int(n), config.NUMBA_NUM_THREADS)))
+    ThreadPolicy(n).apply()
 
 
 __all__ = [
