@@ -147,7 +147,7 @@ def convert(
                   highlight=False)
 
 
-# ---- chat, plan, info (colibri/tui.py, colibri/plan.py, colibri/info.py) ----
+# ---- chat, plan, info (colibri/tui.py, colibri/plan/, colibri/info.py) ----
 
 AutoTierOpt = typer.Option(False, "--auto-tier", help="Apply `colibri plan` (its RAM budget) where --ram-gb is not given.")
 
@@ -190,21 +190,41 @@ def chat(
 @app.command()
 def plan(
     model: Optional[Path] = ModelOpt,
-    json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+    json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON (with --machines or "
+                                  "--machine-spec: an object of plans by machine name)."),
     ram_gb: Optional[float] = typer.Option(None, "--ram-gb", help="Plan with this RAM budget for weights."),
     vram_gb: Optional[float] = typer.Option(None, "--vram-gb", help="Plan with at most this much VRAM."),
     max_context: Optional[int] = typer.Option(None, "--max-context", help="Context length to reserve KV cache for."),
+    machines: Optional[str] = typer.Option(
+        None, "--machines", help="Also plan for named machines, side by side with this one (probed): "
+        "`default` (desktop-64g, workstation-128g-24gvram, server-512g) or a .toml/.json file holding one "
+        "[NAME] table per machine: ram_gb (GiB), disk_gbs (GB/s), cores, optional mem_gbs (GB/s) and "
+        "gpus = [{name, vram_gb, bandwidth_gbs}]. Add :NAME,NAME to take only those: default:server-512g."),
+    machine_spec: Optional[list[str]] = typer.Option(
+        None, "--machine-spec", help="One more named machine, repeatable: "
+        "NAME:ram_gb=64,disk_gbs=2,cores=8[,mem_gbs=60][,vram_gb=24] (GiB, GB/s; vram_gb once per GPU)."),
     machine: Optional[Path] = typer.Option(None, "--machine", hidden=True, help="Machine description JSON (tests)."),
 ):
-    """How to split a model over VRAM, RAM and disk here, and the speed to expect (reads headers only)."""
+    """How to split a model over VRAM, RAM and disk here (or on named machines), and the speed to
+    expect. Reads headers only: a container, a Hugging Face checkpoint, or a config.json alone; a
+    synthetic slice (tools/synthetic_moe.py --layers) is planned as the full model."""
     import json
 
     from colibri import plan as planner
 
+    named = planner.named_machines(machines, machine_spec)  # a mistake in them fails before any probe
     model = model_dir(model, progress=not json_out, default=True)
     facts = planner.analyze_model(model)
-    mach = planner.read_machine_file(machine) if machine else planner.probe_machine(facts)
-    result = planner.build_plan(facts, mach, ram_gb=ram_gb, vram_gb=vram_gb, max_context=max_context)
+    here = planner.read_machine_file(machine) if machine else planner.probe_machine(facts)
+    options = {"ram_gb": ram_gb, "vram_gb": vram_gb, "max_context": max_context}
+    if named:  # a comparison: a machine the model does not fit is a finding, not an error
+        plans = planner.plan_machines(facts, [here, *named], **options)
+        if json_out:
+            print(json.dumps(plans, indent=2))
+        else:
+            planner.render_comparison(plans, Console(highlight=False))
+        return
+    result = planner.build_plan(facts, here, **options)
     if json_out:
         print(json.dumps(result, indent=2))
     else:

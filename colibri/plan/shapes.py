@@ -1,0 +1,130 @@
+"""The tensors (Hugging Face name, shape) a config.json implies, to size a model without its
+weights: what `colibri plan` estimates from config.json alone, and how it sizes a layer kind that a
+slice does not hold. Shapes follow the families in colibri/models (mla.py, routing.py,
+qwen2_moe.py, qwen3_moe.py, ...); the names let io/convert.py's scheme_for pick each tensor's
+quantization as `colibri convert` would."""
+from __future__ import annotations
+
+from colibri.errors import ColibriError
+
+Tensor = tuple[str, tuple[int, ...]]
+
+# first_k_dense_replace when a config leaves it out: the families' ModelArgs defaults
+# (routing.GroupedMoEArgs: DeepseekV3Config's 3; glm4_moe: Glm4MoeConfig's 1).
+_FIRST_DENSE_DEFAULT = {"deepseek_v3": 3, "kimi_k2": 3, "glm_moe_dsa": 3, "glm4_moe": 1}
+
+
+def num_experts(config: dict) -> int:
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if config.get(key):
+            return int(config[key])
+    return 0
+
+
+def expert_width(config: dict) -> int:
+    """Intermediate size of one routed expert (Mixtral and OLMoE name it intermediate_size)."""
+    return int(config.get("moe_intermediate_size") or config.get("intermediate_size") or 0)
+
+
+def mlp_kinds(config: dict, num_layers: int) -> list[str]:
+    """'moe' or 'dense' for each of `num_layers` decoder layers, by the rule colibri's families
+    apply (routing.GroupedMoEArgs.mlp_kind, qwen3_moe.ModelArgs.mlp_kind). A slice's config keeps
+    mlp_layer_types only for the layers it holds: every layer past the list routes."""
+    if not num_experts(config):
+        return ["dense"] * num_layers
+    types = config.get("mlp_layer_types")
+    if types:
+        return ["dense" if i < len(types) and types[i] == "dense" else "moe" for i in range(num_layers)]
+    first_moe = config.get("first_k_dense_replace", _FIRST_DENSE_DEFAULT.get(config.get("model_type")))
+    if first_moe is not None:
+        return ["moe" if i >= (first_moe or 0) else "dense" for i in range(num_layers)]
+    step = max(int(config.get("decoder_sparse_step") or 1), 1)
+    dense_only = set(config.get("mlp_only_layers") or [])
+    return ["moe" if (i + 1) % step == 0 and i not in dense_only else "dense" for i in range(num_layers)]
+
+
+def _need(config: dict, key: str) -> int:
+    value = config.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ColibriError(f"config.json has no usable {key} ({value!r}): sizes cannot be estimated without it")
+    return value
+
+
+def outside_layers(config: dict) -> list[Tensor]:
+    """Embedding, final norm and (unless tied) lm_head: counted once, whatever the layer count."""
+    V, D = _need(config, "vocab_size"), _need(config, "hidden_size")
+    out = [("model.embed_tokens.weight", (V, D)), ("model.norm.weight", (D,))]
+    if not config.get("tie_word_embeddings"):
+        out.append(("lm_head.weight", (V, D)))
+    return out
+
+
+def _swiglu(prefix: str, D: int, inner: int) -> list[Tensor]:
+    return [(f"{prefix}.gate_proj.weight", (inner, D)), (f"{prefix}.up_proj.weight", (inner, D)),
+            (f"{prefix}.down_proj.weight", (D, inner))]
+
+
+def _mla_attention(config: dict, p: str) -> list[Tensor]:
+    """Multi-head latent attention (DeepSeek-V3, Kimi-K2, GLM-5), plus GLM-5's sparse indexer."""
+    D, H = _need(config, "hidden_size"), _need(config, "num_attention_heads")
+    r, R = int(config["kv_lora_rank"]), int(config.get("qk_rope_head_dim") or 0)
+    Dn, Dv = int(config.get("qk_nope_head_dim") or 0), int(config.get("v_head_dim") or 0)
+    q_rank = int(config.get("q_lora_rank") or 0)
+    if q_rank:
+        out = [(f"{p}.q_a_proj.weight", (q_rank, D)), (f"{p}.q_a_layernorm.weight", (q_rank,)),
+               (f"{p}.q_b_proj.weight", (H * (Dn + R), q_rank))]
+    else:
+        out = [(f"{p}.q_proj.weight", (H * (Dn + R), D))]
+    out += [(f"{p}.kv_a_proj_with_mqa.weight", (r + R, D)), (f"{p}.kv_a_layernorm.weight", (r,)),
+            (f"{p}.kv_b_proj.weight", (H * (Dn + Dv), r)), (f"{p}.o_proj.weight", (D, H * Dv))]
+    if config.get("index_topk"):
+        Hi, Di = int(config.get("index_n_heads") or 0), int(config.get("index_head_dim") or 0)
+        i = f"{p}.indexer"
+        out += [(f"{i}.wq_b.weight", (Hi * Di, q_rank or D)), (f"{i}.wk.weight", (Di, D)),
+                (f"{i}.k_norm.weight", (Di,)), (f"{i}.k_norm.bias", (Di,)), (f"{i}.weights_proj.weight", (Hi, D))]
+    return out
+
+
+def _gqa_attention(config: dict, p: str) -> list[Tensor]:
+    D, H = _need(config, "hidden_size"), _need(config, "num_attention_heads")
+    KV = int(config.get("num_key_value_heads") or H)
+    Dh = int(config.get("head_dim") or D // H)
+    out = [(f"{p}.q_proj.weight", (H * Dh, D)), (f"{p}.k_proj.weight", (KV * Dh, D)),
+           (f"{p}.v_proj.weight", (KV * Dh, D)), (f"{p}.o_proj.weight", (D, H * Dh))]
+    model_type = config.get("model_type")
+    if model_type == "olmoe":  # q/k RMSNorm over all heads
+        out += [(f"{p}.q_norm.weight", (H * Dh,)), (f"{p}.k_norm.weight", (KV * Dh,))]
+    elif model_type == "qwen3_moe" or config.get("use_qk_norm"):  # per head
+        out += [(f"{p}.q_norm.weight", (Dh,)), (f"{p}.k_norm.weight", (Dh,))]
+    if config.get("attention_bias") or model_type == "qwen2_moe":  # Qwen2 has q/k/v biases by design
+        out += [(f"{p}.{n}_proj.bias", (rows,)) for n, rows in (("q", H * Dh), ("k", KV * Dh), ("v", KV * Dh))]
+    return out
+
+
+def layer_tensors(config: dict, i: int, kind: str) -> list[Tensor]:
+    """The resident (dense) tensors of decoder layer i of `kind` ('dense' or 'moe'): attention,
+    norms and the dense MLP, or the router and shared experts; routed experts: expert_tensors."""
+    D = _need(config, "hidden_size")
+    p = f"model.layers.{i}"
+    attention = _mla_attention if config.get("kv_lora_rank") else _gqa_attention
+    out = attention(config, f"{p}.self_attn") + [(f"{p}.input_layernorm.weight", (D,)),
+                                                 (f"{p}.post_attention_layernorm.weight", (D,))]
+    if kind == "dense":
+        return out + _swiglu(f"{p}.mlp", D, _need(config, "intermediate_size"))
+    E = num_experts(config)
+    out.append((f"{p}.mlp.gate.weight", (E, D)))
+    if config.get("n_routed_experts"):  # grouped routing (DeepSeek, Kimi, GLM): a routing bias, shared experts
+        out.append((f"{p}.mlp.gate.e_score_correction_bias", (E,)))
+        shared = int(config.get("n_shared_experts") or 0)
+        if shared:
+            out += _swiglu(f"{p}.mlp.shared_experts", D, expert_width(config) * shared)
+    elif config.get("shared_expert_intermediate_size"):  # Qwen2-MoE: one shared expert behind a gate
+        out += _swiglu(f"{p}.mlp.shared_expert", D, int(config["shared_expert_intermediate_size"]))
+        out.append((f"{p}.mlp.shared_expert_gate.weight", (1, D)))
+    return out
+
+
+def expert_tensors(config: dict, prefix: str) -> list[Tensor]:
+    """One routed expert of the MoE block at `prefix` (one blob in a container)."""
+    D, inner = _need(config, "hidden_size"), expert_width(config)
+    return _swiglu(f"{prefix}.experts.0", D, inner)

@@ -1,0 +1,276 @@
+"""tools/synthetic_moe.py: real-shape presets match transformers' models, slices build and
+decode, placement never changes tokens, routing is skewed and token-dependent, bad input is a
+clear error that leaves nothing behind, and the GGUF twin holds the same weights."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import moe_presets
+import synthetic_moe
+from colibri.errors import ColibriError
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+
+
+# ----------------------------------------------------------------------------- shapes
+
+def _transformers_shapes(cfg: dict) -> dict[str, tuple]:
+    """Parameter shapes of transformers' model for cfg, built on the meta device (no memory),
+    with fused expert tensors split into colibri's per-expert names."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = {k: v for k, v in cfg.items() if k not in ("architectures", "colibri_synthetic")}
+    model_type = "deepseek_v3" if hf["model_type"] == "kimi_k2" else hf.pop("model_type")
+    hf.pop("model_type", None)
+    if "num_experts" in hf:
+        hf["num_local_experts"] = hf["num_experts"]  # transformers 5 names Qwen3-MoE's expert count so
+    config = AutoConfig.for_model(model_type, **hf)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    shapes = {}
+    tensors = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if "rotary_emb" not in n]
+    for name, p in tensors:
+        shape = tuple(p.shape)
+        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, D]
+            prefix = name[: -len(".gate_up_proj")]
+            shapes[f"{prefix}.*.gate_proj"] = shapes[f"{prefix}.*.up_proj"] = (shape[1] // 2, shape[2])
+        elif name.endswith("mlp.experts.down_proj"):
+            shapes[f"{name[: -len('.down_proj')]}.*.down_proj"] = tuple(shape[1:])
+        else:
+            shapes[name] = shape
+    return shapes
+
+
+def _preset_shapes(cfg: dict) -> dict[str, tuple]:
+    shapes = {s.name: s.shape for s in moe_presets.model_specs(cfg)}
+    for i in range(cfg["num_hidden_layers"]):
+        shapes.update({s.name: s.shape for s in moe_presets.layer_specs(cfg, i)})
+        if moe_presets.is_moe_layer(cfg, i):
+            for proj, shape in moe_presets.expert_shapes(cfg).items():
+                shapes[f"model.layers.{i}.mlp.experts.*.{proj}"] = shape
+    return shapes
+
+
+@pytest.mark.parametrize("preset", sorted(moe_presets.REAL))
+def test_real_presets_have_transformers_shapes(preset):
+    """Every tensor the preset writes has the shape transformers' model of the same config has,
+    and nothing is missing (checked on the dense layers and the first two MoE layers)."""
+    cfg = moe_presets.preset_config(preset)
+    first_moe = moe_presets.moe_layers(cfg)[0]
+    cfg = moe_presets.slice_config(cfg, preset, first_moe + 2, 1.0, 0)
+    ours, theirs = _preset_shapes(cfg), _transformers_shapes(cfg)
+    assert ours == theirs
+
+
+def test_full_preset_sizes():
+    """The headline numbers: Qwen3-30B-A3B is ~17 GB at int4, DeepSeek-V3's experts ~25 MB."""
+    q3 = synthetic_moe.build_config("qwen3-30b-a3b")
+    assert 16e9 < synthetic_moe.container_bytes(q3) < 19e9
+    ds = moe_presets.preset_config("deepseek-v3")
+    per_expert = sum(r * c for r, c in moe_presets.expert_shapes(ds).values()) * 9 / 16
+    assert 24e6 < per_expert < 25e6
+    assert len(moe_presets.moe_layers(ds)) == 58
+
+
+# ----------------------------------------------------------------------------- slices decode
+
+SLICES = {"qwen3-30b-a3b": 2, "qwen3-235b-a22b": 2, "deepseek-v3": 4, "kimi-k2": 2, "glm-5": 4, "glm-4.5-air": 2}
+
+
+@pytest.fixture(scope="module")
+def slices(tmp_path_factory):
+    root = tmp_path_factory.mktemp("slices")
+    return {p: synthetic_moe.write_container(root / p, p, progress=False, layers=n, width_divisor=16, vocab=512)
+            for p, n in SLICES.items()}
+
+
+def _forced_run(model, **options):
+    """(greedy tokens after a prompt, final logits of a forced 24-token sequence fed one
+    token at a time after an 8-token prefill)."""
+    from colibri import generate as gen
+    from colibri.engine import Engine
+
+    e = Engine.load(model, max_context=64, **options)
+    seq = np.random.default_rng(1).integers(0, 512, size=24).tolist()
+    greedy = e.generate(seq[:8], max_tokens=4, stop_at_eos=False).token_ids
+    e.reset()
+    cache = e.slots[0].cache
+    gen.prefill(e.model, cache, seq[:8])
+    for tok in seq[8:-1]:
+        gen.decode_one(e.model, cache, tok)
+    logits = gen.decode_one(e.model, cache, seq[-1])
+    return greedy, logits
+
+
+@pytest.mark.parametrize("preset", sorted(SLICES))
+def test_slice_records_what_it_kept_and_decodes(slices, preset):
+    import json
+
+    cfg = json.loads((slices[preset] / "config.json").read_text())
+    meta = cfg["colibri_synthetic"]
+    assert meta["layers_kept"] == cfg["num_hidden_layers"] == SLICES[preset]
+    assert meta["full_num_hidden_layers"] == moe_presets.REAL[preset]["num_hidden_layers"]
+    assert moe_presets.moe_layers(cfg), "a slice keeps at least one MoE layer"
+    tokens, logits = _forced_run(slices[preset])
+    assert np.isfinite(logits).all()
+    assert len(tokens) == 4 and all(0 <= t < 512 for t in tokens)
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v3", "qwen3-30b-a3b"])
+def test_placement_never_changes_tokens(slices, preset):
+    """Resident experts, a RAM cache holding a few experts, and no cache at all (every expert
+    read from disk, pread and mmap): the same greedy tokens and the same final logits."""
+    runs = {"resident": dict(stream_experts=False),
+            "small cache": dict(stream_experts=True, ram_gb=_dense_gb(slices[preset]) + 0.0005),
+            "no cache": dict(stream_experts=True, ram_gb=_dense_gb(slices[preset]) + 1e-6),
+            "mmap": dict(stream_experts=True, expert_io="mmap")}
+    results = {label: _forced_run(slices[preset], **opts) for label, opts in runs.items()}
+    tokens, logits = results["resident"]
+    for label, (t, l) in results.items():
+        assert t == tokens, label
+        np.testing.assert_array_equal(l, logits, err_msg=label)
+
+
+def _dense_gb(model) -> float:
+    from colibri.io.container import Container
+
+    return Container(model).dense_bytes / (1 << 30)
+
+
+# ----------------------------------------------------------------------------- routing skew
+
+def _lru_hit_rate(ids: np.ndarray, capacity: int) -> float:
+    lru, hits = OrderedDict(), 0
+    for e in ids.reshape(-1):
+        if e in lru:
+            hits += 1
+            lru.move_to_end(e)
+        else:
+            lru[e] = True
+            if len(lru) > capacity:
+                lru.popitem(last=False)
+    return hits / ids.size
+
+
+def _routes(model, tokens: int = 160) -> dict[str, np.ndarray]:
+    """Expert ids chosen per MoE layer for random tokens, recorded at the router."""
+    from colibri.engine import Engine
+    from colibri.models import common
+
+    e = Engine.load(model, max_context=tokens + 8, stream_experts=False)
+    seen: dict[str, list] = {}
+    original = common.SparseMoE.route
+
+    def route(self, x):
+        w, ids = original(self, x)
+        seen.setdefault(self.prefix, []).append(ids)
+        return w, ids
+
+    common.SparseMoE.route = route
+    try:
+        e.feed(np.random.default_rng(0).integers(0, 512, size=tokens).tolist())
+    finally:
+        common.SparseMoE.route = original
+    return {p: np.concatenate(v) for p, v in seen.items()}
+
+
+def test_routing_is_skewed_and_token_dependent(tmp_path):
+    """skew 1 vs 0 at 64 experts, top-4, 4 layers: a quarter-sized LRU cache hits far more often
+    with skew (as the analytic router model says), in the last layer as in the first, and
+    tokens still route differently from one another."""
+    rates = {}
+    for skew in (0.0, 1.0):
+        cfg_model = synthetic_moe.write_container(tmp_path / f"s{skew}", "medium", progress=False, skew=skew,
+                                                  layers=4, vocab=512)
+        routes = _routes(cfg_model)
+        rates[skew] = [_lru_hit_rate(ids, 16) for ids in routes.values()]
+        distinct = {tuple(sorted(r)) for r in routes[max(routes)].tolist()}
+        assert len(distinct) > 40, f"skew {skew}: routing barely depends on the token"
+    assert max(rates[0.0]) < 0.4, rates            # uniform: about 16 / 64 + chance repeats
+    assert min(rates[1.0]) > 0.45, rates
+    assert min(rates[1.0]) - max(rates[0.0]) > 0.15, rates
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def _run_tool(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(TOOLS / "synthetic_moe.py"), *map(str, args)],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--preset", "gpt-5"], "unknown preset 'gpt-5'"),
+    (["--preset", "deepseek-v3", "--layers", "0"], "--layers must be at least 1"),
+    (["--preset", "deepseek-v3", "--layers", "3"], "keeps no MoE layer"),
+    (["--preset", "tiny", "--layers", "9"], "has only 3 layers"),
+])
+def test_bad_arguments_are_clear_errors(tmp_path, args, message):
+    r = _run_tool(tmp_path / "m", *args)
+    assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "m").exists()
+
+
+def test_existing_target_is_refused(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "keep.txt").write_text("mine")
+    r = _run_tool(tmp_path / "m", "--preset", "tiny")
+    assert r.returncode != 0 and "already exists" in r.stderr
+    assert (tmp_path / "m" / "keep.txt").read_text() == "mine"
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 6 MB tmpfs (needs root); skipped where it cannot be mounted."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_too_little_space_is_refused_before_writing(small_disk):
+    with pytest.raises(ColibriError, match="needs ~.* GB free"):
+        synthetic_moe.write_container(small_disk / "m", "small", progress=False)
+    assert not (small_disk / "m").exists()
+
+
+def test_full_disk_mid_write_leaves_nothing(small_disk, monkeypatch):
+    """The size check passes (the disk is said to be large) and the disk fills mid-write: a
+    clear error and no directory left behind to look like a model."""
+    class Plenty:
+        free = 1 << 40
+
+    monkeypatch.setattr(synthetic_moe.shutil, "disk_usage", lambda p: Plenty)
+    with pytest.raises(ColibriError, match="disk full"):
+        synthetic_moe.write_container(small_disk / "m", "small", progress=False)
+    assert not (small_disk / "m").exists()
+    monkeypatch.undo()
+    assert shutil.disk_usage(small_disk).used < 1 << 20
+
+
+# ----------------------------------------------------------------------------- GGUF twin
+
+def test_gguf_twin_blocks_hold_the_same_weights():
+    import gguf
+    import gguf_synthetic
+
+    from colibri.kernels.quant import dequantize
+
+    rng = np.random.default_rng(0)
+    t = synthetic_moe.random_int4(rng, 24, 256)
+    ours = dequantize(t)
+    theirs = gguf.quants.dequantize(gguf_synthetic.q4_0_blocks(t), gguf.GGMLQuantizationType.Q4_0)
+    np.testing.assert_array_equal(theirs.reshape(ours.shape), ours)
+    q8 = synthetic_moe.random_q8(rng, 8, 128)
+    theirs8 = gguf.quants.dequantize(gguf_synthetic.q8_0_blocks(q8), gguf.GGMLQuantizationType.Q8_0)
+    np.testing.assert_array_equal(theirs8.reshape(8, 128), dequantize(q8))
