@@ -38,6 +38,7 @@ import numpy as np
 
 from colibri.errors import ColibriError, EngineFault
 from colibri.io.container import Container, ExpertLayout
+from colibri.kernels.moe import StackedExperts
 
 IO_MODES = ("pread", "direct", "mmap")
 _ALIGN = 4096
@@ -105,8 +106,9 @@ class _Pool:
 
     def __init__(self, n_slots: int, slot_bytes: int):
         # slot_bytes is a multiple of 4096 (blobs are padded), so every slot is aligned.
-        memory = arena(n_slots * slot_bytes)
-        self.buffers = [memory[i * slot_bytes:(i + 1) * slot_bytes] for i in range(n_slots)]
+        self.memory = arena(n_slots * slot_bytes)
+        self.slot_bytes = slot_bytes
+        self.buffers = [self.memory[i * slot_bytes:(i + 1) * slot_bytes] for i in range(n_slots)]
         self.free = list(range(n_slots))
         self.lru: OrderedDict[tuple[str, int], int] = OrderedDict()  # (prefix, expert) -> slot, oldest first
         self.loading: dict[tuple[str, int], Future] = {}            # read in flight into its slot
@@ -135,6 +137,8 @@ class _Layer:
         self.pool = pool
         self.pinned: dict[int, int] = {}                    # expert -> slot, never evicted
         self.counts = np.zeros(layout.num_experts, dtype=np.int64)  # routing heat (this process)
+        # The slot pool seen with this layer's blob layout, for the fused decode kernel.
+        self.stacked = StackedExperts.view(pool.memory, pool.slot_bytes, len(pool.buffers), layout.projections)
 
     def slot_of(self, e: int) -> int | None:
         s = self.pinned.get(e)
@@ -259,6 +263,33 @@ class ExpertStore:
                 return
             self.slots.lru[(prefix, e)] = slot
             self.slots.loading[(prefix, e)] = self._readers.submit(self._read, prefix, e, self.slots.buffers[slot])
+
+    def stacked(self, prefix: str, ids: list[int]):
+        """(StackedExperts, slot of each id) when every one of `ids` is in a RAM slot with its
+        read done, so the fused decode kernel can run them in place (counted as hits, as
+        iter_experts would); else None and nothing changes: the caller takes iter_experts."""
+        layer = self.layers[prefix]
+        if layer.stacked is None or self.config.io == "mmap":
+            return None
+        pool = self.slots
+        slots = []
+        for e in ids:
+            slot = layer.slot_of(e)
+            fut = pool.loading.get((prefix, e))
+            if slot is None or (fut is not None and not fut.done()):
+                return None
+            slots.append(slot)
+        for e in ids:
+            key = (prefix, e)
+            layer.counts[e] += 1
+            fut = pool.loading.pop(key, None)
+            if fut is not None:
+                fut.result()  # a failed read raises here, as it would in iter_experts
+                self.stats.prefetch_hits += 1
+            if key in pool.lru:
+                pool.lru.move_to_end(key)
+        self.stats.hits += len(ids)
+        return layer.stacked, np.asarray(slots, dtype=np.int64)
 
     def iter_experts(self, prefix: str, ids: list[int]):
         """Yield (expert id, {projection: QTensor}) for each of `ids`: those already in RAM first,

@@ -19,11 +19,13 @@ import numpy as np
 from colibri.errors import ColibriError, EngineFault
 from colibri.io.container import Container
 from colibri.io.expert_store import arena
+from colibri.kernels.moe import StackedExperts
 
 
 class ResidentExperts:
     def __init__(self, container: Container, verify: bool = True):
         self.layers: dict[str, list] = {}
+        self._stacked: dict[str, StackedExperts | None] = {}
         self.bytes_resident = 0
         for prefix, layout in container.expert_layouts.items():
             store = arena(layout.num_experts * layout.blob_bytes).reshape(layout.num_experts, layout.blob_bytes)
@@ -41,6 +43,8 @@ class ResidentExperts:
             finally:
                 os.close(fd)
             self.layers[prefix] = [layout.unpack(store[e]) for e in range(layout.num_experts)]
+            self._stacked[prefix] = StackedExperts.view(store, layout.blob_bytes, layout.num_experts,
+                                                        layout.projections)
             self.bytes_resident += store.nbytes
 
     def iter_experts(self, prefix: str, ids: list[int]):
@@ -50,6 +54,12 @@ class ResidentExperts:
 
     def prefetch(self, prefix: str, ids) -> None:
         """Everything is resident: nothing to fetch ahead."""
+
+    def stacked(self, prefix: str, ids: list[int]):
+        """(StackedExperts, slot of each id) for the fused decode kernel: every expert is in
+        place, at slot = its id; None where the layer's format does not fit the kernel."""
+        view = self._stacked.get(prefix)
+        return None if view is None else (view, np.asarray(ids, dtype=np.int64))
 
 
 GiB = 1 << 30

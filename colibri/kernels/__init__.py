@@ -11,15 +11,33 @@ from pathlib import Path
 
 
 def numba_cache_dir() -> Path:
-    """Where the compiled kernels are cached: numba's cache directory when the user set one, else
-    $XDG_CACHE_HOME/colibri/numba (~/.cache/colibri/numba). Not under $COLIBRI_HOME: compiled
-    code depends only on colibri's source and this machine, and runs that keep their models
-    apart (tests, servers with their own state) should not each compile again."""
+    """Where the compiled kernels are cached: under numba's cache directory when the user set
+    one, else $XDG_CACHE_HOME/colibri/numba (~/.cache/colibri/numba). Not under $COLIBRI_HOME:
+    compiled code depends only on colibri's source and this machine, and runs that keep their
+    models apart (tests, servers with their own state) should not each compile again.
+
+    The last part of the path is a digest of the kernel sources: numba checks a cached
+    function against its own file only, so after a change to cpu.py the cached decode.py
+    kernels, which have cpu.py's row code compiled into them, would still load, stale (seen:
+    results that differ in the last bits, and a segfault). A new digest is a fresh cache."""
     from numba.core import config
 
     if os.environ.get("NUMBA_CACHE_DIR") or config.CACHE_DIR:  # the environment, or .numba_config.yaml
-        return Path(os.environ.get("NUMBA_CACHE_DIR") or config.CACHE_DIR)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "colibri" / "numba"
+        base = Path(os.environ.get("NUMBA_CACHE_DIR") or config.CACHE_DIR)
+    else:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "colibri" / "numba"
+    return base / _sources_digest()
+
+
+def _sources_digest() -> str:
+    import hashlib
+
+    import numba
+
+    h = hashlib.sha1(numba.__version__.encode())
+    for f in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(f.name.encode() + f.read_bytes())
+    return f"kernels-{h.hexdigest()[:12]}"
 
 
 @contextmanager
@@ -41,7 +59,7 @@ def _cache_in_user_dir():
 
 # Every module holding kernels is imported here, inside the block (tests/test_warmup.py checks).
 with _cache_in_user_dir():
-    from . import decode, ops
+    from . import decode, moe, ops
     from .cpu import embedding, matmul, matvec
 from .quant import (
     FLOAT_SCHEMES,
@@ -70,5 +88,5 @@ def set_threads(n: int) -> None:
 __all__ = [
     "QTensor", "SCHEMES", "GROUP_SIZE", "FLOAT_SCHEMES", "INT4_SCHEMES",
     "quantize", "dequantize", "pack_nibbles", "unpack_nibbles", "bf16_to_f32", "f32_to_bf16",
-    "matvec", "matmul", "embedding", "ops", "decode", "set_threads", "numba_cache_dir",
+    "matvec", "matmul", "embedding", "ops", "decode", "moe", "set_threads", "numba_cache_dir",
 ]

@@ -22,6 +22,7 @@ from numba import get_num_threads
 # product read it back, and bounds a prompt's attention memory whatever its length.
 SCORE_BLOCK_BYTES = 4 << 20
 MIN_BLOCK, MAX_BLOCK = 64, 2048
+QUERY_TILE = 64  # queries per causal_attention task
 
 
 class OnlineSoftmax:
@@ -92,7 +93,12 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, sca
     G = H // KV
     qg = np.ascontiguousarray(q.reshape(L, KV, G, Dk).transpose(1, 2, 0, 3))  # [KV, G, L, Dk]
     qg *= scale  # once here, not on every block of scores
-    tiles = split(L, math.ceil(2 * nthreads / KV))  # >= 2 tasks per thread when heads are few
+    # Query tiles of a fixed size, never sized by the thread count: the tile decides the score
+    # blocks (key_block) and the BLAS shapes, hence the rounding, and the engine's thread
+    # count follows the machine's load (threads.py), so a tile per thread made the same prompt
+    # give different last bits from run to run. 64 queries still make >= 2 tasks per thread
+    # for a 512-token chunk with one key head on 8 threads.
+    tiles = split(L, math.ceil(L / QUERY_TILE))
     out = np.empty((KV, G, L, Dv), np.float32)
 
     def task(t):

@@ -345,6 +345,27 @@ def _offset_dot(offs, r, xs):
     return o
 
 
+@njit(cache=True, fastmath=_FAST)
+def _int4_rows8(q, scales, offs, coef, half, cshift, x, xs, r, d):
+    """d[0:8] = rows r..r+7 of the int4 matvec (xs: group sums of x), the next block's rows
+    prefetched. One definition for every caller (the matvec here and the fused MoE kernel in
+    moe.py), so a row's value is the same float32 whichever kernel computes it."""
+    out = q.shape[0]
+    _int4_dot8(q, scales, offs, r, r + 8 if r + 16 <= out else r, x, half, cshift, d)
+    for j in range(8):
+        d[j] = d[j] + coef * _offset_dot(offs, r + j, xs)
+
+
+@njit(cache=True, fastmath=_FAST)
+def _int4_tail_rows(q, scales, offs, coef, half, x, xs, y):
+    """The last rows (out % 8) one at a time."""
+    out = q.shape[0]
+    acc1 = np.empty(half, np.float32)
+    for r in range(out - out % 8, out):
+        _int4_row(q, scales, r, half, x, acc1)
+        y[r] = _finish(acc1, offs[r], coef, xs)
+
+
 @njit(parallel=True, cache=True, fastmath=_FAST)
 def _matvec_int4(q, scales, offs, coef, half, cshift, x, y, nthreads):
     """int4_g64 / q4_0 / q4_1: y[r] = sum_g s[r,g] * dot(nib, x_g) + coef * dot(offs[r], xsum).
@@ -361,13 +382,10 @@ def _matvec_int4(q, scales, offs, coef, half, cshift, x, y, nthreads):
         d = np.empty(8, np.float32)
         for blk in range(t * per, min(nblk, (t + 1) * per)):
             r = 8 * blk
-            _int4_dot8(q, scales, offs, r, r + 8 if r + 16 <= out else r, x, half, cshift, d)
+            _int4_rows8(q, scales, offs, coef, half, cshift, x, xs, r, d)
             for j in range(8):
-                y[r + j] = d[j] + coef * _offset_dot(offs, r + j, xs)
-    acc1 = np.empty(half, np.float32)
-    for r in range(8 * nblk, out):
-        _int4_row(q, scales, r, half, x, acc1)
-        y[r] = _finish(acc1, offs[r], coef, xs)
+                y[r + j] = d[j]
+    _int4_tail_rows(q, scales, offs, coef, half, x, xs, y)
 
 
 @njit(cache=True, fastmath=_FAST)

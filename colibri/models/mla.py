@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from colibri.errors import ColibriError
-from colibri.kernels.attention import OnlineSoftmax, key_block, kernel_threads, run_tasks, split
+from colibri.kernels.attention import OnlineSoftmax, key_block, run_tasks, split
 from colibri.kernels.quant import dequantize
 from colibri.models import common
 from colibri.models.common import KVCache, linear, rms_norm
@@ -216,10 +216,14 @@ class MLAttention:
         return out.transpose(1, 0, 2).reshape(L, self.h * self.dv)
 
 
+HEAD_GROUP = 8  # heads per attention task
+
+
 def head_groups(h: int, work: int) -> list[tuple[int, int]]:
-    """Heads split over the threads when there is enough work to pay for handing it out."""
-    n = kernel_threads() if work >= 4096 else 1
-    return split(h, 2 * n if n > 1 else 1)
+    """Heads in groups of HEAD_GROUP (run_tasks spreads them over the threads) when there is
+    enough work to pay for handing it out. Never sized by the thread count, which follows the
+    machine's load: the grouping must not be able to change a result's last bits."""
+    return split(h, math.ceil(h / HEAD_GROUP)) if work >= 4096 else [(0, h)]
 
 
 def mask(s: np.ndarray, visible: np.ndarray) -> np.ndarray:

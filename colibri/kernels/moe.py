@@ -1,0 +1,121 @@
+"""All routed experts of one MoE layer for one token in one compiled call (decode).
+
+The step-by-step path (colibri.models.common.run_experts) calls a SwiGLU kernel per expert:
+three parallel matvecs, so a top-8 layer enters 24 parallel regions and 8 Python calls per
+token, ~1150 regions for Qwen3-30B's 48 layers; the regions are short (a 768x2048 int4
+matrix is ~0.9 MB), so their start-up and the join at each end dominate on small shapes.
+Here the gate and up rows of all K experts are one work list split over the threads, then
+the down rows of the output are split over the threads with each row summing its K experts:
+two parallel regions per layer.
+
+The experts are addressed in place: `StackedExperts` holds a block of expert blobs laid out
+at a fixed stride (ResidentExperts' per-layer array, the ExpertStore's slot pool) and the
+offsets of each array inside a blob, so nothing is copied. Each row is computed by the same function
+as the matvec kernel (cpu._int4_rows8), and the experts' contributions are added in the same
+order (ascending expert id) with the same float32 operations as run_experts, so the result
+equals the step-by-step path bit for bit (tests/kernels/test_moe.py): placement, and this
+kernel, change speed, never tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit, prange
+
+from .cpu import _chunk_shift, _group_sums, _int4_rows8
+from .ops import _silu_gate
+from .quant import GROUP_SIZE
+
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class StackedExperts:
+    """One MoE layer's expert blobs in place: `memory` [slots, stride] uint8 (slot s holds one
+    expert's blob from byte 0) and where each projection's arrays sit inside a blob."""
+
+    memory: np.ndarray
+    layout: np.ndarray   # int64 [3 projections, 4]: q offset, scales offset, rows, cols
+    half: int            # bytes per int4 group (group / 2)
+    cshift: int
+
+    @classmethod
+    def view(cls, memory: np.ndarray, stride: int, slots: int, projections: dict) -> "StackedExperts | None":
+        """`memory` (uint8, `slots` blobs of `stride` bytes each) for a layer whose blob layout
+        is `projections` (ExpertLayout.projections); None unless all three are symmetric int4
+        with one group size (the only format the fused kernel takes)."""
+        schemes = {projections[p]["scheme"] for p in PROJECTIONS}
+        if len(schemes) != 1 or not schemes <= {"int4_g64", "q4_0"} or slots == 0:
+            return None
+        if any("mins" in projections[p]["parts"] or projections[p]["shape"][0] % 8 for p in PROJECTIONS):
+            return None  # (every row count is a multiple of 32 for int4 experts: their rows are
+            #             the other projections' inputs, so the 8-row blocks cover them all)
+        layout = np.array([[projections[p]["parts"]["q"][0], projections[p]["parts"]["scales"][0],
+                            *projections[p]["shape"]] for p in PROJECTIONS], dtype=np.int64)
+        half = GROUP_SIZE[schemes.pop()] // 2
+        return cls(memory.reshape(-1)[: slots * stride].reshape(slots, stride), layout, half, _chunk_shift(half))
+
+    def __call__(self, x: np.ndarray, slots: np.ndarray, weights: np.ndarray, nthreads: int) -> np.ndarray:
+        """sum_k weights[k] * expert_{slots[k]}(x) for one token x [D]; `slots` in ascending
+        expert-id order (the order run_experts adds in)."""
+        return routed_experts(x, self.memory, self.layout, slots, weights, self.half, self.cshift, nthreads)
+
+
+@njit(cache=True)
+def _weight(memory, s, layout, p, half):
+    """Projection p of the expert in slot s as the (q, scales) C-contiguous 2-D arrays the
+    matvec kernel takes (the same array types, so the same compiled row code)."""
+    q_off, s_off, rows, cols = layout[p, 0], layout[p, 1], layout[p, 2], layout[p, 3]
+    q = memory[s, q_off: q_off + rows * (cols // 2)].reshape((rows, cols // 2))
+    groups = cols // (2 * half)
+    scales = memory[s, s_off: s_off + rows * groups * 4].view(np.float32).reshape((rows, groups))
+    return q, scales
+
+
+@njit(parallel=True, cache=True)
+def routed_experts(x, memory, layout, slots, weights, half, cshift, nthreads):
+    K = slots.shape[0]
+    I = layout[0, 2]
+    D = layout[2, 2]
+    coef = np.float32(-8.0)
+    xs = _group_sums(x, 2 * half)
+    g = np.empty((K, I), np.float32)
+    u = np.empty((K, I), np.float32)
+    # Gate and up rows of every expert: one list of (expert, 8-row block) items.
+    nblk = I // 8
+    items = K * nblk
+    per = (items + nthreads - 1) // nthreads
+    for t in prange(nthreads):
+        d = np.empty(8, np.float32)
+        for it in range(t * per, min(items, (t + 1) * per)):
+            k = it // nblk
+            r = 8 * (it - k * nblk)
+            gq, gs = _weight(memory, slots[k], layout, 0, half)
+            _int4_rows8(gq, gs, gs, coef, half, cshift, x, xs, r, d)
+            for j in range(8):
+                g[k, r + j] = d[j]
+            uq, us = _weight(memory, slots[k], layout, 1, half)
+            _int4_rows8(uq, us, us, coef, half, cshift, x, xs, r, d)
+            for j in range(8):
+                u[k, r + j] = d[j]
+    act = np.empty((K, I), np.float32)
+    acts = np.empty((K, I // (2 * half)), np.float32)
+    for k in range(K):
+        _silu_gate(g[k], u[k], act[k])
+        acts[k] = _group_sums(act[k], 2 * half)
+    # Down rows: each output row adds its experts' contributions in order, as run_experts does
+    # (a product, then a sum: this function is compiled without fastmath, so no FMA).
+    out = np.zeros(D, np.float32)
+    nblk = D // 8
+    per = (nblk + nthreads - 1) // nthreads
+    for t in prange(nthreads):
+        d = np.empty(8, np.float32)
+        for blk in range(t * per, min(nblk, (t + 1) * per)):
+            r = 8 * blk
+            for k in range(K):
+                dq, ds = _weight(memory, slots[k], layout, 2, half)
+                _int4_rows8(dq, ds, ds, coef, half, cshift, act[k], acts[k], r, d)
+                for j in range(8):
+                    out[r + j] += d[j] * weights[k]
+    return out

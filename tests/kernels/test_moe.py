@@ -1,0 +1,84 @@
+"""The fused routed-experts decode kernel (colibri/kernels/moe.py) equals the per-expert path
+bit for bit, and the float64 dequantized reference within float32 rounding."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from colibri.io.container import pack_expert
+from colibri.kernels import decode
+from colibri.kernels.cpu import int4_weight
+from colibri.kernels.moe import StackedExperts
+from colibri.kernels.quant import dequantize, quantize
+
+
+def _layer(rng, E, D, I, scheme):
+    experts = [{"gate_proj": quantize(rng.standard_normal((I, D)).astype(np.float32) * 0.05, scheme),
+                "up_proj": quantize(rng.standard_normal((I, D)).astype(np.float32) * 0.05, scheme),
+                "down_proj": quantize(rng.standard_normal((D, I)).astype(np.float32) * 0.05, scheme)}
+               for _ in range(E)]
+    blobs = [pack_expert(e) for e in experts]
+    memory = np.stack([b for b, _ in blobs])                    # [E, blob]: ResidentExperts' layout
+    return experts, memory, blobs[0][1]
+
+
+def _per_expert(x, experts, ids, weights):
+    """run_experts' decode arithmetic: each expert's SwiGLU kernel, then out += y * w in
+    ascending expert-id order."""
+    out = np.zeros(x.shape[0], np.float32)
+    for e, w in sorted(zip(ids, weights)):
+        ws = [int4_weight(experts[e][p]) for p in ("gate_proj", "up_proj", "down_proj")]
+        out += decode.swiglu(x, *ws, 2) * np.float32(w)
+    return out
+
+
+@pytest.mark.parametrize("scheme, D, I, E, K", [
+    ("int4_g64", 256, 192, 16, 8),    # Qwen3-30B's structure, reduced
+    ("int4_g64", 512, 128, 8, 2),
+    ("q4_0", 224, 96, 6, 3),
+])
+@pytest.mark.parametrize("nthreads", [1, 2])
+def test_fused_equals_per_expert_path(scheme, D, I, E, K, nthreads):
+    rng = np.random.default_rng(0)
+    experts, memory, layout = _layer(rng, E, D, I, scheme)
+    stacked = StackedExperts.view(memory, memory.shape[1], E, layout)
+    assert stacked is not None
+    x = rng.standard_normal(D).astype(np.float32)
+    for _ in range(3):
+        ids = np.sort(rng.choice(E, size=K, replace=False))
+        w = rng.random(K).astype(np.float32)
+        got = stacked(x, ids.astype(np.int64), w, nthreads)
+        np.testing.assert_array_equal(got, _per_expert(x, experts, ids, w))
+        ref = sum(float(wk) * _swiglu64(experts[e], x) for e, wk in zip(ids, w))
+        np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-5)
+
+
+def _swiglu64(e, x):
+    g, u, d = (dequantize(e[p]).astype(np.float64) for p in ("gate_proj", "up_proj", "down_proj"))
+    gx = g @ x
+    return d @ (gx / (1 + np.exp(-gx)) * (u @ x))
+
+
+def test_slots_at_a_stride_larger_than_the_blob():
+    """The expert store's pool: slots sized for the largest blob, experts in any slot order."""
+    rng = np.random.default_rng(1)
+    experts, memory, layout = _layer(rng, 4, 128, 64, "int4_g64")
+    stride = memory.shape[1] + 8192
+    pool = np.zeros((6, stride), np.uint8)
+    where = [5, 0, 3, 1]                       # expert e lives in slot where[e]
+    for e, s in enumerate(where):
+        pool[s, : memory.shape[1]] = memory[e]
+    stacked = StackedExperts.view(pool, stride, 6, layout)
+    x = rng.standard_normal(128).astype(np.float32)
+    ids = np.array([0, 2, 3])
+    w = np.array([0.5, 0.25, 0.125], np.float32)
+    got = stacked(x, np.array([where[e] for e in ids], np.int64), w, 2)
+    np.testing.assert_array_equal(got, _per_expert(x, experts, ids, w))
+
+
+def test_formats_the_kernel_does_not_take():
+    rng = np.random.default_rng(2)
+    _, memory, layout = _layer(rng, 2, 128, 64, "q4_1")
+    assert StackedExperts.view(memory, memory.shape[1], 2, layout) is None
+    _, memory, layout = _layer(rng, 2, 128, 64, "q8_0")
+    assert StackedExperts.view(memory, memory.shape[1], 2, layout) is None
