@@ -71,19 +71,29 @@ def child_llama(a) -> dict:
     llm.reset()
     t0 = time.perf_counter()
     llm.eval(long_ids)
-    int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    int(np.argmax(_last_logits(llm)))
     ttft = time.perf_counter() - t0
     llm.reset()
     llm.eval(ids)
     out, times = [], []
     for _ in range(a.tokens):
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tok = int(np.argmax(_last_logits(llm)))
         out.append(tok)
         t = time.perf_counter()
         llm.eval([tok])
         times.append(time.perf_counter() - t)
     return {"first_token_unix": first, "prompt_tokens": len(long_ids), "prefill_tok_s": len(long_ids) / ttft,
             "ttft_s": ttft, "decode_tok_s": (len(times) - 1) / sum(times[1:]), "tokens": out, "peak_rss": rss()}
+
+
+def _last_logits(llm):
+    """The last position's logits. Llama.scores is filled only with logits_all=True in
+    llama-cpp-python 0.3.36 (it stayed zeros here: every greedy token was 0), and logits_all
+    would compute the head for every prompt token; read llama.cpp's own buffer instead."""
+    import llama_cpp
+    import numpy as np
+
+    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
 
 
 def _render(llm, text: str) -> bytes:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-BENCH_VERSION = 1
+BENCH_VERSION = 2  # 2: per-phase decode breakdown, projection for slices
 
 
 def _drop_caches() -> bool:
@@ -37,20 +37,48 @@ def _disk_read_bytes() -> int:
     return 0
 
 
+def layer_kinds(engine) -> tuple[list[str], list[str] | None]:
+    """("dense"/"moe" per decoder layer of the loaded model, the same for the whole model when
+    the container is a `--layers` slice of a bigger one (tools/synthetic_moe.py), else None)."""
+    args = engine.model.args
+    kept = [args.mlp_kind(i) for i in range(len(engine.model.layers))]
+    full_n = (engine.container.config.get("colibri_synthetic") or {}).get("full_num_hidden_layers")
+    if not full_n or full_n <= len(kept):
+        return kept, None
+
+    def kind(i):
+        try:
+            return args.mlp_kind(i)
+        except IndexError:  # a per-layer list cut to the slice: the rest of the model routes
+            return "moe"
+
+    return kept, [kind(i) for i in range(full_n)]
+
+
 def _measure(engine, tokens: list[int], prompt: list[int]) -> dict:
+    from colibri.profile import PHASES, breakdown
+
     engine.reset()
-    s0, r0 = engine.expert_stats, _disk_read_bytes()
     g = engine.generate(prompt, max_tokens=1, stop_at_eos=False)
-    times = engine.feed(tokens)
+    s0, r0 = engine.expert_stats, _disk_read_bytes()
+    PHASES.start()
+    try:
+        times = engine.feed(tokens)
+    finally:
+        seconds = PHASES.stop()
     s1, r1 = engine.expert_stats, _disk_read_bytes()
     steady = times[1:] or times
     row = {"prefill_tok_s": g.prefill_tok_s, "ttft_s": g.ttft_s, "decode_tok_s": len(steady) / sum(steady),
            "disk_gb_per_token": (r1 - r0) / len(times) / 1e9}
+    wait = 0.0
     if s0 is not None:
         asked = (s1["hits"] - s0["hits"]) + (s1["misses"] - s0["misses"])
         row["hit_rate"] = (s1["hits"] - s0["hits"]) / asked if asked else None
         row["expert_gb_per_token"] = (s1["bytes_read"] - s0["bytes_read"]) / len(times) / 1e9
-        row["disk_wait_share"] = (s1["wait_s"] - s0["wait_s"]) / sum(times)
+        wait = s1["wait_s"] - s0["wait_s"]
+        row["disk_wait_share"] = wait / sum(times)
+    kept, full = layer_kinds(engine)
+    row["breakdown"] = breakdown(seconds, sum(times), len(times), wait, kept, full)
     return row
 
 
@@ -96,3 +124,20 @@ def render(report: dict, console) -> None:
     console.print(f"load {report['load_s']:.2f} s, expert store {report['expert_store']}, "
                   f"peak RSS {report['peak_rss_gb']:.2f} GB; decode on {report['tokens']} forced tokens, "
                   f"prefill on {report['prompt_tokens']}")
+    b = Table(title="decode time per token (ms)")
+    b.add_column("state")
+    phases = list(report["warm"]["breakdown"]["per_token_s"])
+    short = {"attention": "attn", "dense_mlp": "dense", "routing": "route", "routed_experts": "experts",
+             "disk_wait": "disk", "head": "head", "other": "other"}
+    for col in phases + ["total"]:
+        b.add_column(short.get(col, col), justify="right")
+    for state in ("cold", "warm"):
+        bd = report[state]["breakdown"]
+        b.add_row(state, *(f"{1e3 * bd['per_token_s'][p]:.1f}" for p in phases), f"{1e3 * bd['total_s']:.1f}")
+    console.print(b)
+    for state in ("cold", "warm"):
+        proj = report[state]["breakdown"].get("projection")
+        if proj:
+            console.print(f"{state}: PROJECTED to the full {proj['layers_full']}-layer model from this "
+                          f"{proj['layers_measured']}-layer slice: {proj['tok_s']:.3f} tok/s "
+                          f"({proj['seconds_per_token']:.2f} s/token; {proj['note']})")

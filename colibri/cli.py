@@ -329,23 +329,28 @@ def bench(
     prefetch: bool = typer.Option(False, "--prefetch/--no-prefetch"),
     hot_set: bool = typer.Option(True, "--hot-set/--no-hot-set"),
     tokens: int = typer.Option(32, "--tokens", help="Forced tokens decoded per run."),
+    prompt_tokens: int = typer.Option(256, "--prompt-tokens", help="Prompt length for prefill and TTFT."),
     threads: Optional[int] = threads_option(),
     auto_tier: bool = typer.Option(False, "--auto-tier", help="Apply `colibri plan` where --ram-gb is not given."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ):
-    """Cold and warm decode tok/s, prefill, TTFT, expert hit rate, GB read per token, peak RSS."""
+    """Cold and warm decode tok/s, prefill, TTFT, expert hit rate, GB read per token, peak RSS,
+    and where each decoded token's time goes (attention, dense MLP, routing, routed experts,
+    disk wait); on a --layers slice of a bigger model, the whole model's projected tok/s."""
     import json
 
     from colibri.bench import render, run_bench
 
     if tokens < 2:
         raise ColibriError(f"--tokens must be at least 2, not {tokens}")
+    if prompt_tokens < 1:
+        raise ColibriError(f"--prompt-tokens must be at least 1, not {prompt_tokens}")
     model = model_dir(model)
     if auto_tier and ram_gb is None:
         from colibri.plan import engine_options
 
         ram_gb = engine_options(model, None, True).get("ram_gb")
-    report = run_bench(model, tokens=tokens, ram_gb=ram_gb, expert_io=expert_io, prefetch=prefetch,
+    report = run_bench(model, tokens=tokens, prompt_tokens=prompt_tokens, ram_gb=ram_gb, expert_io=expert_io, prefetch=prefetch,
                        hot_set=hot_set, threads=threads)
     if as_json:
         print(json.dumps(report, indent=1))

@@ -32,3 +32,26 @@ def test_bench_rejects_too_few_tokens(tmp_path):
     p = subprocess.run([sys.executable, "-m", "colibri.cli", "bench", "--tokens", "1"], capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 1 and "--tokens" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_bench_breakdown_and_projection_on_a_slice(tmp_path):
+    """A 4-layer slice of DeepSeek-V3 (3 dense + 1 MoE, reduced width): the per-token phases add
+    up to the measured time, attention and routed experts are both seen, and the whole 61-layer
+    model is projected (and labelled as a projection), slower than the slice."""
+    model = synthetic_moe.write_container(tmp_path / "ds", "deepseek-v3", progress=False, layers=4,
+                                          width_divisor=16, vocab=512)
+    p = subprocess.run([sys.executable, "-m", "colibri.cli", "bench", "--model", str(model), "--tokens", "8",
+                        "--prompt-tokens", "16", "--json"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "COLIBRI_HOME": str(tmp_path / "home")})
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    for state in ("cold", "warm"):
+        bd = r[state]["breakdown"]
+        phases = bd["per_token_s"]
+        assert set(phases) == {"attention", "dense_mlp", "routing", "routed_experts", "disk_wait", "head", "other"}
+        assert phases["attention"] > 0 and phases["routed_experts"] > 0 and phases["dense_mlp"] > 0
+        assert abs(sum(phases.values()) - bd["total_s"]) < 1e-6 * max(1.0, bd["total_s"]) + 1e-9
+        assert set(bd["per_layer_s"]) == {"attention", "dense_ffn", "moe_ffn"}
+        proj = bd["projection"]
+        assert proj["layers_measured"] == 4 and proj["layers_full"] == 61 and "projected" in proj["note"]
+        assert proj["seconds_per_token"] > bd["total_s"]

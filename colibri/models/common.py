@@ -17,6 +17,7 @@ from numba import get_num_threads
 
 from colibri.errors import ColibriError
 from colibri.kernels import decode, embedding, matmul, matvec, ops
+from colibri.profile import PHASES, clock
 from colibri.kernels.attention import causal_attention
 from colibri.kernels.cpu import int4_weight
 from colibri.kernels.quant import QTensor
@@ -352,6 +353,7 @@ class SparseMoE:
         self.router = w.tensor(f"{prefix}.gate.weight")  # [E, D] float32
         self.experts = experts
         self.prefix = prefix
+        self.layer = layer_index(prefix)
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.shared, self.shared_gate = shared, shared_gate
 
@@ -365,12 +367,26 @@ class SparseMoE:
         self.experts.prefetch(self.prefix, np.unique(ids).tolist())
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
+        t0 = clock() if PHASES.on else 0.0
         weights, ids = self.route(x)  # [L, K], [L, K]
+        if t0:
+            PHASES.add("router", self.layer, t0)
+            t0 = clock()
         out = run_experts(x, weights, ids, self.experts, self.prefix)
+        if t0:
+            PHASES.add("routed_experts", self.layer, t0)
+            t0 = clock()
         if self.shared is not None:
             gate = linear(x, self.shared_gate)                      # [L, 1]
             out += (np.float32(1.0) / (np.float32(1.0) + np.exp(-gate))) * self.shared(x)
+            if t0:
+                PHASES.add("shared_experts", self.layer, t0)
         return out
+
+
+def layer_index(prefix: str) -> int:
+    """"model.layers.7.mlp" -> 7 (the layer a block reports its time under)."""
+    return int(prefix.split("layers.")[1].split(".")[0])
 
 
 def run_experts(x: np.ndarray, weights: np.ndarray, ids: np.ndarray, experts, prefix: str) -> np.ndarray:
@@ -410,16 +426,24 @@ class DecoderLayer:
         self._fused = None  # (attention args, MLP args) for colibri.kernels.decode, built on first use
 
     def __call__(self, x, cache, layer, pos0, cos, sin):
+        t0 = clock() if PHASES.on else 0.0
         if x.shape[0] == 1:
-            return self._decode(x, cache, layer, pos0, cos, sin)
-        x = x + self.attn(rms_norm(x, self.input_norm, self.eps), cache, layer, pos0, cos, sin)
-        return x + self.mlp(rms_norm(x, self.post_norm, self.eps))
+            x = self._attend_one(x, cache, layer, pos0, cos, sin)
+        else:
+            x = x + self.attn(rms_norm(x, self.input_norm, self.eps), cache, layer, pos0, cos, sin)
+        if t0:
+            PHASES.add("attention", layer, t0)
+            t0 = clock()
+        x = self._mlp_one(x) if x.shape[0] == 1 else x + self.mlp(rms_norm(x, self.post_norm, self.eps))
+        if t0:
+            PHASES.add("ffn", layer, t0)
+        return x
 
-    def _decode(self, x, cache, layer, pos0, cos, sin):
-        """One token: each block the fused kernels cover is one compiled call, the same math."""
-        attn_args, mlp_args = self._fused if self._fused is not None else self._build_fused()
-        nthreads = get_num_threads()  # not free (a lock and a thread check): once per layer
+    def _attend_one(self, x, cache, layer, pos0, cos, sin):
+        """One token's attention block: one compiled call where the fused kernel covers it."""
+        attn_args, _ = self._fused if self._fused is not None else self._build_fused()
         if attn_args is not None:
+            nthreads = get_num_threads()  # not free (a lock and a thread check): once per block
             eps, qkv, qkv_bias, o, o_bias, rot, h, kv, dh, scale, norms = attn_args
             x = decode.attention_block(x, self.input_norm, eps, qkv, qkv_bias, o, o_bias,
                                        np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32),
@@ -427,8 +451,13 @@ class DecoderLayer:
                                        *norms)
         else:
             x = x + self.attn(rms_norm(x, self.input_norm, self.eps), cache, layer, pos0, cos, sin)
+        return x
+
+    def _mlp_one(self, x):
+        """One token's feed-forward block: one compiled call for a fused dense MLP."""
+        _, mlp_args = self._fused if self._fused is not None else self._build_fused()
         if mlp_args is not None:
-            return decode.mlp_block(x, self.post_norm, *mlp_args, nthreads)
+            return decode.mlp_block(x, self.post_norm, *mlp_args, get_num_threads())
         return x + self.mlp(rms_norm(x, self.post_norm, self.eps))
 
     def _build_fused(self):
@@ -477,8 +506,11 @@ class DecoderModel:
         ids = np.asarray(ids, dtype=np.int64)
         L, pos0 = ids.shape[0], cache.length
         cache.reserve(pos0 + L)
+        t0 = clock() if PHASES.on else 0.0
         cos, sin = self.rope.cos_sin(np.arange(pos0, pos0 + L))
         x = embedding(self.embed, ids)  # [L, D]
+        if t0:
+            PHASES.add("embed", -1, t0)
         for i, layer in enumerate(self.layers):
             if self.prefetch and isinstance(layer.mlp, SparseMoE):
                 layer.mlp.prefetch_for(x, layer.post_norm, self.args.rms_norm_eps)
@@ -486,4 +518,8 @@ class DecoderModel:
         cache.length = pos0 + L
         if not all_logits:
             x = x[-1:]
-        return linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)
+        t0 = clock() if PHASES.on else 0.0
+        logits = linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)
+        if t0:
+            PHASES.add("head", -1, t0)
+        return logits

@@ -13,7 +13,8 @@ import numpy as np
 
 from colibri.errors import ColibriError
 from colibri.models import common
-from colibri.models.common import MLP, linear, run_experts
+from colibri.models.common import MLP, layer_index, linear, run_experts
+from colibri.profile import PHASES, clock
 
 SCORING_FUNCS = ("sigmoid",)
 TOPK_METHODS = ("noaux_tc",)
@@ -77,6 +78,7 @@ class GroupedMoE:
         bias_name = f"{prefix}.gate.e_score_correction_bias"
         self.bias = w.tensor(bias_name) if w.has(bias_name) else np.zeros(num_experts, np.float32)
         self.experts, self.prefix = experts, prefix
+        self.layer = layer_index(prefix)
         self.top_k, self.n_group, self.topk_group = top_k, n_group or 1, topk_group or 1
         self.norm_topk_prob, self.scaling = norm_topk_prob, routed_scaling_factor
         shared = f"{prefix}.shared_experts"
@@ -87,10 +89,19 @@ class GroupedMoE:
                             self.norm_topk_prob, self.scaling)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
+        t0 = clock() if PHASES.on else 0.0
         weights, ids = self.route(x)                                      # [L, K], [L, K]
+        if t0:
+            PHASES.add("router", self.layer, t0)
+            t0 = clock()
         out = run_experts(x, weights, ids, self.experts, self.prefix)
+        if t0:
+            PHASES.add("routed_experts", self.layer, t0)
+            t0 = clock()
         if self.shared is not None:
             out += self.shared(x)
+            if t0:
+                PHASES.add("shared_experts", self.layer, t0)
         return out
 
 
