@@ -9,7 +9,10 @@ dimension when that is a multiple of 64, else f32. --bits 8: matrices q8_0. --bi
 everything f32 (the exact path).
 
 FP8 checkpoints (float8_e4m3fn + 128x128 `weight_scale_inv`, io/fp8.py) are dequantized tensor
-by tensor, one pread each, and quantized straight away. MTP layers (index >= num_hidden_layers)
+by tensor and quantized straight away. Every matrix is read in slabs and dequantized and
+quantized a few rows at a time (`_quantized`), so peak memory is the largest tensor's quantized
+bytes (DeepSeek-V3: embed_tokens at q8_0, 1.04 GB) plus a slab, not its float32 copy and the
+quantizer's temporaries. MTP layers (index >= num_hidden_layers)
 are converted like any other layer: kept for speculative decoding, unused by the forward.
 """
 from __future__ import annotations
@@ -41,6 +44,7 @@ _INDEXER = re.compile(r"\.indexer\.")  # DSA lightning indexer: selects tokens, 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 _MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _SKIP = re.compile(r"rotary_emb\.inv_freq$")
+_CHUNK_ELEMENTS = 1 << 16  # rows quantized at a time: 256 KiB of float32, temporaries stay in cache
 
 
 def scheme_for(name: str, shape: tuple[int, ...], bits: int) -> str:
@@ -125,10 +129,12 @@ def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
     writer = ContainerWriter(out, bits, source=str(src))
     pending: dict[str, dict[int, dict[str, QTensor]]] = defaultdict(lambda: defaultdict(dict))
 
-    def add_expert(prefix: str, e: int, proj: str, w: np.ndarray) -> None:
+    def add_expert(prefix: str, e: int, proj: str, w: np.ndarray | QTensor) -> None:
         # An expert is written as soon as its three matrices are in: memory holds only the
         # experts whose matrices straddle shards, never a whole layer.
-        pending[prefix][e][proj] = quantize(w, scheme_for(f"{prefix}.{proj}", w.shape, bits))
+        if isinstance(w, np.ndarray):
+            w = quantize(w, scheme_for(f"{prefix}.{proj}", w.shape, bits))
+        pending[prefix][e][proj] = w
         if len(pending[prefix][e]) == len(EXPERT_PROJECTIONS):
             if not n_experts:
                 raise ColibriError(f"{prefix}: routed experts found but config.json names no expert count "
@@ -139,10 +145,13 @@ def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
     with _progress(progress) as bar:
         task = bar.add_task(f"converting {src.name} (--bits {bits})", total=len(names))
         for f, name in names:
-            w = reader.float32(f, name)  # one pread: RSS does not grow with the checkpoint
+            shape = f.tensors[name].shape
             if m := _EXPERT.match(name):
-                add_expert(m["prefix"], int(m["e"]), _MIXTRAL_NAMES.get(m["proj"], m["proj"]), w)
+                proj = _MIXTRAL_NAMES.get(m["proj"], m["proj"])
+                add_expert(m["prefix"], int(m["e"]), proj,
+                           _quantized(reader, f, name, scheme_for(f"{m['prefix']}.{proj}", shape, bits)))
             elif m := _FUSED_EXPERTS.match(name):  # transformers v5 layout: [E, 2I, D] / [E, D, I]
+                w = reader.float32(f, name)  # the whole layer's experts at once (one pread)
                 for e in range(w.shape[0]):
                     if m["proj"] == "down_proj":
                         add_expert(m["prefix"], e, "down_proj", w[e])
@@ -150,14 +159,38 @@ def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
                         gate, up = np.split(w[e], 2, axis=0)
                         add_expert(m["prefix"], e, "gate_proj", gate)
                         add_expert(m["prefix"], e, "up_proj", up)
+                del w
+            elif len(shape) == 2:
+                writer.add_dense(name, _quantized(reader, f, name, scheme_for(name, shape, bits)))
             else:
-                writer.add_dense(name, quantize(w, scheme_for(name, w.shape, bits)) if w.ndim == 2 else w)
+                writer.add_dense(name, reader.float32(f, name))
             bar.advance(task)
     incomplete = {p: sorted(layer) for p, layer in pending.items() if layer}
     if incomplete:
         prefix, ids = next(iter(incomplete.items()))
         raise ColibriError(f"{prefix}: experts {ids[:5]} are missing gate, up or down matrices in the checkpoint")
     writer.finish(fp8.dequantized_config(config), _tokenizer_files(src))
+
+
+def _quantized(reader: fp8.CheckpointReader, f: SafetensorsFile, name: str, scheme: str) -> QTensor:
+    """A 2-D checkpoint tensor quantized with `scheme`, dequantized and quantized a few rows at a
+    time (every scheme quantizes rows independently, so the result is the same as quantizing
+    the whole float32 matrix). In memory at once: the quantized result, one 16 MiB slab of the
+    stored bytes and one chunk's float32 values with the quantizer's temporaries (up to ~6x the
+    chunk) -- not the whole float32 matrix and its temporaries, which for DeepSeek-V3's
+    embeddings made the peak ~22 GB. Small chunks also keep the temporaries in cache (2-4x
+    faster than whole matrices here)."""
+    rows, cols = f.tensors[name].shape
+    out: dict[str, np.ndarray] = {}
+    for r, chunk in reader.row_chunks(f, name, _CHUNK_ELEMENTS):
+        t = quantize(chunk, scheme)
+        for part, a in t.parts().items():
+            if part not in out:
+                out[part] = np.empty((rows, *a.shape[1:]), dtype=a.dtype)
+            out[part][r : r + a.shape[0]] = a
+    if not out:  # a matrix without rows
+        return quantize(np.zeros((rows, cols), np.float32), scheme)
+    return QTensor(scheme, (rows, cols), out["q"], out.get("scales"), out.get("mins"))
 
 
 def _tokenizer_files(src: Path) -> dict[str, str]:

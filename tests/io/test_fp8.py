@@ -1,6 +1,7 @@
 """FP8 checkpoints (float8_e4m3fn weights + 128x128 `weight_scale_inv`, as DeepSeek-V3 / Kimi-K2 /
-GLM ship them): dequantization equals the reference block dequantization bit for bit, `convert`
-goes from FP8 straight to the container, and its peak RSS stays below two shards' size."""
+GLM ship them): dequantization equals the reference block dequantization bit for bit (whole or
+in row chunks), `convert` goes from FP8 straight to the container, its peak RSS stays below two
+shards' size, and tools/synthetic_fp8.py's DeepSeek-V3-shaped checkpoint converts and decodes."""
 import json
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from colibri.kernels.quant import dequantize, quantize
 BLOCK = 128
 FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]}
 MiB = 1 << 20
+EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
 def random_fp8(rng, shape) -> torch.Tensor:
@@ -63,6 +65,37 @@ def test_block_dequantization_matches_reference(shape):
     scales = torch.from_numpy(rng.uniform(1e-4, 1e-2, size=blocks).astype(np.float32))
     got = dequantize_fp8(w.view(torch.uint8).numpy(), scales.numpy(), (BLOCK, BLOCK))
     np.testing.assert_array_equal(got, reference_dequant(w, scales))
+
+
+def test_row_chunks_equal_whole_tensor(tmp_path):
+    """Slabs and row chunks that cross each other and the 128-row scale blocks give the values
+    of the whole-tensor path, and convert's chunked quantization equals quantizing it whole."""
+    from colibri.io import convert as conv
+    from colibri.io.fp8 import CheckpointReader
+    from colibri.io.safetensors_io import SafetensorsFile
+
+    rng = np.random.default_rng(7)
+    tensors = {"a.weight": random_fp8(rng, (300, 200)),
+               "a.weight_scale_inv": torch.from_numpy(rng.uniform(1e-3, 1e-2, size=(3, 2)).astype(np.float32)),
+               "d.weight": random_fp8(rng, (130, 256)),
+               "d.weight_scale_inv": torch.from_numpy(rng.uniform(1e-3, 1e-2, size=(2, 2)).astype(np.float32)),
+               "b.weight": torch.randn(37, 64).to(torch.bfloat16), "c.weight": torch.randn(5, 70)}
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    f = SafetensorsFile(tmp_path / "m.safetensors")
+    reader = CheckpointReader([f], (BLOCK, BLOCK))
+    for name in ("a.weight", "d.weight", "b.weight", "c.weight"):
+        whole = reader.float32(f, name)
+        for max_elements, slab_bytes in ((1, 1), (450, 3000), (1000, 1 << 20), (1 << 16, 16 << 20)):
+            chunks = list(reader.row_chunks(f, name, max_elements, slab_bytes))
+            assert [r for r, _ in chunks] == list(np.cumsum([0] + [len(c) for _, c in chunks[:-1]]))
+            np.testing.assert_array_equal(np.concatenate([c for _, c in chunks]), whole, err_msg=name)
+        for scheme in ("int4_g64", "q8_0", "f32"):
+            if whole.shape[1] % {"int4_g64": 64, "q8_0": 32, "f32": 1}[scheme]:
+                continue
+            got, want = conv._quantized(reader, f, name, scheme), quantize(whole, scheme)
+            assert got.scheme == want.scheme and got.shape == want.shape
+            for part, a in want.parts().items():
+                np.testing.assert_array_equal(got.parts()[part], a, err_msg=f"{name} {scheme} {part}")
 
 
 def tiny_fp8_checkpoint(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray]]:
@@ -226,3 +259,65 @@ def test_fp8_conversion_peak_rss_below_two_shards(tmp_path):
     c = Container(tmp_path / "c")
     assert c.manifest["tensors"]["model.layers.1.self_attn.o_proj.weight"]["scheme"] == "int4_g64"
     assert len(c.expert_layouts) == 3
+
+
+# ------------------------------------------------------------------ tools/synthetic_fp8.py
+
+def test_synthetic_deepseek_v3_fp8_checkpoint_converts_and_decodes(tmp_path):
+    """tools/synthetic_fp8.py at reduced width (DeepSeek-V3 names, dtypes and block scales; one
+    scale in another shard than its weight, an expert straddling two shards) converts, decodes,
+    and every FP8 weight lands in the container as fp8 * scale_inv within int4 rounding."""
+    from colibri import Engine
+    from colibri.io.safetensors_io import SafetensorsFile
+
+    src = tmp_path / "fp8"
+    r = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[2] / "tools" / "synthetic_fp8.py"),
+                        str(src), "--layers", "2", "--experts", "4", "--width-divisor", "16", "--vocab", "1024",
+                        "--shard-mb", "1", "--no-tokenizer"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stderr.count(" written (") == 2  # a progress line per layer
+    cfg = json.loads((src / "config.json").read_text())
+    assert cfg["quantization_config"]["weight_block_size"] == [BLOCK, BLOCK] and cfg["num_hidden_layers"] == 2
+    assert cfg["first_k_dense_replace"] == 1 and cfg["n_routed_experts"] == 4
+    where = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    shards = {p.name: SafetensorsFile(p) for p in src.glob("*.safetensors")}
+    assert len(shards) > 2 and set(where.values()) == set(shards)
+    assert all(n in shards[s].tensors for n, s in where.items())
+    o_proj = "model.layers.0.self_attn.o_proj.weight"
+    assert where[o_proj] != where[o_proj + "_scale_inv"]
+    assert any(len({where[f"model.layers.1.mlp.experts.{e}.{p}.weight"] for p in EXPERT_PROJS}) > 1 for e in range(4))
+    dtypes = {n: shards[s].tensors[n].dtype for n, s in where.items()}
+    assert dtypes["model.embed_tokens.weight"] == dtypes["model.layers.1.mlp.gate.weight"] == "BF16"
+    assert dtypes["model.layers.1.mlp.gate.e_score_correction_bias"] == "F32"
+    fp8_names = [n for n, d in dtypes.items() if d == "F8_E4M3"]
+    assert len(fp8_names) == 2 * 5 + 3 + (4 + 1) * 3 and all(dtypes[n + "_scale_inv"] == "F32" for n in fp8_names)
+
+    c = Container(convert(src, tmp_path / "c", bits=4, progress=False))
+    layout = c.expert_layouts["model.layers.1.mlp"]
+    experts = [layout.unpack(np.array(c.expert_file("model.layers.1.mlp").raw(f"model.layers.1.mlp.experts.{e}")))
+               for e in range(4)]
+    assert len({experts[e]["up_proj"].q.tobytes() for e in range(4)}) == 4  # every expert distinct
+    for name in fp8_names:
+        raw = shards[where[name]].raw(name)
+        assert not np.isnan(E4M3FN[raw]).any()
+        scale = shards[where[name + "_scale_inv"]].raw(name + "_scale_inv")
+        rows, cols = raw.shape
+        ref = E4M3FN[raw] * np.repeat(np.repeat(scale, BLOCK, 0), BLOCK, 1)[:rows, :cols]
+        if ".experts." in name:
+            e, proj = name.split(".experts.")[1].split(".")[:2]
+            t = experts[int(e)][proj]
+        else:
+            t = c.tensor(name)
+        got = dequantize(t)
+        if t.scheme == "f32":
+            np.testing.assert_array_equal(got, ref, err_msg=name)
+            continue
+        assert t.scheme == "int4_g64", name
+        groups = ref.reshape(ref.shape[0], -1, 64)
+        half_step = np.abs(groups).max(axis=2, keepdims=True) / 14  # int4 g64: |error| <= amax / 7 / 2
+        err = np.abs(got.reshape(groups.shape) - groups)
+        assert (err <= half_step * (1 + 1e-5) + 1e-12).all(), name
+
+    engine = Engine.load(c.dir)
+    out = engine.generate([1, 2, 3, 4], max_tokens=8, stop_at_eos=False).token_ids
+    assert len(out) == 8 and all(0 <= t < 1024 for t in out)
