@@ -104,18 +104,21 @@ def routed_experts(x, memory, layout, slots, weights, half, cshift, nthreads):
     for k in range(K):
         _silu_gate(g[k], u[k], act[k])
         acts[k] = _group_sums(act[k], 2 * half)
-    # Down rows: each output row adds its experts' contributions in order, as run_experts does
-    # (a product, then a sum: this function is compiled without fastmath, so no FMA).
+    # Down rows: each thread owns a run of output rows and adds the experts' contributions to
+    # them one expert after another, in order, as run_experts does (a product, then a sum: this
+    # function is compiled without fastmath, so no FMA). Expert-major order streams each
+    # expert's rows front to back, which the row kernel's prefetch of the next block covers.
     out = np.zeros(D, np.float32)
     nblk = D // 8
     per = (nblk + nthreads - 1) // nthreads
     for t in prange(nthreads):
         d = np.empty(8, np.float32)
-        for blk in range(t * per, min(nblk, (t + 1) * per)):
-            r = 8 * blk
-            for k in range(K):
-                dq, ds = _weight(memory, slots[k], layout, 2, half)
+        for k in range(K):
+            dq, ds = _weight(memory, slots[k], layout, 2, half)
+            w = weights[k]
+            for blk in range(t * per, min(nblk, (t + 1) * per)):
+                r = 8 * blk
                 _int4_rows8(dq, ds, ds, coef, half, cshift, act[k], acts[k], r, d)
                 for j in range(8):
-                    out[r + j] += d[j] * weights[k]
+                    out[r + j] += d[j] * w
     return out

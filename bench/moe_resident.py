@@ -1,0 +1,154 @@
+"""Resident MoE decode at real shapes: every expert in RAM, colibri (fused routed-experts kernel,
+and the per-expert path it replaced) against llama.cpp on the GGUF twin of the same model
+(tools/gguf_synthetic.py: the same weights), with the memory-bandwidth roof beside each figure.
+
+Each engine runs in its own process, one after the other, interleaved over repeats (A B C A B
+C). Decode is measured on a fixed forced token sequence fed one token at a time (BENCHMARKS.md
+point 7), after one untimed pass over it (warm caches, compiled kernels). The roof is the
+bytes a token must read (the dense weights it touches plus top-k experts per MoE layer) over
+the measured read bandwidth (bench/membw.py).
+
+    python tools/synthetic_moe.py /work/models/qwen3-30b-a3b --preset qwen3-30b-a3b \
+        --gguf /work/models/qwen3-30b-a3b.gguf
+    python bench/moe_resident.py --model /work/models/qwen3-30b-a3b --gguf /work/models/qwen3-30b-a3b.gguf \
+        --llama-python /work/peer-venv/bin/python
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+
+def token_sequence(n: int) -> list[int]:
+    import numpy as np
+
+    return np.random.default_rng(0).integers(100, 49000, size=n).tolist()
+
+
+def child_colibri(a, fused: bool) -> dict:
+    from colibri import Engine
+    from colibri.bench import layer_kinds
+    from colibri.io.experts import ResidentExperts
+    from colibri.profile import PHASES, breakdown
+
+    if not fused:  # the per-expert path: every layer's experts one SwiGLU call at a time
+        ResidentExperts.stacked = lambda self, prefix, ids: None
+    t0 = time.perf_counter()
+    e = Engine.load(a.model, stream_experts=False, max_context=a.tokens + 8, threads=a.threads)
+    load_s = time.perf_counter() - t0
+    seq = token_sequence(a.tokens)
+    e.reset()
+    e.feed(seq)                       # untimed: compile, fault in
+    e.reset()
+    PHASES.start()
+    times = e.feed(seq)
+    seconds = PHASES.stop()
+    kept, _ = layer_kinds(e)
+    return {"tok_s": len(times) / sum(times), "load_s": load_s,
+            "breakdown": breakdown(seconds, sum(times), len(times), 0.0, kept)}
+
+
+def child_llama(a) -> dict:
+    from llama_cpp import Llama
+
+    t0 = time.perf_counter()
+    llm = Llama(model_path=str(a.gguf), n_ctx=a.tokens + 8, n_threads=a.threads, n_batch=64, verbose=False)
+    load_s = time.perf_counter() - t0
+    seq = token_sequence(a.tokens)
+
+    def run_pass():
+        llm.reset()
+        times = []
+        for tok in seq:
+            t = time.perf_counter()
+            llm.eval([tok])
+            times.append(time.perf_counter() - t)
+        return times
+
+    run_pass()
+    times = run_pass()
+    return {"tok_s": len(times) / sum(times), "load_s": load_s}
+
+
+def active_bytes(model: Path) -> tuple[int, int]:
+    """(bytes one decoded token reads: dense weights except the embedding + top-k experts per
+    MoE layer, of which the experts)."""
+    from colibri.io.container import Container
+
+    c = Container(model)
+    top_k = int(c.config.get("num_experts_per_tok", 8))
+    dense = sum(t.nbytes for n, t in c.dense.tensors.items() if not n.startswith("model.embed_tokens"))
+    experts = sum(l.blob_bytes * top_k for l in c.expert_layouts.values())
+    return dense + experts, experts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--gguf", type=Path)
+    ap.add_argument("--llama-python")
+    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--child", choices=["colibri", "colibri-per-expert", "llama"])
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    if a.child:
+        out = child_llama(a) if a.child == "llama" else child_colibri(a, fused=a.child == "colibri")
+        print(json.dumps(out))
+        return
+    from membw import read_bandwidth
+
+    bw = read_bandwidth(a.threads)
+    per_token, experts = active_bytes(a.model)
+    roof = bw / per_token
+    engines = [("colibri", sys.executable), ("colibri-per-expert", sys.executable)]
+    if a.gguf and a.llama_python:
+        engines.append(("llama", a.llama_python))
+    env = {**os.environ, "NUMBA_NUM_THREADS": str(a.threads), "OMP_NUM_THREADS": str(a.threads)}
+    args = ["--model", str(a.model), "--tokens", str(a.tokens), "--threads", str(a.threads)]
+    if a.gguf:
+        args += ["--gguf", str(a.gguf)]
+    rows: dict[str, list[dict]] = {name: [] for name, _ in engines}
+    for _ in range(a.repeats):
+        for name, py in engines:
+            p = subprocess.run([py, __file__, "--child", name, *args], capture_output=True, text=True, env=env,
+                               timeout=1800)
+            if p.returncode != 0:
+                rows[name].append({"error": (p.stderr.strip().splitlines() or ["?"])[-1]})
+                continue
+            rows[name].append(json.loads(p.stdout.strip().splitlines()[-1]))
+    report = {"model": str(a.model), "threads": a.threads, "read_bandwidth_gbs": bw / 1e9,
+              "bytes_per_token": per_token, "expert_bytes_per_token": experts, "roof_tok_s": roof, "runs": rows}
+    if a.json:
+        print(json.dumps(report, indent=1))
+        return
+    print(f"{a.model.name}: {per_token / 1e9:.2f} GB read per token ({experts / 1e9:.2f} GB of experts); "
+          f"read bandwidth {bw / 1e9:.1f} GB/s on {a.threads} threads -> roof {roof:.2f} tok/s")
+    llama = [r["tok_s"] for r in rows.get("llama", []) if "tok_s" in r]
+    for name, runs in rows.items():
+        ok = [r["tok_s"] for r in runs if "tok_s" in r]
+        if not ok:
+            print(f"{name:20} failed: {runs[0].get('error')}")
+            continue
+        med = statistics.median(ok)
+        vs = f"  {med / statistics.median(llama):.2f}x llama.cpp" if llama and name != "llama" else ""
+        print(f"{name:20} {med:6.2f} tok/s (runs: {', '.join(f'{t:.2f}' for t in ok)})  "
+              f"{100 * med / roof:3.0f}% of roof{vs}")
+        bd = runs[-1].get("breakdown")
+        if bd:
+            print("    per token (ms): " + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in bd["per_token_s"].items()))
+
+
+if __name__ == "__main__":
+    main()
