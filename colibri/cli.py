@@ -203,6 +203,8 @@ def plan(
     machine_spec: Optional[list[str]] = typer.Option(
         None, "--machine-spec", help="One more named machine, repeatable: "
         "NAME:ram_gb=64,disk_gbs=2,cores=8[,mem_gbs=60][,vram_gb=24] (GiB, GB/s; vram_gb once per GPU)."),
+    as_stored: bool = typer.Option(False, "--as-stored", help="Plan a --layers slice as the layers it holds "
+                                   "(what the engine loads), not as the full model."),
     machine: Optional[Path] = typer.Option(None, "--machine", hidden=True, help="Machine description JSON (tests)."),
 ):
     """How to split a model over VRAM, RAM and disk here (or on named machines), and the speed to
@@ -214,7 +216,7 @@ def plan(
 
     named = planner.named_machines(machines, machine_spec)  # a mistake in them fails before any probe
     model = model_dir(model, progress=not json_out, default=True)
-    facts = planner.analyze_model(model)
+    facts = planner.analyze_model(model, project_slice=not as_stored)
     here = planner.read_machine_file(machine) if machine else planner.probe_machine(facts)
     options = {"ram_gb": ram_gb, "vram_gb": vram_gb, "max_context": max_context}
     if named:  # a comparison: a machine the model does not fit is a finding, not an error

@@ -638,6 +638,11 @@ def test_plan_command_slice_says_it_is_projected(tmp_path):
     p = colibri("plan", "-m", tmp_path / "slice", "--machine", here)
     assert p.returncode == 0, p.stderr
     assert "projected from a 3-layer slice" in " ".join(p.stdout.split())
+    stored = colibri("plan", "-m", tmp_path / "slice", "--machine", here, "--as-stored", "--json")
+    assert stored.returncode == 0, stored.stderr
+    full = colibri("plan", "-m", tmp_path / "slice", "--machine", here, "--json")
+    held, whole = json.loads(stored.stdout), json.loads(full.stdout)
+    assert held["model"]["layers"] == 3 and whole["model"]["layers"] == 10
 
 
 @pytest.mark.parametrize("args, message", [
