@@ -15,6 +15,7 @@ import copy
 from dataclasses import dataclass
 
 from colibri.errors import ColibriError
+from colibri.plan import shapes
 
 _QWEN3_TOKENS = {"bos_token_id": 151643, "eos_token_id": 151645}
 _YARN_DEEPSEEK = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
@@ -105,119 +106,67 @@ def preset_config(name: str) -> dict:
 
 
 # ----------------------------------------------------------------------------- structure
+# The tensor list comes from colibri/plan/shapes.py (what `colibri plan` sizes a config by), so
+# the generator and the planner cannot disagree, and tests/test_synthetic.py's comparison with
+# transformers' models checks both.
 
 def family(cfg: dict) -> str:
     return {"kimi_k2": "deepseek_v3"}.get(cfg["model_type"], cfg["model_type"])
 
 
-def num_experts(cfg: dict) -> int:
-    return cfg.get("n_routed_experts") or cfg.get("num_experts") or 0
-
-
-def expert_width(cfg: dict) -> int:
-    """Intermediate size of one routed expert."""
-    return cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+num_experts = shapes.num_experts
+expert_width = shapes.expert_width
 
 
 def is_moe_layer(cfg: dict, layer: int) -> bool:
     """Which decoder layers route (the same rule colibri's families apply)."""
-    fam = family(cfg)
-    if fam in ("olmoe", "mixtral"):
-        return True
-    if fam == "qwen3_moe":
-        step = cfg.get("decoder_sparse_step", 1)
-        return (layer + 1) % step == 0 and layer not in cfg.get("mlp_only_layers", [])
-    types = cfg.get("mlp_layer_types")
-    if types:
-        return types[layer] == "sparse"
-    return layer >= (cfg.get("first_k_dense_replace") or 0)
+    return shapes.mlp_kinds(cfg, layer + 1)[layer] == "moe"
 
 
 def moe_layers(cfg: dict) -> list[int]:
-    return [i for i in range(cfg["num_hidden_layers"]) if is_moe_layer(cfg, i)]
+    kinds = shapes.mlp_kinds(cfg, cfg["num_hidden_layers"])
+    return [i for i, k in enumerate(kinds) if k == "moe"]
 
 
 @dataclass(frozen=True)
 class Spec:
-    """One tensor of the container: `kind` says how to fill it (see synthetic_moe.fill)."""
+    """One tensor of the container: `kind` says how to fill it (see synthetic_moe.dense_tensor)."""
 
     name: str
     shape: tuple[int, ...]
     kind: str  # "matrix" | "embedding" | "norm" | "bias" | "router" | "router_bias" | "layer_norm_bias"
 
 
-def _gqa(cfg: dict, p: str) -> list[Spec]:
-    D, H, KV = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    Dh = cfg.get("head_dim") or D // H
-    out = [Spec(f"{p}.q_proj.weight", (H * Dh, D), "matrix"), Spec(f"{p}.k_proj.weight", (KV * Dh, D), "matrix"),
-           Spec(f"{p}.v_proj.weight", (KV * Dh, D), "matrix"), Spec(f"{p}.o_proj.weight", (D, H * Dh), "matrix")]
-    fam = family(cfg)
-    if fam == "olmoe":  # q/k RMSNorm over all heads
-        out += [Spec(f"{p}.q_norm.weight", (H * Dh,), "norm"), Spec(f"{p}.k_norm.weight", (KV * Dh,), "norm")]
-    elif fam == "qwen3_moe" or (fam == "glm4_moe" and cfg.get("use_qk_norm")):  # per head
-        out += [Spec(f"{p}.q_norm.weight", (Dh,), "norm"), Spec(f"{p}.k_norm.weight", (Dh,), "norm")]
-    if cfg.get("attention_bias"):
-        out += [Spec(f"{p}.{n}_proj.bias", (r,), "bias") for n, r in (("q", H * Dh), ("k", KV * Dh), ("v", KV * Dh))]
-    return out
+def _kind(name: str, shape: tuple[int, ...]) -> str:
+    if name == "model.embed_tokens.weight":
+        return "embedding"
+    if name.endswith(".mlp.gate.weight"):
+        return "router"
+    if name.endswith(".gate.e_score_correction_bias"):
+        return "router_bias"
+    if name.endswith(".k_norm.bias"):
+        return "layer_norm_bias"
+    if name.endswith(".bias"):
+        return "bias"
+    return "norm" if len(shape) == 1 else "matrix"
 
 
-def _mla(cfg: dict, p: str, indexer: bool) -> list[Spec]:
-    D, H = cfg["hidden_size"], cfg["num_attention_heads"]
-    qr, r, R = cfg["q_lora_rank"], cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
-    Dn, Dv = cfg["qk_nope_head_dim"], cfg["v_head_dim"]
-    out = [Spec(f"{p}.q_a_proj.weight", (qr, D), "matrix"), Spec(f"{p}.q_a_layernorm.weight", (qr,), "norm"),
-           Spec(f"{p}.q_b_proj.weight", (H * (Dn + R), qr), "matrix"),
-           Spec(f"{p}.kv_a_proj_with_mqa.weight", (r + R, D), "matrix"),
-           Spec(f"{p}.kv_a_layernorm.weight", (r,), "norm"),
-           Spec(f"{p}.kv_b_proj.weight", (H * (Dn + Dv), r), "matrix"),
-           Spec(f"{p}.o_proj.weight", (D, H * Dv), "matrix")]
-    if indexer:
-        Hi, Di = cfg["index_n_heads"], cfg["index_head_dim"]
-        i = f"{p}.indexer"
-        out += [Spec(f"{i}.wq_b.weight", (Hi * Di, qr), "matrix"), Spec(f"{i}.wk.weight", (Di, D), "matrix"),
-                Spec(f"{i}.k_norm.weight", (Di,), "norm"), Spec(f"{i}.k_norm.bias", (Di,), "layer_norm_bias"),
-                Spec(f"{i}.weights_proj.weight", (Hi, D), "matrix")]
-    return out
-
-
-def _mlp(p: str, D: int, I: int) -> list[Spec]:
-    return [Spec(f"{p}.gate_proj.weight", (I, D), "matrix"), Spec(f"{p}.up_proj.weight", (I, D), "matrix"),
-            Spec(f"{p}.down_proj.weight", (D, I), "matrix")]
+def _specs(tensors) -> list[Spec]:
+    return [Spec(name, tuple(shape), _kind(name, shape)) for name, shape in tensors]
 
 
 def layer_specs(cfg: dict, i: int) -> list[Spec]:
     """The dense (resident) tensors of decoder layer i; routed experts come from expert_shapes."""
-    D = cfg["hidden_size"]
-    p = f"model.layers.{i}"
-    fam = family(cfg)
-    if fam in ("deepseek_v3", "glm_moe_dsa"):
-        attn = _mla(cfg, f"{p}.self_attn", indexer=fam == "glm_moe_dsa")
-    else:
-        attn = _gqa(cfg, f"{p}.self_attn")
-    out = attn + [Spec(f"{p}.input_layernorm.weight", (D,), "norm"),
-                  Spec(f"{p}.post_attention_layernorm.weight", (D,), "norm")]
-    if not is_moe_layer(cfg, i):
-        return out + _mlp(f"{p}.mlp", D, cfg["intermediate_size"])
-    E = num_experts(cfg)
-    out.append(Spec(f"{p}.mlp.gate.weight", (E, D), "router"))
-    if fam in ("deepseek_v3", "glm_moe_dsa", "glm4_moe"):
-        out.append(Spec(f"{p}.mlp.gate.e_score_correction_bias", (E,), "router_bias"))
-        shared = cfg.get("n_shared_experts") or 0
-        if shared:
-            out += _mlp(f"{p}.mlp.shared_experts", D, expert_width(cfg) * shared)
-    return out
+    return _specs(shapes.layer_tensors(cfg, i, "moe" if is_moe_layer(cfg, i) else "dense"))
 
 
 def expert_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
-    D, I = cfg["hidden_size"], expert_width(cfg)
-    return {"gate_proj": (I, D), "up_proj": (I, D), "down_proj": (D, I)}
+    return {name.split(".")[-2]: tuple(shape) for name, shape in shapes.expert_tensors(cfg, "x")}
 
 
 def model_specs(cfg: dict) -> list[Spec]:
     """Embedding, final norm and lm_head (the per-layer tensors come from layer_specs)."""
-    V, D = cfg["vocab_size"], cfg["hidden_size"]
-    return [Spec("model.embed_tokens.weight", (V, D), "embedding"), Spec("model.norm.weight", (D,), "norm"),
-            Spec("lm_head.weight", (V, D), "matrix")]
+    return _specs(shapes.outside_layers(cfg))
 
 
 # ----------------------------------------------------------------------------- slices and scale
