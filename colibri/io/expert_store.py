@@ -187,8 +187,12 @@ class ExpertStore:
         if key in self._fds or key in self._maps:
             return
         if self.config.io == "mmap":
+            # A private (copy-on-write) mapping, never written: its arrays are writable, so the
+            # kernels get the same numba types as with experts in RAM. Read-only arrays compile
+            # separate specializations, and numba's dispatcher may serve a later writable call
+            # from one of them: the last bits then depended on which ran first in the process.
             with open(path, "rb") as f:
-                self._maps[key] = np.frombuffer(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ), dtype=np.uint8)
+                self._maps[key] = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), dtype=np.uint8)
             return
         flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if self.config.io == "direct" else 0)
         try:
