@@ -17,10 +17,10 @@ from numba import get_num_threads
 
 from colibri.errors import ColibriError
 from colibri.kernels import decode, embedding, matmul, matvec, ops
-from colibri.profile import PHASES, clock
 from colibri.kernels.attention import causal_attention
 from colibri.kernels.cpu import int4_weight
 from colibri.kernels.quant import QTensor
+from colibri.profile import PHASES, clock
 
 # ----------------------------------------------------------------------------- config
 
