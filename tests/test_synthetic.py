@@ -274,3 +274,36 @@ def test_gguf_twin_blocks_hold_the_same_weights():
     q8 = synthetic_moe.random_q8(rng, 8, 128)
     theirs8 = gguf.quants.dequantize(gguf_synthetic.q8_0_blocks(q8), gguf.GGMLQuantizationType.Q8_0)
     np.testing.assert_array_equal(theirs8.reshape(8, 128), dequantize(q8))
+
+
+def test_gguf_twin_file_holds_the_containers_weights(tmp_path):
+    """A Qwen3-MoE slice written as its GGUF twin: every tensor there, experts stacked per layer,
+    each weight equal to the container's; a vocabulary smaller than the tokenizer is refused."""
+    import gguf
+    import gguf_synthetic
+
+    from colibri.io.container import Container
+    from colibri.kernels.quant import dequantize
+
+    model = synthetic_moe.write_container(tmp_path / "m", "qwen3-30b-a3b", progress=False, layers=1,
+                                          width_divisor=16, vocab=49152)
+    out = gguf_synthetic.write_gguf(tmp_path / "m.gguf", model)
+    r = gguf.GGUFReader(str(out))
+    tensors = {t.name: t for t in r.tensors}
+    c = Container(model)
+    assert len(tensors) == 3 + 12 and str(r.fields["general.architecture"].contents()) == "qwen3moe"
+    q = tensors["blk.0.attn_q.weight"]
+    want = dequantize(c.tensor("model.layers.0.self_attn.q_proj.weight"))
+    np.testing.assert_array_equal(gguf.quants.dequantize(q.data, q.tensor_type).reshape(want.shape), want)
+    gate = tensors["blk.0.ffn_gate_exps.weight"]
+    layout = c.expert_layouts["model.layers.0.mlp"]
+    stacked = gguf.quants.dequantize(gate.data, gate.tensor_type)
+    assert stacked.shape[0] == layout.num_experts
+    _, off, n = c.expert_range("model.layers.0.mlp", 3)
+    blob = np.fromfile(c.expert_file("model.layers.0.mlp").path, np.uint8, count=n, offset=off)
+    np.testing.assert_array_equal(stacked[3], dequantize(layout.unpack(blob)["gate_proj"]))
+    small = synthetic_moe.write_container(tmp_path / "s", "qwen3-30b-a3b", progress=False, layers=1,
+                                          width_divisor=16, vocab=512)
+    with pytest.raises(ColibriError, match="smaller than SmolLM2's tokenizer"):
+        gguf_synthetic.write_gguf(tmp_path / "s.gguf", small)
+    assert not (tmp_path / "s.gguf").exists()

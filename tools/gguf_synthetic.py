@@ -25,6 +25,7 @@ from colibri.io.container import Container  # noqa: E402
 from colibri.kernels.quant import QTensor  # noqa: E402
 
 ARCH = {"olmoe": "olmoe", "qwen3_moe": "qwen3moe"}
+TOKENIZER_VOCAB = 49152  # SmolLM2's, which the twin carries
 _ATTN = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
          "q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}
 _EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
@@ -116,6 +117,10 @@ def write_gguf(path: Path, container_dir: Path) -> Path:
     path = Path(path)
     if path.exists():
         raise ColibriError(f"{path} already exists; choose a new file")
+    if cfg["vocab_size"] < TOKENIZER_VOCAB:
+        raise ColibriError(f"the model's vocabulary ({cfg['vocab_size']}) is smaller than SmolLM2's tokenizer "
+                           f"({TOKENIZER_VOCAB} tokens): llama.cpp needs one embedding row per token; write the "
+                           "model with --vocab 49152 or more")
     D, H = cfg["hidden_size"], cfg["num_attention_heads"]
     Dh = cfg.get("head_dim") or D // H
     I = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
@@ -211,6 +216,10 @@ def _copy_tokenizer(w, vocab: int) -> None:
             else:
                 value = [field.parts[i].tolist()[0] for i in field.data]
             if key == "tokenizer.ggml.tokens":
+                if vocab < len(value):
+                    raise ColibriError(f"the model's vocabulary ({vocab}) is smaller than the tokenizer's "
+                                       f"{len(value)} tokens: llama.cpp needs one embedding row per token; "
+                                       "write the model with --vocab 49152 or more")
                 value += [f"<colibri_unused_{i}>" for i in range(len(value), vocab)]
             elif key == "tokenizer.ggml.token_type":
                 value += [int(gguf.TokenType.UNUSED)] * (vocab - len(value))
