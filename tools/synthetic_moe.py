@@ -284,11 +284,6 @@ def smollm2_tokenizer_files() -> dict[str, str]:
             "tokenizer_config.json": json.dumps(ckpt.tokenizer_config)}
 
 
-def config_for(preset: str) -> dict:
-    """The preset's config as written (all layers, default skew)."""
-    return build_config(preset)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
