@@ -17,10 +17,7 @@ from colibri.io.container import Container
 GiB = 1 << 30
 
 
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    """Routing history goes to the user's cache directory: keep each test's apart."""
-    monkeypatch.setenv("COLIBRI_HOME", str(tmp_path / "home"))
+pytestmark = pytest.mark.usefixtures("private_cache")  # tests/io/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -21,10 +21,7 @@ LAYER = "model.layers.1.mlp"
 PROMPT = np.random.default_rng(7).integers(0, 49152, size=12).tolist()
 
 
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    """Routing history goes to the user's cache directory: keep each test's apart."""
-    monkeypatch.setenv("COLIBRI_HOME", str(tmp_path / "home"))
+pytestmark = pytest.mark.usefixtures("private_cache")  # tests/io/conftest.py
 
 
 @pytest.fixture(scope="module")
