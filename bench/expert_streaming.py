@@ -112,17 +112,18 @@ def child_llama(a, repack: bool) -> dict:
     llm = Llama(model_path=str(a.gguf), n_ctx=a.tokens + 16, n_threads=a.threads, n_batch=64,
                 use_mmap=True, verbose=False)
     seq = token_sequence(a.tokens, a.seq_seed)
+    return _passes(lambda: llama_forced_pass(llm, seq))
 
-    def run_pass():
-        llm.reset()
-        times = []
-        for tok in seq:
-            t = time.perf_counter()
-            llm.eval([tok])
-            times.append(time.perf_counter() - t)
-        return times
 
-    return _passes(run_pass)
+def llama_forced_pass(llm, seq: list[int]) -> list[float]:
+    """llama.cpp fed `seq` one token at a time from an empty context: seconds per token."""
+    llm.reset()
+    times = []
+    for tok in seq:
+        t = time.perf_counter()
+        llm.eval([tok])
+        times.append(time.perf_counter() - t)
+    return times
 
 
 # ----------------------------------------------------------------------------- parent

@@ -59,24 +59,15 @@ def child_colibri(a, fused: bool) -> dict:
 
 
 def child_llama(a) -> dict:
+    from expert_streaming import llama_forced_pass
     from llama_cpp import Llama
 
     t0 = time.perf_counter()
     llm = Llama(model_path=str(a.gguf), n_ctx=a.tokens + 8, n_threads=a.threads, n_batch=64, verbose=False)
     load_s = time.perf_counter() - t0
     seq = token_sequence(a.tokens)
-
-    def run_pass():
-        llm.reset()
-        times = []
-        for tok in seq:
-            t = time.perf_counter()
-            llm.eval([tok])
-            times.append(time.perf_counter() - t)
-        return times
-
-    run_pass()
-    times = run_pass()
+    llama_forced_pass(llm, seq)                # untimed, as for colibri
+    times = llama_forced_pass(llm, seq)
     return {"tok_s": len(times) / sum(times), "load_s": load_s}
 
 

@@ -203,20 +203,30 @@ def test_slow_disk_and_ram_gb_warnings():
     assert capped["engine_options"]["ram_gb"] == pytest.approx(2, abs=0.01)
 
 
-def test_hf_checkpoint_is_estimated_for_conversion(tmp_path):
+def _mixtral_checkpoint(d, hidden: int, inter: int, experts: int, head: bool, config: dict) -> None:
+    """A one-layer Mixtral-named float32 checkpoint in d (head: also lm_head, the final norm and
+    a q_proj, so `colibri convert` has a model to write)."""
     rng = np.random.default_rng(0)
-    hidden, inter, experts = 64, 128, 4
-    tensors = [("model.embed_tokens.weight", rng.random((256, hidden), dtype=np.float32)),
-               ("model.layers.0.block_sparse_moe.gate.weight", rng.random((experts, hidden), dtype=np.float32)),
-               ("model.layers.0.input_layernorm.weight", np.ones(hidden, np.float32))]
+    tensors = [("model.embed_tokens.weight", rng.random((256, hidden), dtype=np.float32))]
+    if head:
+        tensors += [("lm_head.weight", rng.random((256, hidden), dtype=np.float32)),
+                    ("model.norm.weight", np.ones(hidden, np.float32)),
+                    ("model.layers.0.self_attn.q_proj.weight", rng.random((hidden, hidden), dtype=np.float32))]
+    tensors += [("model.layers.0.block_sparse_moe.gate.weight", rng.random((experts, hidden), dtype=np.float32)),
+                ("model.layers.0.input_layernorm.weight", np.ones(hidden, np.float32))]
     for e in range(experts):
         for name, shape in (("w1", (inter, hidden)), ("w3", (inter, hidden)), ("w2", (hidden, inter))):
             tensors.append((f"model.layers.0.block_sparse_moe.experts.{e}.{name}.weight",
                             rng.random(shape, dtype=np.float32)))
-    write_safetensors(tmp_path / "model.safetensors", tensors)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mixtral", "num_hidden_layers": 1,
-                                                      "num_experts_per_tok": 2, "hidden_size": hidden,
-                                                      "num_attention_heads": 4}))
+    write_safetensors(d / "model.safetensors", tensors)
+    (d / "config.json").write_text(json.dumps(config))
+
+
+def test_hf_checkpoint_is_estimated_for_conversion(tmp_path):
+    hidden, inter, experts = 64, 128, 4
+    _mixtral_checkpoint(tmp_path, hidden, inter, experts, head=False,
+                        config={"model_type": "mixtral", "num_hidden_layers": 1, "num_experts_per_tok": 2,
+                                "hidden_size": hidden, "num_attention_heads": 4})
     facts = analyze_model(tmp_path)
     assert facts.kind == "hf" and facts.expert_count == experts and facts.top_k == 2
     assert facts.expert_layers[0].expert_bytes == 4096 * -(-(3 * inter * hidden * 9 // 16) // 4096)
@@ -496,25 +506,13 @@ def test_hf_estimate_matches_the_converted_container(tmp_path):
     is what `colibri convert --bits 4` writes."""
     from colibri.io.convert import convert
 
-    rng = np.random.default_rng(0)
     hidden, inter, experts = 64, 128, 4
-    tensors = [("model.embed_tokens.weight", rng.random((256, hidden), dtype=np.float32)),
-               ("lm_head.weight", rng.random((256, hidden), dtype=np.float32)),
-               ("model.norm.weight", np.ones(hidden, np.float32)),
-               ("model.layers.0.self_attn.q_proj.weight", rng.random((hidden, hidden), dtype=np.float32)),
-               ("model.layers.0.block_sparse_moe.gate.weight", rng.random((experts, hidden), dtype=np.float32)),
-               ("model.layers.0.input_layernorm.weight", np.ones(hidden, np.float32))]
-    for e in range(experts):
-        for name, shape in (("w1", (inter, hidden)), ("w3", (inter, hidden)), ("w2", (hidden, inter))):
-            tensors.append((f"model.layers.0.block_sparse_moe.experts.{e}.{name}.weight",
-                            rng.random(shape, dtype=np.float32)))
     hf = tmp_path / "hf"
     hf.mkdir()
-    write_safetensors(hf / "model.safetensors", tensors)
-    (hf / "config.json").write_text(json.dumps({"model_type": "mixtral", "num_hidden_layers": 1, "hidden_size": hidden,
-                                                "intermediate_size": inter, "num_attention_heads": 4,
-                                                "vocab_size": 256, "num_local_experts": experts,
-                                                "num_experts_per_tok": 2}))
+    _mixtral_checkpoint(hf, hidden, inter, experts, head=True,
+                        config={"model_type": "mixtral", "num_hidden_layers": 1, "hidden_size": hidden,
+                                "intermediate_size": inter, "num_attention_heads": 4, "vocab_size": 256,
+                                "num_local_experts": experts, "num_experts_per_tok": 2})
     estimated = analyze_model(hf)
     converted = analyze_model(convert(hf, tmp_path / "c", progress=False))
     assert estimated.kind == "hf" and converted.kind == "container"
