@@ -17,27 +17,22 @@ from dataclasses import dataclass
 from colibri.errors import ColibriError
 from colibri.plan import shapes
 
-_QWEN3_TOKENS = {"bos_token_id": 151643, "eos_token_id": 151645}
+# What the Qwen3-MoE sizes share: the architecture fields of their config.json.
+_QWEN3_MOE = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936,
+              "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+              "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6,
+              "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": False,
+              "hidden_act": "silu", "bos_token_id": 151643, "eos_token_id": 151645}
 _YARN_DEEPSEEK = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
                   "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
                   "mscale": 1.0, "mscale_all_dim": 1.0}
 
 # Real models: config.json fields as published (Hugging Face hub), MTP layers left out.
 REAL = {
-    "qwen3-30b-a3b": {  # Qwen/Qwen3-30B-A3B
-        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936,
-        "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
-        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
-        "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
-        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
-        "tie_word_embeddings": False, "hidden_act": "silu", **_QWEN3_TOKENS},
-    "qwen3-235b-a22b": {  # Qwen/Qwen3-235B-A22B
-        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936,
-        "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_hidden_layers": 94,
-        "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
-        "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
-        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
-        "tie_word_embeddings": False, "hidden_act": "silu", **_QWEN3_TOKENS},
+    "qwen3-30b-a3b": dict(_QWEN3_MOE, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_hidden_layers=48, num_attention_heads=32),          # Qwen/Qwen3-30B-A3B
+    "qwen3-235b-a22b": dict(_QWEN3_MOE, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+                            num_hidden_layers=94, num_attention_heads=64),        # Qwen/Qwen3-235B-A22B
     "deepseek-v3": {  # deepseek-ai/DeepSeek-V3 (also V3-0324, R1: the same shapes)
         "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 129280,
         "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
