@@ -38,7 +38,7 @@ import numpy as np
 
 from colibri.errors import ColibriError, EngineFault
 from colibri.io.container import Container, ExpertLayout
-from colibri.kernels.moe import StackedExperts
+from colibri.kernels.moe import FusedExperts, StackedExperts
 
 IO_MODES = ("pread", "direct", "mmap")
 _ALIGN = 4096
@@ -137,7 +137,8 @@ class _Layer:
         self.pool = pool
         self.pinned: dict[int, int] = {}                    # expert -> slot, never evicted
         self.counts = np.zeros(layout.num_experts, dtype=np.int64)  # routing heat (this process)
-        # The slot pool seen with this layer's blob layout, for the fused decode kernel.
+        # The fused decode kernel for this layer's blob layout, and the slot pool seen through it.
+        self.fused = FusedExperts.of(layout.projections)
         self.stacked = StackedExperts.view(pool.memory, pool.slot_bytes, len(pool.buffers), layout.projections)
 
     def slot_of(self, e: int) -> int | None:
@@ -295,13 +296,19 @@ class ExpertStore:
         self.stats.hits += len(ids)
         return layer.stacked, np.asarray(slots, dtype=np.int64)
 
-    def iter_experts(self, prefix: str, ids: list[int]):
-        """Yield (expert id, {projection: QTensor}) for each of `ids`: those already in RAM first,
-        then the ones being read, in `ids` order, so the caller computes while reads land. A
-        yielded expert's buffer stays valid until the next one is requested (staging buffers
-        are reused after that)."""
+    def fused(self, prefix: str) -> FusedExperts | None:
+        """The fused decode kernel for this layer's blob format (None: the format needs the
+        step-by-step path)."""
+        return self.layers[prefix].fused
+
+    def iter_experts(self, prefix: str, ids: list[int], blobs: bool = False):
+        """Yield (expert id, {projection: QTensor}) for each of `ids`, or (expert id, its uint8
+        blob) with `blobs`: those already in RAM first, then the ones being read, in `ids`
+        order, so the caller computes while reads land. A yielded expert's buffer stays valid
+        until the next one is requested (staging buffers are reused after that)."""
         layer = self.layers[prefix]
         layout = layer.layout
+        unpack = (lambda blob: blob) if blobs else layout.unpack
         for e in ids:
             layer.counts[e] += 1
         if self.config.io == "mmap":
@@ -310,7 +317,7 @@ class ExpertStore:
             for e in ids:
                 blob = self._mapped(prefix, e, mm)
                 self.stats.hits += 1  # the page cache decides; counted as served
-                yield e, layout.unpack(blob)
+                yield e, unpack(blob)
             return
         pool = self.slots
         protect = {(prefix, e) for e in ids}
@@ -370,7 +377,7 @@ class ExpertStore:
                         raise
                     self.stats.wait_s += time.perf_counter() - t0
                     pool.loading.pop((prefix, e), None)
-                yield e, layout.unpack(buf)
+                yield e, unpack(buf)
                 if i in staged_futs:
                     done_staged += 1
                     # The consumer is done with this staging buffer: reuse it for the next miss.

@@ -19,13 +19,14 @@ import numpy as np
 from colibri.errors import ColibriError, EngineFault
 from colibri.io.container import Container
 from colibri.io.expert_store import arena
-from colibri.kernels.moe import StackedExperts
+from colibri.kernels.moe import FusedExperts, StackedExperts
 
 
 class ResidentExperts:
     def __init__(self, container: Container, verify: bool = True):
         self.layers: dict[str, list] = {}
         self._stacked: dict[str, StackedExperts | None] = {}
+        self._blobs: dict[str, np.ndarray] = {}
         self.bytes_resident = 0
         for prefix, layout in container.expert_layouts.items():
             store = arena(layout.num_experts * layout.blob_bytes).reshape(layout.num_experts, layout.blob_bytes)
@@ -43,17 +44,25 @@ class ResidentExperts:
             finally:
                 os.close(fd)
             self.layers[prefix] = [layout.unpack(store[e]) for e in range(layout.num_experts)]
+            self._blobs[prefix] = store
             self._stacked[prefix] = StackedExperts.view(store, layout.blob_bytes, layout.num_experts,
                                                         layout.projections)
             self.bytes_resident += store.nbytes
 
-    def iter_experts(self, prefix: str, ids: list[int]):
-        experts = self.layers[prefix]
+    def iter_experts(self, prefix: str, ids: list[int], blobs: bool = False):
+        """Yield (expert id, {projection: QTensor}), or (expert id, its uint8 blob) with `blobs`."""
+        experts = self._blobs[prefix] if blobs else self.layers[prefix]
         for e in ids:
             yield e, experts[e]
 
     def prefetch(self, prefix: str, ids) -> None:
         """Everything is resident: nothing to fetch ahead."""
+
+    def fused(self, prefix: str) -> FusedExperts | None:
+        """The fused decode kernel for this layer's blob format (None: the format needs the
+        step-by-step path)."""
+        view = self._stacked.get(prefix)
+        return None if view is None else view.kernel
 
     def stacked(self, prefix: str, ids: list[int]):
         """(StackedExperts, slot of each id) for the fused decode kernel: every expert is in

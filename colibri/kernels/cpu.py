@@ -348,8 +348,8 @@ def _offset_dot(offs, r, xs):
 @njit(cache=True, fastmath=_FAST)
 def _int4_rows8(q, scales, offs, coef, half, cshift, x, xs, r, d):
     """d[0:8] = rows r..r+7 of the int4 matvec (xs: group sums of x), the next block's rows
-    prefetched. One definition for every caller (the matvec here and the fused MoE kernel in
-    moe.py), so a row's value is the same float32 whichever kernel computes it."""
+    prefetched. Shared by the matvec here and the fused MoE kernel in moe.py; being fastmath
+    code inlined into each, it may round differently in each (see moe.py's docstring)."""
     out = q.shape[0]
     _int4_dot8(q, scales, offs, r, r + 8 if r + 16 <= out else r, x, half, cshift, d)
     for j in range(8):

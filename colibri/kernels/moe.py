@@ -1,6 +1,6 @@
 """All routed experts of one MoE layer for one token in one compiled call (decode).
 
-The step-by-step path (colibri.models.common.run_experts) calls a SwiGLU kernel per expert:
+The step-by-step path (colibri.models.common.swiglu_expert) calls a SwiGLU kernel per expert:
 three parallel matvecs, so a top-8 layer enters 24 parallel regions and 8 Python calls per
 token, ~1150 regions for Qwen3-30B's 48 layers; the regions are short (a 768x2048 int4
 matrix is ~0.9 MB), so their start-up and the join at each end dominate on small shapes.
@@ -8,13 +8,20 @@ Here the gate and up rows of all K experts are one work list split over the thre
 the down rows of the output are split over the threads with each row summing its K experts:
 two parallel regions per layer.
 
-The experts are addressed in place: `StackedExperts` holds a block of expert blobs laid out
-at a fixed stride (ResidentExperts' per-layer array, the ExpertStore's slot pool) and the
-offsets of each array inside a blob, so nothing is copied. Each row is computed by the same function
-as the matvec kernel (cpu._int4_rows8), and the experts' contributions are added in the same
-order (ascending expert id) with the same float32 operations as run_experts, so the result
-equals the step-by-step path bit for bit (tests/kernels/test_moe.py): placement, and this
-kernel, change speed, never tokens.
+The experts are addressed in place: `FusedExperts` knows where each projection's arrays sit
+inside one layer's expert blob, and runs the kernel over a block of blobs laid out at a fixed
+stride (ResidentExperts' per-layer array, the ExpertStore's slot pool: `StackedExperts`) or
+over one blob anywhere (a staging buffer, a mapped file), so nothing is copied.
+
+Placement must change speed, never tokens. Every int4 routed expert of a decode step goes
+through this one compiled function, however its blob is held: a row's value depends only on
+its data (rows are computed 8 at a time by the same code whatever the thread split), and the
+experts' contributions are added in ascending expert id with plain float32 adds, so K experts
+in one call equal the same experts one call each, summed in that order, bit for bit
+(tests/kernels/test_moe.py). Two different compiled functions would not do: the row code is
+compiled with fastmath, and LLVM may reassociate or contract it differently in each caller it
+is inlined into; CI once saw 1-ulp differences between this kernel and the matvec kernel on a
+machine where they had agreed before.
 """
 from __future__ import annotations
 
@@ -30,23 +37,24 @@ from .quant import GROUP_SIZE
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
-@dataclass(frozen=True)
-class StackedExperts:
-    """One MoE layer's expert blobs in place: `memory` [slots, stride] uint8 (slot s holds one
-    expert's blob from byte 0) and where each projection's arrays sit inside a blob."""
+_ONE_SLOT = np.zeros(1, np.int64)
 
-    memory: np.ndarray
+
+@dataclass(frozen=True)
+class FusedExperts:
+    """The fused kernel for one MoE layer's blob format: where each projection's arrays sit
+    inside an expert blob."""
+
     layout: np.ndarray   # int64 [3 projections, 4]: q offset, scales offset, rows, cols
     half: int            # bytes per int4 group (group / 2)
     cshift: int
 
     @classmethod
-    def view(cls, memory: np.ndarray, stride: int, slots: int, projections: dict) -> "StackedExperts | None":
-        """`memory` (uint8, `slots` blobs of `stride` bytes each) for a layer whose blob layout
-        is `projections` (ExpertLayout.projections); None unless all three are symmetric int4
-        with one group size (the only format the fused kernel takes)."""
+    def of(cls, projections: dict) -> "FusedExperts | None":
+        """The kernel for a layer whose blob layout is `projections` (ExpertLayout.projections);
+        None unless all three are symmetric int4 with one group size (the only format it takes)."""
         schemes = {projections[p]["scheme"] for p in PROJECTIONS}
-        if len(schemes) != 1 or not schemes <= {"int4_g64", "q4_0"} or slots == 0:
+        if len(schemes) != 1 or not schemes <= {"int4_g64", "q4_0"}:
             return None
         if any("mins" in projections[p]["parts"] or projections[p]["shape"][0] % 8 for p in PROJECTIONS):
             return None  # (every row count is a multiple of 32 for int4 experts: their rows are
@@ -54,12 +62,43 @@ class StackedExperts:
         layout = np.array([[projections[p]["parts"]["q"][0], projections[p]["parts"]["scales"][0],
                             *projections[p]["shape"]] for p in PROJECTIONS], dtype=np.int64)
         half = GROUP_SIZE[schemes.pop()] // 2
-        return cls(memory.reshape(-1)[: slots * stride].reshape(slots, stride), layout, half, _chunk_shift(half))
+        return cls(layout, half, _chunk_shift(half))
+
+    def __call__(self, x: np.ndarray, memory: np.ndarray, slots: np.ndarray, weights: np.ndarray,
+                 nthreads: int) -> np.ndarray:
+        """sum_k weights[k] * expert_{slots[k]}(x) for one token x [D] float32, the experts'
+        blobs in `memory` [n, stride] uint8; `slots` in ascending expert-id order (the order
+        contributions are added in)."""
+        return routed_experts(x, memory, self.layout, slots, weights, self.half, self.cshift, nthreads)
+
+    def one(self, x: np.ndarray, blob: np.ndarray, weight: float, nthreads: int) -> np.ndarray:
+        """weight * expert(x) for the expert whose blob (uint8, C-contiguous) is `blob`: the
+        same compiled call, so summing these in expert-id order equals one call over all."""
+        return routed_experts(x, blob.reshape(1, -1), self.layout, _ONE_SLOT,
+                              np.full(1, weight, np.float32), self.half, self.cshift, nthreads)
+
+
+@dataclass(frozen=True)
+class StackedExperts:
+    """One MoE layer's expert blobs in place: `memory` [slots, stride] uint8 (slot s holds one
+    expert's blob from byte 0) and the layer's kernel."""
+
+    memory: np.ndarray
+    kernel: FusedExperts
+
+    @classmethod
+    def view(cls, memory: np.ndarray, stride: int, slots: int, projections: dict) -> "StackedExperts | None":
+        """`memory` (uint8, `slots` blobs of `stride` bytes each) for a layer whose blob layout
+        is `projections`; None when there are no slots or the kernel does not take the format."""
+        kernel = FusedExperts.of(projections)
+        if kernel is None or slots == 0:
+            return None
+        return cls(memory.reshape(-1)[: slots * stride].reshape(slots, stride), kernel)
 
     def __call__(self, x: np.ndarray, slots: np.ndarray, weights: np.ndarray, nthreads: int) -> np.ndarray:
         """sum_k weights[k] * expert_{slots[k]}(x) for one token x [D]; `slots` in ascending
-        expert-id order (the order run_experts adds in)."""
-        return routed_experts(x, self.memory, self.layout, slots, weights, self.half, self.cshift, nthreads)
+        expert-id order."""
+        return self.kernel(x, self.memory, slots, weights, nthreads)
 
 
 @njit(cache=True)
@@ -105,7 +144,7 @@ def routed_experts(x, memory, layout, slots, weights, half, cshift, nthreads):
         _silu_gate(g[k], u[k], act[k])
         acts[k] = _group_sums(act[k], 2 * half)
     # Down rows: each thread owns a run of output rows and adds the experts' contributions to
-    # them one expert after another, in order, as run_experts does (a product, then a sum: this
+    # them one expert after another, in ascending expert id (a product, then a sum: this
     # function is compiled without fastmath, so no FMA). Expert-major order streams each
     # expert's rows front to back, which the row kernel's prefetch of the next block covers.
     out = np.zeros(D, np.float32)

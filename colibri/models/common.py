@@ -392,16 +392,13 @@ def layer_index(prefix: str) -> int:
 def run_experts(x: np.ndarray, weights: np.ndarray, ids: np.ndarray, experts, prefix: str) -> np.ndarray:
     """Sum of routed expert outputs. Tokens are grouped by expert, so in prefill every selected
     expert is fetched once and applied to all its tokens as one matrix x matrix product."""
+    if x.shape[0] == 1:
+        kernel = experts.fused(prefix)
+        if kernel is not None:
+            return _decode_fused(x, weights[0], ids[0], experts, prefix, kernel)
     # Experts arrive in the order the store has them ready (RAM hits first, disk reads as they
     # land), so computing overlaps reading; the contributions are added in expert-id order
     # afterwards, so the sum, and the tokens, do not depend on placement.
-    if x.shape[0] == 1:  # decode with every expert in RAM: one fused call (the same numbers)
-        order = np.argsort(ids[0], kind="stable")
-        ready = experts.stacked(prefix, ids[0][order].tolist())
-        if ready is not None:
-            view, slots = ready
-            w = np.ascontiguousarray(weights[0][order], dtype=np.float32)
-            return view(np.ascontiguousarray(x[0], dtype=np.float32), slots, w, get_num_threads())[None, :]
     parts = {}
     for e, ew in experts.iter_experts(prefix, np.unique(ids).tolist()):
         tok, slot = np.nonzero(ids == e)
@@ -412,6 +409,29 @@ def run_experts(x: np.ndarray, weights: np.ndarray, ids: np.ndarray, experts, pr
         tok, y = parts[e]
         out[tok] += y
     return out
+
+
+def _decode_fused(x, weights, ids, experts, prefix: str, kernel) -> np.ndarray:
+    """One token's routed experts through the fused kernel (colibri/kernels/moe.py): one call
+    when every expert is in RAM in place, else one call per expert as its blob is ready, summed
+    in expert-id order, which equals the single call bit for bit (placement never changes
+    tokens)."""
+    order = np.argsort(ids, kind="stable")
+    ids = ids[order].tolist()
+    w = np.ascontiguousarray(weights[order], dtype=np.float32)
+    xv = np.ascontiguousarray(x[0], dtype=np.float32)
+    nthreads = get_num_threads()
+    ready = experts.stacked(prefix, ids)
+    if ready is not None:
+        view, slots = ready
+        return view(xv, slots, w, nthreads)[None, :]
+    weight_of = dict(zip(ids, w))
+    parts = {e: kernel.one(xv, blob, weight_of[e], nthreads)
+             for e, blob in experts.iter_experts(prefix, ids, blobs=True)}
+    out = np.zeros(xv.shape[0], np.float32)
+    for e in sorted(parts):
+        out += parts[e]
+    return out[None, :]
 
 
 # ----------------------------------------------------------------------------- model

@@ -1,14 +1,14 @@
-"""The fused routed-experts decode kernel (colibri/kernels/moe.py) equals the per-expert path
-bit for bit, and the float64 dequantized reference within float32 rounding."""
+"""The fused routed-experts decode kernel (colibri/kernels/moe.py): K experts in one call equal
+the same experts one call each summed in expert-id order bit for bit (what makes placement
+invisible), whatever the threads and slot layout, and the float64 dequantized reference within
+float32 rounding."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from colibri.io.container import pack_expert
-from colibri.kernels import decode
-from colibri.kernels.cpu import int4_weight
-from colibri.kernels.moe import StackedExperts
+from colibri.kernels.moe import FusedExperts, StackedExperts, routed_experts
 from colibri.kernels.quant import dequantize, quantize
 
 
@@ -22,13 +22,12 @@ def _layer(rng, E, D, I, scheme):
     return experts, memory, blobs[0][1]
 
 
-def _per_expert(x, experts, ids, weights):
-    """run_experts' decode arithmetic: each expert's SwiGLU kernel, then out += y * w in
-    ascending expert-id order."""
+def _one_at_a_time(kernel, x, memory, ids, weights, nthreads):
+    """run_experts' decode arithmetic when the experts are not all in RAM: one call per expert
+    on its own blob (a copy, as a staging buffer would hold it), out += y in ascending id."""
     out = np.zeros(x.shape[0], np.float32)
     for e, w in sorted(zip(ids, weights)):
-        ws = [int4_weight(experts[e][p]) for p in ("gate_proj", "up_proj", "down_proj")]
-        out += decode.swiglu(x, *ws, 2) * np.float32(w)
+        out += kernel.one(x, memory[e].copy(), w, nthreads)
     return out
 
 
@@ -38,7 +37,7 @@ def _per_expert(x, experts, ids, weights):
     ("q4_0", 224, 96, 6, 3),
 ])
 @pytest.mark.parametrize("nthreads", [1, 2])
-def test_fused_equals_per_expert_path(scheme, D, I, E, K, nthreads):
+def test_one_call_equals_one_call_per_expert(scheme, D, I, E, K, nthreads):
     rng = np.random.default_rng(0)
     experts, memory, layout = _layer(rng, E, D, I, scheme)
     stacked = StackedExperts.view(memory, memory.shape[1], E, layout)
@@ -48,7 +47,7 @@ def test_fused_equals_per_expert_path(scheme, D, I, E, K, nthreads):
         ids = np.sort(rng.choice(E, size=K, replace=False))
         w = rng.random(K).astype(np.float32)
         got = stacked(x, ids.astype(np.int64), w, nthreads)
-        np.testing.assert_array_equal(got, _per_expert(x, experts, ids, w))
+        np.testing.assert_array_equal(got, _one_at_a_time(stacked.kernel, x, memory, ids, w, 3 - nthreads))
         ref = sum(float(wk) * _swiglu64(experts[e], x) for e, wk in zip(ids, w))
         np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-5)
 
@@ -73,12 +72,27 @@ def test_slots_at_a_stride_larger_than_the_blob():
     ids = np.array([0, 2, 3])
     w = np.array([0.5, 0.25, 0.125], np.float32)
     got = stacked(x, np.array([where[e] for e in ids], np.int64), w, 2)
-    np.testing.assert_array_equal(got, _per_expert(x, experts, ids, w))
+    np.testing.assert_array_equal(got, _one_at_a_time(stacked.kernel, x, memory, ids, w, 2))
+    ref = sum(float(wk) * _swiglu64(experts[e], x) for e, wk in zip(ids, w))
+    np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-5)
 
 
 def test_formats_the_kernel_does_not_take():
     rng = np.random.default_rng(2)
-    _, memory, layout = _layer(rng, 2, 128, 64, "q4_1")
-    assert StackedExperts.view(memory, memory.shape[1], 2, layout) is None
-    _, memory, layout = _layer(rng, 2, 128, 64, "q8_0")
-    assert StackedExperts.view(memory, memory.shape[1], 2, layout) is None
+    for scheme in ("q4_1", "q8_0"):
+        _, memory, layout = _layer(rng, 2, 128, 64, scheme)
+        assert FusedExperts.of(layout) is None
+        assert StackedExperts.view(memory, memory.shape[1], 2, layout) is None
+
+
+def test_every_call_shares_one_compiled_kernel():
+    """Bit-equality between a stacked call and per-blob calls holds because both run the same
+    machine code; a second specialization (a read-only or non-contiguous blob, another index
+    type) would be compiled apart and could round differently."""
+    rng = np.random.default_rng(3)
+    experts, memory, layout = _layer(rng, 3, 128, 64, "int4_g64")
+    kernel = FusedExperts.of(layout)
+    x = rng.standard_normal(128).astype(np.float32)
+    kernel(x, memory, np.array([0, 2]), np.array([0.5, 0.5], np.float32), 2)
+    kernel.one(x, memory[1], 0.25, 2)
+    assert len(routed_experts.nopython_signatures) == 1
