@@ -70,6 +70,10 @@ class Generation:
     decode_s: float
     slot: int = 0
     experts: dict | None = None         # this turn's expert-cache figures when experts stream
+    # With prompt_logprobs: for each prompt token after the first, (log p(token | the tokens
+    # before it), the most likely alternatives there, best first).
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    grammar_s: float = 0.0              # time spent masking logits with a grammar
 
     @property
     def completion_tokens(self) -> int:
@@ -232,7 +236,8 @@ class Engine:
                top_k: int = 0, seed: int | None = None, raw: bool = False, system: str | None = None,
                stop: list[str] | None = None, logprobs: int | None = None, slot: int | None = None,
                stop_at_eos: bool = True, cancel: Callable[[], bool] | None = None,
-               **template_kwargs) -> Iterator[TokenEvent]:
+               min_p: float = 0.0, penalties: gen.Penalties | None = None, constraint=None,
+               prompt_logprobs: int | None = None, **template_kwargs) -> Iterator[TokenEvent]:
         """Yield tokens as they are produced. When the iterator is exhausted, `self.last` holds
         the finished Generation. Closing the iterator early (a client went away) leaves the
         slot holding exactly the tokens computed so far. `cancel` is polled between prefill
@@ -242,13 +247,25 @@ class Engine:
 
         The texts of the events concatenate to the generation's text. Text held back until the
         end (the start of a stop string that never completed, a split UTF-8 character) comes
-        in a last event whose token_id is None."""
+        in a last event whose token_id is None.
+
+        `penalties` shift the logits before sampling; `constraint` (a colibri.grammar.Matcher)
+        masks every token its grammar forbids: the generation ends ("stop") when the grammar is
+        complete, and with finish_reason "grammar_dead_end" if no token is allowed. Reported
+        logprobs are the model's own, before either. `prompt_logprobs` (0..20 alternatives)
+        scores every prompt token (Generation.prompt_logprobs); the prompt is then prefilled
+        afresh, as the cached positions have no logits kept. `max_tokens` 0 only scores."""
         if max_tokens < 0:
             raise ColibriError(f"max_tokens must be >= 0, not {max_tokens}")
         if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
             raise ColibriError("sampling needs temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
-        if logprobs is not None and not 0 <= logprobs <= 20:
-            raise ColibriError(f"logprobs must be between 0 and 20, not {logprobs}")
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if value is not None and not 0 <= value <= 20:
+                raise ColibriError(f"{name} must be between 0 and 20, not {value}")
+        if not 0.0 <= min_p <= 1.0:
+            raise ColibriError(f"min_p must be between 0 and 1, not {min_p}")
+        if penalties is not None and penalties.repetition <= 0:
+            raise ColibriError(f"the repetition penalty must be > 0, not {penalties.repetition}")
         t_start = time.perf_counter()
         ids = self.encode_prompt(prompt, raw=raw, system=system, **template_kwargs)
         if not ids:
@@ -262,14 +279,20 @@ class Engine:
             raise ColibriError(f"slot {slot} does not exist (this engine has {len(self.slots)})")
         kv = self.slots[slot]
         kv.last_used = time.time()
-        params = gen.SamplingParams(temperature, top_p, top_k, seed)
+        params = gen.SamplingParams(temperature, top_p, top_k, seed, min_p)
+        shift = penalties if penalties is not None and penalties.active else None
+        if shift is not None and shift.logit_bias:
+            bad = [t for t in shift.logit_bias if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ColibriError(f"logit_bias names token {bad[0]}, outside the vocabulary (0..{self.vocab_size - 1})")
         rng = np.random.default_rng(seed)
         eos = self.tokenizer.eos_token_ids if (self.tokenizer and stop_at_eos) else set()
         decoder = self.tokenizer.stream_decoder() if self.tokenizer else None
         stops = gen.StopMatcher(stop or [])
 
         stats0 = self._store_stats()
-        reused = self._reuse_prefix(kv, ids)
+        scored: list | None = [] if prompt_logprobs is not None else None
+        reused = self._reuse_prefix(kv, ids, keep=scored is None)
         out: list[int] = []
         text_parts: list[str] = []
         finish = "length"
@@ -278,33 +301,44 @@ class Engine:
         ttft = prefill_s = 0.0
         t_decode0 = t_prefill0
         try:
-            if max_tokens > 0:
-                logits = self._prefill(kv, ids, reused, cancel)
+            if max_tokens > 0 or scored is not None:
+                logits = self._prefill(kv, ids, reused, cancel, scored, prompt_logprobs)
                 prefill_s = time.perf_counter() - t_prefill0
                 t_decode0 = time.perf_counter()
-                while logits is not None:
-                    tok = gen.sample(logits, params, rng)
+                cancelled = logits is None
+                while logits is not None and max_tokens > 0:  # (0: the prompt is only scored)
+                    z = shift.apply(logits, ids, out) if shift is not None else logits
+                    if constraint is not None:
+                        if z is logits:
+                            z = logits.copy()
+                        constraint.mask(z)
+                        if constraint.dead:
+                            finish = "grammar_dead_end"
+                            break
+                    tok = gen.sample(z, params, rng)
                     if not out:
                         ttft = time.perf_counter() - t_start
                     if tok in eos:
                         finish = "stop"
                         break
+                    if constraint is not None:
+                        constraint.accept(tok)
                     out.append(tok)
                     piece, hit = stops.feed(decoder.feed(tok) if decoder else "")
                     text_parts.append(piece)
                     yield self._event(tok, piece, logits, logprobs)
-                    if hit:
+                    if hit or (constraint is not None and constraint.done):  # a stop string; a complete grammar
                         finish = "stop"
                         break
                     if len(out) >= max_tokens:
                         break
                     if cancel is not None and cancel():
-                        logits = None
+                        cancelled = True
                         break
                     self._threads.apply()
                     logits = _finite(gen.decode_one(self.model, kv.cache, tok), len(kv.ids), self.model_id)
                     kv.ids.append(tok)
-                if logits is None:
+                if cancelled:
                     finish = "cancelled"
             if not hit:  # text held back for a possible stop string (or a split character) is real
                 tail = stops.feed(decoder.flush() if decoder else "")[0] + stops.flush()
@@ -315,14 +349,17 @@ class Engine:
             # The cache holds exactly the tokens in kv.ids, also when the consumer stops early.
             kv.cache.truncate(len(kv.ids))
         self.last = Generation(out, "".join(text_parts), finish, len(ids), reused, ttft, prefill_s,
-                               time.perf_counter() - t_decode0, slot, _turn_stats(stats0, self._store_stats()))
+                               time.perf_counter() - t_decode0, slot, _turn_stats(stats0, self._store_stats()),
+                               scored, constraint.mask_seconds if constraint is not None else 0.0)
         if isinstance(self.experts, ExpertStore):
             self.experts.save_history()
 
-    def _prefill(self, kv: KVSlot, ids: list[int], start: int, cancel) -> np.ndarray | None:
+    def _prefill(self, kv: KVSlot, ids: list[int], start: int, cancel, scored: list | None = None,
+                 top: int = 0) -> np.ndarray | None:
         """Prefill ids[start:] in chunks of `prefill_chunk` tokens; the last position's logits,
         or None when cancelled between chunks. kv.ids follows every chunk, so the slot always
-        names exactly what its cache holds."""
+        names exactly what its cache holds. With `scored` (a list, start 0), every position's
+        logits are kept long enough to append (log p(next prompt token), `top` best) to it."""
         chunk = self.config.prefill_chunk
         logits = None
         for a in range(start, len(ids), chunk):
@@ -330,7 +367,13 @@ class Engine:
                 return None
             self._threads.apply()
             piece = ids[a : a + chunk]
-            logits = gen.prefill(self.model, kv.cache, piece)
+            if scored is None:
+                logits = gen.prefill(self.model, kv.cache, piece)
+            else:
+                rows = self.model.forward(np.asarray(piece, dtype=np.int64), kv.cache, all_logits=True)
+                _finite(rows, a, self.model_id)
+                scored.extend(gen.score_next(rows[: len(ids) - 1 - a], ids[a + 1 : a + 1 + len(piece)], top))
+                logits = rows[-1]
             kv.ids = ids[: a + len(piece)]
         return _finite(logits, len(ids) - 1, self.model_id)
 
@@ -348,10 +391,10 @@ class Engine:
         return self.last
 
     @staticmethod
-    def _reuse_prefix(kv: KVSlot, ids: list[int]) -> int:
+    def _reuse_prefix(kv: KVSlot, ids: list[int], keep: bool = True) -> int:
         """Keep the cached tokens shared with `ids` (at least one token is left to prefill,
-        since its logits are needed); returns how many were reused."""
-        n = min(_common_prefix(kv.ids, ids), len(ids) - 1)  # as reusable_prefix
+        since its logits are needed; none unless `keep`); returns how many were reused."""
+        n = min(_common_prefix(kv.ids, ids), len(ids) - 1) if keep else 0  # as reusable_prefix
         kv.cache.truncate(n)
         kv.ids = kv.ids[:n]
         return n

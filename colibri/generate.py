@@ -5,7 +5,8 @@ matvec kernels once; everything here around it is O(vocab) numpy at most.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -16,6 +17,41 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    min_p: float = 0.0  # keep tokens at least min_p x the most likely one's probability (0: off)
+
+
+@dataclass
+class Penalties:
+    """What shifts the logits before sampling, in vLLM's order and definitions: logit_bias
+    (added; OpenAI's -100..100), then repetition (divides a positive logit, multiplies a
+    negative one, for every token of the prompt and the output; 1 = off), then frequency and
+    presence (subtract count x frequency + presence for every token of the output so far)."""
+
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    repetition: float = 1.0
+    frequency: float = 0.0
+    presence: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        return bool(self.logit_bias) or self.repetition != 1.0 or self.frequency != 0.0 or self.presence != 0.0
+
+    def apply(self, logits: np.ndarray, prompt: list[int], out: list[int]) -> np.ndarray:
+        """A shifted copy of `logits` [V] (the raw ones stay for reported logprobs)."""
+        z = logits.astype(np.float32, copy=True)
+        if self.logit_bias:
+            ids = np.fromiter(self.logit_bias, dtype=np.int64)
+            z[ids] += np.fromiter(self.logit_bias.values(), dtype=np.float32)
+        if self.repetition != 1.0:
+            seen = np.unique(np.asarray(prompt + out, dtype=np.int64))
+            v = z[seen]
+            z[seen] = np.where(v > 0, v / self.repetition, v * self.repetition)
+        if (self.frequency or self.presence) and out:
+            counts = Counter(out)
+            ids = np.fromiter(counts, dtype=np.int64)
+            n = np.fromiter(counts.values(), dtype=np.float32)
+            z[ids] -= n * self.frequency + self.presence
+        return z
 
 
 def prefill(model, cache, ids: list[int]) -> np.ndarray:
@@ -28,8 +64,8 @@ def decode_one(model, cache, token: int) -> np.ndarray:
 
 
 def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator) -> int:
-    """Greedy at temperature 0; else temperature, then top-k, then top-p (nucleus), as
-    transformers' logits warpers order them."""
+    """Greedy at temperature 0; else temperature, then top-k, then top-p (nucleus), then min-p,
+    as transformers' logits warpers order them."""
     if p.temperature <= 0.0:
         return int(np.argmax(logits))
     z = logits.astype(np.float64) / p.temperature
@@ -46,7 +82,34 @@ def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator) -> i
         mask[order[keep]] = True
         probs = np.where(mask, probs, 0.0)
         probs /= probs.sum()
+    if p.min_p > 0.0:
+        probs = np.where(probs >= p.min_p * probs.max(), probs, 0.0)
+        probs /= probs.sum()
     return int(rng.choice(probs.size, p=probs))
+
+
+def score_next(rows: np.ndarray, targets: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Row i of `rows` [n, V] scores targets[i]: (log p(target), the `top` most likely tokens
+    with their log p, best first). Rows are taken a few at a time: a 512-token prefill chunk's
+    log-softmax at a 150k vocabulary would otherwise be 600 MB of float64."""
+    out = []
+    for a in range(0, len(targets), 32):
+        z = rows[a : a + 32].astype(np.float64)
+        z -= z.max(axis=1, keepdims=True)
+        z -= np.log(np.exp(z).sum(axis=1, keepdims=True))
+        for i, t in enumerate(targets[a : a + 32]):
+            best = _top(z[i], top)
+            out.append((float(z[i, t]), [(int(j), float(z[i, j])) for j in best]))
+    return out
+
+
+def _top(z: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest entries, best first."""
+    if k <= 0:
+        return np.zeros(0, np.int64)
+    cand = np.argpartition(-z, min(k, z.size - 1))[: k + 1] if k < z.size else np.arange(z.size)
+    cand = np.sort(cand)
+    return cand[np.argsort(-z[cand], kind="stable")][:k]
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

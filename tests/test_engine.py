@@ -1,10 +1,10 @@
 """Engine behaviour on the real SmolLM2 model: stop strings, logprobs, KV slots and their
-persistence, early close of a stream."""
+persistence, early close of a stream, penalties, logit bias, min-p and prompt scoring."""
 import numpy as np
 import pytest
 
 from colibri import ColibriError, Engine
-from colibri.generate import StopMatcher
+from colibri.generate import Penalties, SamplingParams, StopMatcher, sample
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +97,69 @@ def test_closing_a_stream_early_keeps_the_cache_consistent(engine):
     assert kv.cache.length == len(kv.ids)
     g = engine.generate("Write a long story about a dragon.", max_tokens=5, slot=0)
     assert g.prompt_tokens_reused == g.prompt_tokens - 1
+
+
+# ---------------------------------------------------------------- sampling controls, scoring
+def test_prompt_logprobs_score_every_prompt_token(engine):
+    """Teacher-forced scores equal the log-softmax of the model's logits at each position, also
+    across prefill chunks and with the prompt already cached in the slot."""
+    ids = engine.encode_prompt("The quick brown fox jumps over the lazy dog.", raw=True)
+    ref = engine.logits(ids).astype(np.float64)
+    ref = ref - ref.max(axis=1, keepdims=True)
+    ref -= np.log(np.exp(ref).sum(axis=1, keepdims=True))
+    engine.generate(ids, max_tokens=2, slot=2)                  # the slot now holds the prompt
+    engine.config.prefill_chunk, chunk = 5, engine.config.prefill_chunk
+    try:
+        g = engine.generate(ids, max_tokens=0, prompt_logprobs=3, slot=2)
+    finally:
+        engine.config.prefill_chunk = chunk
+    assert g.completion_tokens == 0 and g.finish_reason == "length" and g.prompt_tokens_reused == 0
+    assert len(g.prompt_logprobs) == len(ids) - 1
+    for i, (lp, top) in enumerate(g.prompt_logprobs):
+        assert lp == pytest.approx(ref[i, ids[i + 1]], abs=1e-4)
+        assert [t for t, _ in top] == list(np.argsort(-ref[i], kind="stable")[:3])
+    assert engine.generate(ids, max_tokens=3, prompt_logprobs=0, slot=2).completion_tokens == 3
+
+
+def test_logit_bias_forces_and_bans_tokens(engine):
+    ids = engine.encode_prompt("Say yes.")
+    free = engine.generate(ids, max_tokens=4)
+    banned = free.token_ids[0]
+    g = engine.generate(ids, max_tokens=4, penalties=Penalties(logit_bias={banned: -100.0}))
+    assert g.token_ids[0] != banned
+    forced = engine.tokenizer.encode(" banana", add_special_tokens=False)[0]
+    g = engine.generate(ids, max_tokens=3, penalties=Penalties(logit_bias={forced: 100.0}))
+    assert g.token_ids == [forced] * 3
+    with pytest.raises(ColibriError, match="outside the vocabulary"):
+        engine.generate(ids, max_tokens=1, penalties=Penalties(logit_bias={10 ** 9: 1.0}))
+
+
+def test_penalties_follow_their_definitions():
+    rng = np.random.default_rng(0)
+    z = rng.standard_normal(50).astype(np.float32)
+    prompt, out = [1, 2, 3], [3, 4, 4, 4]
+    got = Penalties(repetition=1.3, frequency=0.5, presence=0.25, logit_bias={7: 2.0}).apply(z, prompt, out)
+    want = z.copy()
+    want[7] += 2.0
+    for t in {1, 2, 3, 4}:
+        want[t] = want[t] / 1.3 if want[t] > 0 else want[t] * 1.3
+    want[3] -= 0.5 * 1 + 0.25
+    want[4] -= 0.5 * 3 + 0.25
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert not Penalties().active and Penalties(presence=0.1).active
+    np.testing.assert_array_equal(z, z.copy())  # the raw logits are left alone
+
+
+def test_frequency_penalty_breaks_a_repetition(engine):
+    ids = engine.encode_prompt("List the numbers one, one, one, one, one.")  # 'one,' x 11 unshifted
+    plain = engine.generate(ids, max_tokens=24)
+    shifted = engine.generate(ids, max_tokens=24, penalties=Penalties(frequency=2.0))
+    most = max(plain.token_ids.count(t) for t in set(plain.token_ids))
+    assert max(shifted.token_ids.count(t) for t in set(shifted.token_ids)) < most
+
+
+def test_min_p_keeps_only_likely_tokens():
+    z = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    rng = np.random.default_rng(0)
+    picks = {sample(z, SamplingParams(temperature=1.0, min_p=0.5), rng) for _ in range(200)}
+    assert picks == {0, 1}   # 0.15 and 0.05 are under half of 0.5
