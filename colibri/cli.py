@@ -260,6 +260,9 @@ def serve(
     port: int = typer.Option(8000, "--port", envvar="COLI_PORT"),
     model_id: Optional[str] = typer.Option(None, "--model-id", envvar="COLI_MODEL_ID",
                                            help="Model name clients ask for (default: the directory's name)."),
+    served_model_name: Optional[list[str]] = typer.Option(
+        None, "--served-model-name", envvar="COLI_SERVED_MODEL_NAME",
+        help="Another name clients may ask for (repeatable; for clients that hard-code one)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="COLI_API_KEY",
                                           help="Require this key (Bearer or x-api-key)."),
     cors_origin: Optional[list[str]] = typer.Option(None, "--cors-origin", envvar="COLI_CORS_ORIGIN",
@@ -312,7 +315,8 @@ def serve(
 
         ram_gb = engine_options(model, None, True).get("ram_gb")
 
-    run_server(ServeOptions(model=model, host=host, port=port, model_id=model_id, api_key=api_key,
+    run_server(ServeOptions(model=model, host=host, port=port, model_id=model_id,
+                            model_aliases=served_model_name or [], api_key=api_key,
                             cors_origins=cors_origin or [], allowed_hosts=allowed_host or [],
                             allow_insecure_bind=allow_insecure_bind, max_queue=max_queue, queue_timeout=queue_timeout,
                             kv_slots=kv_slots, max_tokens=max_tokens, max_context=max_context, state_dir=state_dir,

@@ -56,6 +56,9 @@ class TokenEvent:
     text: str  # text this token completes (may be "" while a UTF-8 character or a possible stop string is pending)
     logprob: float | None = None                        # log p(token) when logprobs were asked for
     top_logprobs: list[tuple[int, float]] | None = None  # the most likely alternatives, best first
+    # Only on the event a generation with prompt_logprobs starts with (token_id None, no text):
+    # the prompt's scores, as Generation.prompt_logprobs, for streams that show them first.
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass
@@ -306,6 +309,8 @@ class Engine:
                 prefill_s = time.perf_counter() - t_prefill0
                 t_decode0 = time.perf_counter()
                 cancelled = logits is None
+                if scored is not None and not cancelled:
+                    yield TokenEvent(None, "", prompt_logprobs=scored)
                 while logits is not None and max_tokens > 0:  # (0: the prompt is only scored)
                     z = shift.apply(logits, ids, out) if shift is not None else logits
                     if constraint is not None:

@@ -37,6 +37,7 @@ class Started:
 @dataclass
 class Finished:
     generation: Generation
+    index: int = 0                # which of the request's n choices ended
 
 
 @dataclass
@@ -46,12 +47,18 @@ class Failed:
 
 @dataclass
 class Job:
-    """One generation request. `events` receives Started, then TokenEvents, then Finished or Failed."""
+    """One generation request. `events` receives Started, then for each of its n choices in turn
+    that choice's TokenEvents and its Finished, or a Failed that ends the job.
+
+    The choices run one after another in one slot, so each after the first finds the prompt in
+    the KV cache and prefills one token; each gets its own seed (seed + i) and grammar matcher."""
 
     ids: list[int]
-    options: dict                 # engine.stream keywords: max_tokens, temperature, stop, logprobs...
+    options: dict                 # engine.stream keywords: max_tokens, temperature, stop, logprobs...;
+    #                               "grammar" (a colibri.grammar.Grammar) becomes a fresh matcher per choice
     loop: asyncio.AbstractEventLoop
     slot: int | None = None       # None: the slot with the longest common prefix, else the LRU one
+    n: int = 1                    # choices to generate
     request_id: str = ""
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     enqueued: float = field(default_factory=time.monotonic)
@@ -193,10 +200,53 @@ class Scheduler:
         if self.metrics:
             self.metrics.queue_wait.observe(wait)
         self._emit(job, Started(wait, slot, reused))
+        outcome, result, scores, last = "completed", None, None, None
+        for index in range(job.n):
+            options = self._choice_options(job, index, scores)
+            outcome, result = self._generate(job, slot, options)
+            if outcome != "completed":
+                break
+            if index == 0 and result.prompt_logprobs is not None:
+                scores = result.prompt_logprobs  # the same prompt: scored once for every choice
+            result.prompt_logprobs = scores
+            self._count(result)
+            if self.metrics:
+                self.metrics.observe_generation(result)
+            last = Finished(result, index)
+            if index < job.n - 1:
+                self._emit(job, last)  # the last choice's end waits for the slot to be saved
+        self._persist(slot)  # every turn end, before the client hears it is done
+        with self._cv:
+            if outcome == "completed":
+                self.stats.completed += 1
+            elif outcome == "cancelled":
+                self.stats.cancelled += 1
+            else:
+                self.stats.failed += 1
+        if outcome == "completed":
+            self._emit(job, last)
+        elif outcome == "failed":
+            self._emit(job, Failed(result))
+
+    @staticmethod
+    def _choice_options(job: Job, index: int, scores) -> dict:
+        options = dict(job.options)
+        grammar = options.pop("grammar", None)
+        if grammar is not None:
+            options["constraint"] = grammar.matcher()
+        if index and options.get("seed") is not None:
+            options["seed"] = (options["seed"] + index) % 2 ** 64
+        if index and scores is not None:
+            options.pop("prompt_logprobs", None)
+        return options
+
+    def _generate(self, job: Job, slot: int, options: dict):
+        """One choice: ("completed", Generation), ("cancelled", None) or ("failed", error)."""
+        engine = self.engine
         outcome, result = "completed", None
         # The engine polls the flag between prefill chunks too: a client that leaves during a
         # long prompt frees the scheduler within one chunk.
-        stream = engine.stream(job.ids, slot=slot, cancel=job.cancelled.is_set, **job.options)
+        stream = engine.stream(job.ids, slot=slot, cancel=job.cancelled.is_set, **options)
         try:
             for ev in stream:
                 if job.cancelled.is_set():
@@ -217,23 +267,13 @@ class Scheduler:
             outcome, result = "failed", e
         finally:
             stream.close()  # a cancelled stream leaves the slot holding exactly what was computed
-        self._persist(slot)  # every turn end, before the client hears it is done
+        return outcome, result
+
+    def _count(self, g: Generation) -> None:
         with self._cv:
-            if outcome == "completed":
-                self.stats.completed += 1
-                self.stats.prompt_tokens += result.prompt_tokens
-                self.stats.prompt_tokens_reused += result.prompt_tokens_reused
-                self.stats.completion_tokens += result.completion_tokens
-            elif outcome == "cancelled":
-                self.stats.cancelled += 1
-            else:
-                self.stats.failed += 1
-        if outcome == "completed":
-            if self.metrics:
-                self.metrics.observe_generation(result)
-            self._emit(job, Finished(result))
-        elif outcome == "failed":
-            self._emit(job, Failed(result))
+            self.stats.prompt_tokens += g.prompt_tokens
+            self.stats.prompt_tokens_reused += g.prompt_tokens_reused
+            self.stats.completion_tokens += g.completion_tokens
 
     def _emit(self, job: Job, item) -> None:
         try:

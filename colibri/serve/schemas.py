@@ -16,6 +16,7 @@ from colibri.serve.errors import bad_request
 
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
+MAX_N = 16  # choices per request: each is a full generation, one after another
 # Seeds are what numpy's generator takes without folding: 0..2**64-1. A negative or larger seed
 # is a 400 naming `seed` (leave it out for a random one), never silently reduced modulo 2**64.
 MAX_SEED = 2 ** 64 - 1
@@ -60,17 +61,19 @@ class SamplingRequest(_Strict):
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(None, ge=1)
+    n: int | None = Field(None, ge=1, le=MAX_N)
     cache_slot: int | None = Field(None, ge=0)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None   # token id (as a string) -> -100..100
+    # vLLM's and llama.cpp's extensions
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    min_p: float | None = Field(None, ge=0, le=1)
     # accepted and without effect on a local single-user server
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    # not implemented: refused when set to anything but their neutral value
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -147,6 +150,48 @@ class MessagesRequest(AnthropicPrompt):
 
 class CountTokensRequest(AnthropicPrompt):
     cache_control: Any = None
+
+
+# ---------------------------------------------------------------------------------- Responses
+class ResponsesRequest(_Strict):
+    """OpenAI's Responses API (POST /v1/responses). Items are checked by type in responses_api.py."""
+
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    stream: bool | None = False
+    stream_options: dict[str, Any] | None = None
+    store: bool | None = None
+    include: list[str] | None = None
+    truncation: str | None = None
+    cache_slot: int | None = Field(None, ge=0)
+    # accepted and without effect on a local server
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: Any = None
+    safety_identifier: str | None = None
+    moderation: Any = None
+    # not implemented: refused when set
+    background: bool | None = None
+    background_options: Any = None
+    conversation: Any = None
+    prompt: Any = None
+    max_tool_calls: int | None = None
+    context_management: Any = None
+    access_programs: Any = None
 
 
 # ---------------------------------------------------------------------------------- tokenizer

@@ -27,6 +27,7 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     model_id: str | None = None
+    model_aliases: list[str] = field(default_factory=list)  # other names requests may use
     api_key: str | None = None
     cors_origins: list[str] = field(default_factory=list)
     allowed_hosts: list[str] = field(default_factory=list)
@@ -167,7 +168,7 @@ def run(o: ServeOptions) -> None:
         guard = ConnectionGuard(ConnectionLimits(o.max_connections, o.max_connections_per_ip, o.header_timeout))
         metrics.attach_connections(guard)
         held = scheduler.restore()
-        config = ServeConfig(model_id=o.model_id, api_key=o.api_key, cors_origins=list(o.cors_origins),
+        config = ServeConfig(model_id=o.model_id, model_aliases=set(o.model_aliases), api_key=o.api_key, cors_origins=list(o.cors_origins),
                              allowed_hosts=allowed_hosts(o.host, o.allowed_hosts), queue_timeout=o.queue_timeout,
                              max_tokens=o.max_tokens, max_body_bytes=MAX_BODY_BYTES, read_timeout=o.read_timeout)
         app = create_app(engine, scheduler, config, metrics)

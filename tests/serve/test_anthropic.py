@@ -76,9 +76,9 @@ def test_count_tokens_and_prefill(anthropic_client, tokenizer):
 
 def test_errors_use_anthropics_envelope(anthropic_client, server):
     with pytest.raises(anthropic.BadRequestError) as e:
-        create(anthropic_client, tools=[{"name": "x", "input_schema": {"type": "object"}}])
+        create(anthropic_client, tools=[{"name": "x", "input_schema": {"type": "object", "required": "a"}}])
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
-    assert "tools" in e.value.body["error"]["message"]
+    assert "tools[0].input_schema" in e.value.body["error"]["message"]
     with pytest.raises(anthropic.BadRequestError) as e:
         create(anthropic_client, [{"role": "user", "content": [{"type": "image", "source": {
             "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])

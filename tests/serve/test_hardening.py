@@ -303,7 +303,7 @@ def test_the_temporary_slot_file_is_private_from_creation(tmp_path):
 
 # ---------------------------------------------------------------------------------- engine faults
 def test_error_classes_map_to_status_codes():
-    from colibri.serve.app import error_event, failure
+    from colibri.serve.state import error_event, failure
 
     assert failure(ColibriError("the prompt is empty")).status == 400
     fault = failure(EngineFault("non-finite logits at token 3"))
