@@ -163,3 +163,27 @@ def test_min_p_keeps_only_likely_tokens():
     rng = np.random.default_rng(0)
     picks = {sample(z, SamplingParams(temperature=1.0, min_p=0.5), rng) for _ in range(200)}
     assert picks == {0, 1}   # 0.15 and 0.05 are under half of 0.5
+
+
+# ---------------------------------------------------------------- grammar constraint
+def test_a_grammar_that_allows_the_answer_leaves_the_tokens_unchanged(engine):
+    from colibri.grammar import Grammar
+
+    ids = engine.encode_prompt("What is the capital of France?")
+    free = engine.generate(ids, max_tokens=12)
+    grammar = Grammar.compile(engine.tokenizer, {"regex": r"[\s\S]*"}, engine.vocab_size)
+    held = engine.generate(ids, max_tokens=12, constraint=grammar.matcher())
+    assert held.token_ids == free.token_ids and held.grammar_s > 0
+
+
+def test_a_schema_grammar_ends_the_generation_when_complete(engine):
+    import json
+
+    from colibri.grammar import Grammar
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+              "additionalProperties": False}
+    grammar = Grammar.compile(engine.tokenizer, {"json_schema": schema, "strict": True}, engine.vocab_size)
+    g = engine.generate("Where is the Eiffel tower? Answer in JSON.", max_tokens=40, constraint=grammar.matcher())
+    assert g.finish_reason == "stop"
+    assert set(json.loads(g.text)) == {"city"}
