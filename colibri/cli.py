@@ -364,6 +364,69 @@ def bench(
         render(report, Console())
 
 
+@app.command()
+def perplexity(
+    text_file: Path = typer.Argument(..., help="A UTF-8 text file to score."),
+    model: Optional[Path] = ModelOpt,
+    ctx: int = typer.Option(512, "--ctx", help="Tokens per window."),
+    stride: Optional[int] = typer.Option(None, "--stride", help="Tokens between window starts (default: ctx/2)."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Score only the text's first N tokens."),
+    save_logits: Optional[Path] = typer.Option(None, "--save-logits", help="Save this run as a reference "
+                                               "(the top-256 next-token log probabilities per token)."),
+    kl_divergence: Optional[Path] = typer.Option(None, "--kl-divergence", help="Compare this run with a "
+                                                 "reference saved by --save-logits: KL divergence, top-1 agreement."),
+    ram_gb: Optional[float] = typer.Option(None, "--ram-gb", help="RAM budget for weights (dense + cached experts)."),
+    threads: Optional[int] = threads_option(),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+):
+    """Perplexity of the model over TEXT_FILE with a sliding window (README: Quality), and the KL
+    divergence of its next-token distributions against a saved reference run."""
+    import json
+
+    from rich.progress import Progress
+
+    from colibri.engine import Engine
+    from colibri.eval import check_windows, load_reference, read_text, save_reference, score_text
+
+    stride = max(ctx // 2, 1) if stride is None else stride
+    check_windows(ctx, stride)
+    text = read_text(text_file)
+    model = model_dir(model)
+    need_tokenizer(model)
+    engine = Engine.load(model, progress=not as_json, ram_gb=ram_gb, threads=threads, max_context=ctx)
+    trained = engine.container.config.get("max_position_embeddings")
+    if trained and ctx > int(trained):
+        raise ColibriError(f"--ctx {ctx} is longer than the context {engine.model_id} was trained for ({trained})")
+    ids = engine.encode_prompt(text, raw=True)
+    if max_tokens is not None:
+        if max_tokens < 2:
+            raise ColibriError(f"--max-tokens must be at least 2, not {max_tokens}")
+        ids = ids[:max_tokens]
+    reference = load_reference(kl_divergence, ids, ctx, stride) if kl_divergence else None
+    with Progress(console=err, transient=True, disable=as_json) as bar:
+        task = bar.add_task(f"scoring {len(ids)} tokens", total=None)
+        scores = score_text(engine, ids, ctx, stride, keep_top=save_logits is not None, reference=reference,
+                            progress=lambda done, total: bar.update(task, completed=done, total=total))
+    if save_logits:
+        save_reference(save_logits, scores, ids, engine.model_id)
+    report = {"model": engine.model_id, "text": str(text_file), "tokens": len(ids), **scores.summary()}
+    if reference is not None:
+        report["reference_perplexity"] = reference.perplexity
+    if as_json:
+        print(json.dumps(report, indent=1))
+        return
+    out = Console()
+    out.print(f"{report['model']} on {text_file}: {report['tokens_scored']} tokens scored in {report['windows']} "
+              f"windows (ctx {ctx}, stride {stride}), {report['tokens_per_s']:.0f} tok/s")
+    out.print(f"perplexity [bold]{report['perplexity']:.4f}[/bold] (mean NLL {report['mean_nll']:.5f})")
+    if reference is not None:
+        out.print(f"against {kl_divergence} (perplexity {report['reference_perplexity']:.4f}): KL mean "
+                  f"{report['kl_mean']:.6f}, median {report['kl_median']:.6f}, p99 {report['kl_p99']:.6f}, "
+                  f"max {report['kl_max']:.6f}; top-1 agreement {report['top1_agreement']:.2%}")
+    if save_logits:
+        out.print(f"reference saved to {save_logits}")
+
+
 def main() -> None:
     try:
         app()

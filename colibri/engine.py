@@ -434,6 +434,32 @@ class Engine:
         cache = self.model.new_cache(max(len(ids), 1))
         return self.model.forward(np.asarray(ids, dtype=np.int64), cache, all_logits=True)
 
+    def logit_rows(self, ids: list[int]) -> Iterator[tuple[int, np.ndarray]]:
+        """Every position's logits for `ids` in a fresh context (no KV slot is touched), one
+        prefill chunk at a time: (the chunk's first position, its rows [n, V]). Memory stays
+        O(chunk x vocabulary) however long `ids` is."""
+        if len(ids) > self.max_context:
+            raise ColibriError(f"{len(ids)} tokens do not fit the context ({self.max_context})")
+        cache = self.model.new_cache(max(len(ids), 1))
+        chunk = self.config.prefill_chunk
+        for a in range(0, len(ids), chunk):
+            self._threads.apply()
+            rows = self.model.forward(np.asarray(ids[a : a + chunk], dtype=np.int64), cache, all_logits=True)
+            yield a, _finite(rows, a, self.model_id)
+
+    def score(self, prompt: str | list[int], top: int = 0) -> list[tuple[float, list[tuple[int, float]]]]:
+        """log p(token | the tokens before it) for every token after the first, in a fresh
+        context (text is tokenized as is, with the tokenizer's special tokens, no chat template),
+        each with the `top` most likely tokens there. The same computation as a generation's
+        prompt_logprobs and the server's `echo` + `logprobs`."""
+        ids = self.encode_prompt(prompt, raw=True)
+        if len(ids) < 2:
+            raise ColibriError("scoring needs at least 2 tokens")
+        out: list = []
+        for a, rows in self.logit_rows(ids):
+            out.extend(gen.score_next(rows[: len(ids) - 1 - a], ids[a + 1 : a + 1 + rows.shape[0]], top))
+        return out
+
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
