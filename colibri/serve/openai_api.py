@@ -12,8 +12,8 @@ from colibri.engine import TokenEvent
 from colibri.serve.state import (ClientGone, ServerState, Turn, collect_choices, error_event, gone_response, read_json,
                                  sse)
 from colibri.serve.tools import (AnswerStream, ArgsDelta, CallStart, Reasoning, TextDelta, ToolCall, ToolPlan,
-                                 compile_grammar, openai_tools, parse_arguments, plan, render_messages,
-                                 response_format_spec)
+                                 compile_grammar, guided_spec, openai_tools, parse_arguments, plan,
+                                 render_messages, response_format_spec)
 from colibri.serve.errors import bad_request
 from colibri.serve.scheduler import Failed, Finished
 from colibri.serve.schemas import MAX_STOP, ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
@@ -235,8 +235,14 @@ async def chat_completions(request: Request):
         limit = (req.max_completion_tokens, "max_completion_tokens")
     else:
         limit = (req.max_tokens, "max_tokens")
+    fmt, fmt_param = response_format_spec(req.response_format), "response_format"
+    guided, guided_param = guided_spec(req)
+    if guided is not None:
+        if fmt is not None:
+            raise bad_request(f"send either 'response_format' or '{guided_param}'", param=guided_param)
+        fmt, fmt_param = guided, guided_param
     setup = await prepare_chat(state, req, template_messages(req.messages), openai_tools(req.tools), req.tool_choice,
-                               response_format_spec(req.response_format), thinking=(enable, param), limit=limit,
+                               fmt, thinking=(enable, param), limit=limit, format_param=fmt_param,
                                logprobs=(req.top_logprobs or 0) if req.logprobs else None, stop=stop_list(req.stop))
     n = req.n or 1
     turn = Turn(state, request, setup.ids, setup.options, state.check_slot(req.cache_slot), adjusted=setup.adjusted,
@@ -369,6 +375,10 @@ async def completions(request: Request):
                              seed=req.seed, stop=stop_list(req.stop), logprobs=req.logprobs, req=req)
     if echo_scores:
         options["prompt_logprobs"] = req.logprobs
+    spec, spec_param = guided_spec(req)
+    grammar = compile_grammar(state, spec, spec_param)
+    if grammar is not None:
+        options["grammar"] = grammar
     n = req.n or 1
     turn = Turn(state, request, ids, options, state.check_slot(req.cache_slot), adjusted=adjusted, n=n)
     await turn.start()

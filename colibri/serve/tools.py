@@ -164,6 +164,31 @@ def response_format_spec(fmt: dict | None, param: str = "response_format") -> di
     raise bad_request(f"'{param}.type' must be text, json_object or json_schema, not {kind!r}", param=f"{param}.type")
 
 
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def guided_spec(req) -> tuple[dict | None, str | None]:
+    """vLLM's guided decoding extensions -> (a grammar spec, the field it came from). They come
+    for free with the grammar engine; at most one per request."""
+    given = [name for name in GUIDED if getattr(req, name, None) is not None]
+    if not given:
+        return None, None
+    if len(given) > 1:
+        raise bad_request(f"send one of {', '.join(GUIDED)}, not {' and '.join(given)}", param=given[1])
+    name = given[0]
+    value = getattr(req, name)
+    if name == "guided_json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise bad_request("'guided_json' is not valid JSON", param=name) from None
+        return {"json_schema": check_schema(value, name)}, name
+    if name == "guided_choice":
+        return {"regex": "|".join(re.escape(c) for c in value)}, name
+    return ({"regex": value} if name == "guided_regex" else {"lark": value}), name
+
+
 def probe_tool_support(tokenizer, model_type: str | None) -> tuple[bool, str]:
     """(whether the chat template renders a `tools=` list, the call format to parse). A template
     that ignores tools gets the Hermes convention (see the module docstring)."""

@@ -257,3 +257,16 @@ def test_a_served_model_alias_is_accepted(start_server):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4", messages=ASK, max_tokens=2)
     srv.stop()
+
+
+def test_vllm_guided_extensions(openai_client):
+    r = chat(openai_client, extra_body={"guided_choice": ["yes", "no", "maybe"]}, max_tokens=4)
+    assert r.choices[0].message.content in ("yes", "no", "maybe")
+    r = openai_client.completions.create(model=MODEL_ID, prompt="The year is", max_tokens=8, temperature=0,
+                                         extra_body={"guided_regex": r" [0-9]{4}\."})
+    assert r.choices[0].text[1:5].isdigit() and r.choices[0].text.endswith(".")
+    r = chat(openai_client, extra_body={"guided_json": SCHEMAS[0]}, max_tokens=64)
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMAS[0])
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(openai_client, extra_body={"guided_regex": "a", "guided_choice": ["b"]})
+    assert e.value.body["param"] == "guided_choice"
