@@ -59,6 +59,10 @@ class TokenEvent:
     # Only on the event a generation with prompt_logprobs starts with (token_id None, no text):
     # the prompt's scores, as Generation.prompt_logprobs, for streams that show them first.
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # The end-of-sequence token that ended the generation, sent only when logprobs were asked
+    # for (scoring clients such as lm-eval read its logprob); it has no text and is not one of
+    # Generation.token_ids.
+    end: bool = False
 
 
 @dataclass
@@ -325,6 +329,10 @@ class Engine:
                         ttft = time.perf_counter() - t_start
                     if tok in eos:
                         finish = "stop"
+                        if logprobs is not None:
+                            ev = self._event(tok, "", logits, logprobs)
+                            ev.end = True
+                            yield ev
                         break
                     if constraint is not None:
                         constraint.accept(tok)

@@ -275,8 +275,9 @@ async def chat_completions(request: Request):
         if answer.splitter is not None:
             message["reasoning_content"] = answer.reasoning
         lp = None
-        if want_logprobs:  # token_id None: the final event of held-back text
-            lp = {"content": [_chat_logprob(state, ev) for ev in events if ev.token_id is not None], "refusal": None}
+        if want_logprobs:  # token_id None: the final event of held-back text; chat leaves out the end token
+            lp = {"content": [_chat_logprob(state, ev) for ev in events if ev.token_id is not None and not ev.end],
+                  "refusal": None}
         out.append({"index": index, "message": message, "finish_reason": finish_reason(g, answer.calls),
                     "logprobs": lp})
     gens = [done.generation for _, done in choices]
@@ -329,7 +330,7 @@ async def _chat_stream(state: ServerState, turn: Turn, setup: ChatSetup, rid: st
                     gens.append(g)
                     break
                 logprobs = None
-                if want_logprobs and item.token_id is not None:  # None: the final event of held-back text
+                if want_logprobs and item.token_id is not None and not item.end:  # None: held-back text
                     logprobs = {"content": [_chat_logprob(state, item)], "refusal": None}
                 ds = deltas(answer.feed(item.text))
                 for k, delta in enumerate(ds):
