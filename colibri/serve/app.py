@@ -109,6 +109,17 @@ def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig, metric
             ids = await anyio.to_thread.run_sync(lambda: state.tokenizer.encode(req.prompt, add_special_tokens=add))
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_context}
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """vLLM's endpoint: what a client needs to tokenize through /tokenize and /detokenize
+        (lm-eval's `tokenizer_backend=remote`, picked by its `auto`)."""
+        if state.tokenizer is None:
+            raise ApiError(404, "this model has no tokenizer", code="no_tokenizer")
+        tok = state.tokenizer
+        return {**{name: tok.special_tokens.get(name) for name in ("bos_token", "eos_token", "unk_token", "pad_token")},
+                "chat_template": tok.chat_template, "model_max_length": engine.max_context,
+                "tokenizer_class": "PreTrainedTokenizerFast"}
+
     @app.post("/detokenize")
     async def detokenize(request: Request):
         req = await read_json(request, schemas.DetokenizeRequest)

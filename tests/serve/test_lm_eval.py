@@ -158,3 +158,18 @@ def test_the_end_token_that_stops_a_scoring_request_has_its_logprob(server, smol
     assert choice["finish_reason"] == "stop" and r.json()["usage"]["completion_tokens"] == 0
     assert len(lp["token_logprobs"]) == len(lp["tokens"]) == len(ids) + 1 and lp["token_logprobs"][-1] < 0
     assert lp["tokens"][-1] == "<|im_end|>" and choice["text"] == tok.decode(ids)
+
+
+def test_lm_evals_remote_tokenizer_reads_the_servers(server, smollm2_container):
+    """tokenizer_backend=remote (what `auto` picks when /tokenizer_info answers): no local tokenizer needed."""
+    from lm_eval.utils import RemoteTokenizer
+
+    from colibri.tokenizer import Tokenizer
+
+    local = Tokenizer.from_dir(smollm2_container)
+    remote = RemoteTokenizer(server.url + "/v1/completions", 30, True, None, None)
+    text = "The capital of France is Paris."
+    assert remote.encode(text) == local.encode(text, add_special_tokens=False)
+    assert remote.decode(remote.encode(text)) == text
+    assert remote.eos_token_id in local.eos_token_ids
+    assert "<|im_start|>" in remote.apply_chat_template([{"role": "user", "content": "hi"}])
