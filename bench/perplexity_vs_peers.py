@@ -139,7 +139,7 @@ def main() -> None:
     else:
         print(f"llama.cpp skipped: no peer environment at {args.peer_python}")
 
-    print(f"\n| engine | perplexity | vs transformers | KL mean | KL p99 | top-1 agreement | tok/s |")
+    print("\n| engine | perplexity | vs transformers | KL mean | KL p99 | top-1 agreement | tok/s |")
     print("|---|---|---|---|---|---|---|")
     base = rows[0][1]["perplexity"]
     for name, r in rows:
