@@ -415,13 +415,16 @@ async def completions(request: Request):
 
 
 def _echo(state: ServerState, ids: list[int]) -> tuple[str, list[int], list[int]]:
-    """(the prompt's text, its tokens, where each token's text starts in it), for `echo`."""
-    text = state.tokenizer.decode(ids) if state.tokenizer else ""
-    offsets, pos = [], 0
-    for i in range(len(ids)):
-        offsets.append(pos)
-        pos = len(state.tokenizer.decode(ids[: i + 1])) if state.tokenizer else 0
-    return text, ids, offsets
+    """(the prompt's text, its tokens, where each token's text starts in it), for `echo`; one
+    incremental decode (its pieces concatenate to decode(ids)), not one decode per prefix."""
+    if state.tokenizer is None:
+        return "", ids, [0] * len(ids)
+    decoder = state.tokenizer.stream_decoder()
+    text, offsets = "", []
+    for t in ids:
+        offsets.append(len(text))
+        text += decoder.feed(t)
+    return text + decoder.flush(), ids, offsets
 
 
 def _prompt_logprobs(state: ServerState, echo, scores) -> dict:
