@@ -3,6 +3,8 @@ weights dequantized) and llama.cpp, on the same tokens with the same windows.
 
     python bench/perplexity_vs_peers.py [--tokens 20480] [--ctx 512] [--stride 256]
                                         [--peer-python /work/peer-venv/bin/python]
+    python bench/perplexity_vs_peers.py --write-text pydoc_topics.txt   # the text alone
+    python bench/perplexity_vs_peers.py --export-hf DIR   # the GGUF as a float32 checkpoint
 
 The text ships with Python: pydoc's topic help (pydoc_data.topics), topics in sorted order
 joined by blank lines, its first --tokens tokens (SmolLM2's tokenizer). Windows are
@@ -58,6 +60,33 @@ def run_transformers(gguf: Path, ids, ctx, stride, ev):
     return ev.score_text(_Rows(logits, ctx), ids, ctx, stride, keep_top=True)
 
 
+def export_hf(gguf: Path | None, out: Path) -> None:
+    """The GGUF dequantized by transformers, saved as a float32 safetensors checkpoint with the
+    embedded model's tokenizer files (transformers refuses to save a GGUF-loaded model itself)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from colibri.default_model import default_gguf, default_model_dir
+
+    gguf = gguf or Path(default_gguf())
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(config))
+    container = default_model_dir(progress=False)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (container / name).exists():
+            shutil.copy(container / name, out / name)
+
+
 def child_llama(args) -> None:
     """In the peer environment: llama.cpp's logits for every position, scored like the others."""
     import llama_cpp
@@ -102,11 +131,20 @@ def main() -> None:
     ap.add_argument("--stride", type=int, default=256)
     ap.add_argument("--peer-python", default="/work/peer-venv/bin/python")
     ap.add_argument("--gguf", default=None)
+    ap.add_argument("--write-text", metavar="FILE", help="only write the text to FILE (for `colibri perplexity`)")
+    ap.add_argument("--export-hf", metavar="DIR", help="only write the GGUF's weights dequantized as a float32 "
+                    "Hugging Face checkpoint (for `colibri convert --bits 4|8|32`)")
     ap.add_argument("--child-in", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child_in:
         child_llama(args)
+        return
+    if args.write_text:
+        Path(args.write_text).write_text(pydoc_text())
+        return
+    if args.export_hf:
+        export_hf(Path(args.gguf) if args.gguf else None, Path(args.export_hf))
         return
 
     from colibri import Engine, eval as ev
