@@ -7,9 +7,9 @@ import json
 import uuid
 
 from fastapi import APIRouter, Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 
-from colibri.serve.state import ClientGone, ServerState, Turn, collect, error_event, gone_response, read_json, sse
+from colibri.serve.state import ClientGone, ServerState, Turn, collect, error_event, read_json, sse, sse_response
 from colibri.serve.errors import bad_request
 from colibri.serve.openai_api import stop_list
 from colibri.serve.scheduler import Failed, Finished
@@ -216,14 +216,8 @@ async def messages(request: Request):
     answer = AnswerStream(state.splitter(split, prompt_text), tool_plan.parser())
     mid = "msg_" + uuid.uuid4().hex[:24]
     if req.stream:
-        return StreamingResponse(_stream(state, turn, mid, stops, answer), media_type="text/event-stream",
-                                 headers={**turn.headers, "cache-control": "no-cache"})
-    try:
-        _, done = await collect(turn)
-    except ClientGone:
-        return gone_response()
-    finally:
-        turn.close()
+        return sse_response(turn, _stream(state, turn, mid, stops, answer))
+    _, done = await collect(turn)
     g = done.generation
     answer.feed(g.text)
     answer.finish()

@@ -6,11 +6,11 @@ import time
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 
 from colibri.engine import TokenEvent
-from colibri.serve.state import (ClientGone, ServerState, Turn, collect_choices, error_event, gone_response, read_json,
-                                 sse)
+from colibri.serve.state import (ClientGone, ServerState, Turn, collect_choices, error_event, read_json, sse,
+                                 sse_response)
 from colibri.serve.tools import (AnswerStream, ArgsDelta, CallStart, Reasoning, TextDelta, ToolCall, ToolPlan,
                                  compile_grammar, guided_spec, openai_tools, parse_arguments, plan,
                                  render_messages, response_format_spec)
@@ -253,14 +253,8 @@ async def chat_completions(request: Request):
     want_logprobs = setup.options["logprobs"] is not None
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_chat_stream(state, turn, setup, rid, created, include_usage, want_logprobs),
-                                 media_type="text/event-stream", headers={**turn.headers, "cache-control": "no-cache"})
-    try:
-        choices = await collect_choices(turn)
-    except ClientGone:
-        return gone_response()
-    finally:
-        turn.close()
+        return sse_response(turn, _chat_stream(state, turn, setup, rid, created, include_usage, want_logprobs))
+    choices = await collect_choices(turn)
     out = []
     for index, (events, done) in enumerate(choices):
         g = done.generation
@@ -388,15 +382,9 @@ async def completions(request: Request):
     echo = _echo(state, ids) if req.echo else None
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_completion_stream(state, turn, rid, created, include_usage, req.logprobs is not None,
-                                                    echo),
-                                 media_type="text/event-stream", headers={**turn.headers, "cache-control": "no-cache"})
-    try:
-        choices = await collect_choices(turn)
-    except ClientGone:
-        return gone_response()
-    finally:
-        turn.close()
+        return sse_response(turn, _completion_stream(state, turn, rid, created, include_usage,
+                                                     req.logprobs is not None, echo))
+    choices = await collect_choices(turn)
     out = []
     for index, (events, done) in enumerate(choices):
         g = done.generation

@@ -17,13 +17,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 
 from colibri.serve.errors import ApiError, bad_request
 from colibri.serve.openai_api import ChatSetup, answer_stream, prepare_chat, response_format_spec
 from colibri.serve.scheduler import Failed, Finished
 from colibri.serve.schemas import ResponsesRequest
-from colibri.serve.state import ClientGone, ServerState, Turn, collect, error_event, gone_response, read_json, sse
+from colibri.serve.state import ClientGone, ServerState, Turn, collect, error_event, read_json, sse, sse_response
 from colibri.serve.tools import ArgsDelta, CallEnd, CallStart, Reasoning, TextDelta, function_tool, parse_arguments
 
 router = APIRouter()
@@ -184,14 +184,8 @@ async def create_response(request: Request):
             store.put(rid, Stored(body, conversation + OutputBuilder.messages(answer), {**calls, **made}))
 
     if req.stream:
-        return StreamingResponse(_stream(state, turn, setup, shell, save), media_type="text/event-stream",
-                                 headers={**turn.headers, "cache-control": "no-cache"})
-    try:
-        _, done = await collect(turn)
-    except ClientGone:
-        return gone_response()
-    finally:
-        turn.close()
+        return sse_response(turn, _stream(state, turn, setup, shell, save))
+    _, done = await collect(turn)
     answer = answer_stream(state, setup)
     builder = OutputBuilder()
     builder.apply(answer.feed(done.generation.text))

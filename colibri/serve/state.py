@@ -14,7 +14,7 @@ from functools import lru_cache
 
 import anyio
 from fastapi import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
 from colibri.engine import Engine, TokenEvent
 from colibri.errors import ColibriError, EngineFault
@@ -296,23 +296,32 @@ def error_event(path: str, error: Exception) -> dict:
 
 
 async def collect(turn: Turn) -> tuple[list[TokenEvent], Finished]:
-    """All events of a non-streamed generation (a disconnect raises ClientGone)."""
+    """All events of a non-streamed generation (see collect_choices)."""
     return (await collect_choices(turn))[0]
 
 
 async def collect_choices(turn: Turn) -> list[tuple[list[TokenEvent], Finished]]:
-    """Each of the job's n choices: its events and its end (a disconnect raises ClientGone)."""
+    """Each of the job's n choices: its events and its end. The turn is closed whatever happens;
+    a disconnect raises ClientGone, which the app answers with gone_response()."""
     choices, events = [], []
-    while len(choices) < turn.job.n:
-        item = await turn.next()
-        if isinstance(item, Finished):
-            choices.append((events, item))
-            events = []
-        elif isinstance(item, Failed):
-            raise failure(item.error)
-        else:
-            events.append(item)
+    try:
+        while len(choices) < turn.job.n:
+            item = await turn.next()
+            if isinstance(item, Finished):
+                choices.append((events, item))
+                events = []
+            elif isinstance(item, Failed):
+                raise failure(item.error)
+            else:
+                events.append(item)
+    finally:
+        turn.close()
     return choices
+
+
+def sse_response(turn: Turn, frames) -> StreamingResponse:
+    """A streamed answer: `frames` (an async generator of SSE text) with the turn's headers."""
+    return StreamingResponse(frames, media_type="text/event-stream", headers={**turn.headers, "cache-control": "no-cache"})
 
 
 def sse(data: dict | str, event: str | None = None) -> str:
