@@ -53,6 +53,8 @@ from pathlib import Path
 
 import numpy as np
 
+from colibri.io.gguf_import import bytes_to_unicode  # the byte-level BPE alphabet
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -210,18 +212,6 @@ COVERAGE = [
 
 
 # ---------------------------------------------------------------- the ~150k vocabulary
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map (the alphabet of byte-level BPE vocabularies)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
 
 _PIECES = re.compile(r" ?[^\W\d_]+| ?\d{1,3}| ?[^\s\w]+|\s{1,16}")
 

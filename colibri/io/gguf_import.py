@@ -360,7 +360,7 @@ def _tokenizer(path: Path, meta: dict) -> tuple[str, dict, dict]:
     return backend.to_str(), tokenizer_config, generation_config
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table (the byte-level BPE alphabet)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars = printable[:]
@@ -379,7 +379,7 @@ def _byte_level_bpe(tokens, token_types, merges, pre, special, add_bos, add_eos)
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
     from tokenizers.models import BPE
 
-    spelling = _bytes_to_unicode()
+    spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
     # A token written outside the byte alphabet (raw UTF-8 in the file) is respelled into it.
     vocab = {

@@ -120,9 +120,9 @@ def _write_gguf(path, arch="llama", tensors=(), tokenizer=True):
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(258)
     if tokenizer:
-        from colibri.io.gguf_import import _bytes_to_unicode
+        from colibri.io.gguf_import import bytes_to_unicode
 
-        tokens = ["<s>", "</s>"] + list(_bytes_to_unicode().values())
+        tokens = ["<s>", "</s>"] + list(bytes_to_unicode().values())
         w.add_tokenizer_model("gpt2")
         w.add_token_list(tokens)
         w.add_token_types([3, 3] + [1] * 256)
