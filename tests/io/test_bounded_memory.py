@@ -2,6 +2,7 @@
 smaller than the model holds the process; it decodes without being killed and its peak RSS
 stays within dense + expert budget + a stated overhead."""
 import json
+import subprocess
 import sys
 
 import memlimit
@@ -27,8 +28,13 @@ print(json.dumps({"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 10
 """
 
 
-@pytest.mark.parametrize("io", ["pread", "direct"])
-def test_larger_than_limit_model_decodes_in_bounded_memory(tmp_path_factory, io):
+@pytest.fixture(scope="module")
+def medium_model(tmp_path_factory):
+    """The medium synthetic MoE, with numba's cache warm for its kernels. Compiling is a
+    first-start cost outside what is measured here: LLVM holds ~300 MB while it compiles this
+    model's kernels (measured: peak RSS 525 MB cold vs 392 MB cached), more than the whole
+    limit below. So the same child runs once without a limit first, as `colibri` itself
+    compiles on first start (colibri.warmup) before serving."""
     reason = memlimit.why_unavailable()
     if reason:
         pytest.skip(f"no memory cgroup can be made here: {reason}")
@@ -38,10 +44,18 @@ def test_larger_than_limit_model_decodes_in_bounded_memory(tmp_path_factory, io)
     from colibri.io.container import Container
 
     c = Container(model)
-    size = c.dense_bytes + c.expert_bytes
+    budget = c.dense_bytes + 40 * MiB
+    warm = subprocess.run([sys.executable, "-c", CHILD, str(model), str(budget / (1 << 30)), "pread"],
+                          capture_output=True, text=True, timeout=600)
+    assert warm.returncode == 0, warm.stderr[-2000:]
+    return model, c.dense_bytes + c.expert_bytes, budget
+
+
+@pytest.mark.parametrize("io", ["pread", "direct"])
+def test_larger_than_limit_model_decodes_in_bounded_memory(medium_model, io):
+    model, size, budget = medium_model
     limit = 400 * MiB
     assert size > limit + 100 * MiB  # the model really is larger than the memory it runs in
-    budget = c.dense_bytes + 40 * MiB
     r = memlimit.run_limited([sys.executable, "-c", CHILD, str(model), str(budget / (1 << 30)), io], limit,
                              timeout=600)
     assert r.returncode == 0 and not r.oom_killed, r.stderr[-2000:]
