@@ -5,6 +5,11 @@ and the decode roof (weight bytes read per token / memory read bandwidth measure
 Benchmark only: no asserts.
 
     python bench/decode_vs_peers.py --llama-python /work/peer-venv/bin/python [--repeats 3]
+
+With --contexts (e.g. 1024,4096,8160) it measures decode after long contexts instead: each engine
+prefills one long text up to each length in turn (the later lengths extend the earlier context)
+and decodes --tokens greedy tokens there. colibri's line also gives the decode attention's share
+of a token: its kernel timed on the engine's own KV cache at that length, for every layer.
 """
 from __future__ import annotations
 
@@ -56,6 +61,68 @@ def child_colibri(a) -> dict:
     g = e.generate(SHORT, max_tokens=a.tokens, stop_at_eos=False)
     return {"first_token_unix": first, "prompt_tokens": len(ids), "prefill_tok_s": prefill, "ttft_s": ttft,
             "decode_tok_s": g.decode_tok_s, "tokens": g.token_ids, "peak_rss": rss()}
+
+
+def context_ids(tokenize, n: int) -> list[int]:
+    """At least n token ids of a long plain text (the same text for every engine)."""
+    words = 1000
+    while True:
+        ids = tokenize(long_prompt(words))
+        if len(ids) >= n:
+            return ids[:n]
+        words *= 2
+
+
+def child_colibri_contexts(a) -> dict:
+    import numpy as np
+
+    from colibri import Engine
+    from colibri.kernels import ops
+
+    lengths = [int(x) for x in a.contexts.split(",")]
+    e = Engine.load(a.container, max_context=max(lengths) + a.tokens)
+    ids = context_ids(lambda t: e.tokenizer.encode(t, add_special_tokens=False), max(lengths))
+    args, cache = e.model.args, e.cache
+    rows = []
+    for n in lengths:
+        g = e.generate(ids[:n], max_tokens=a.tokens, stop_at_eos=False)
+        q = np.random.default_rng(0).normal(size=(args.num_attention_heads, cache.k[0].shape[2])).astype(np.float32)
+        scale = np.float32(cache.k[0].shape[2] ** -0.5)
+        best = float("inf")
+        for _ in range(5):  # the attention kernel alone, every layer, on this cache at this length
+            t0 = time.perf_counter()
+            for layer in range(len(cache.k)):
+                ops.attend_one(q, cache.k[layer], cache.v[layer], n, scale)
+            best = min(best, time.perf_counter() - t0)
+        rows.append({"context": n, "decode_tok_s": g.decode_tok_s, "attention_s": best,
+                     "prefill_tok_s": g.prefill_tok_s})
+    return {"rows": rows, "peak_rss": rss()}
+
+
+def child_llama_contexts(a) -> dict:
+    import numpy as np
+    from llama_cpp import Llama
+
+    lengths = [int(x) for x in a.contexts.split(",")]
+    llm = Llama(model_path=a.gguf, n_ctx=max(lengths) + a.tokens + 16, n_batch=512, n_threads=a.threads,
+                n_threads_batch=a.threads, verbose=False)
+    ids = context_ids(lambda t: llm.tokenize(t.encode(), add_bos=False, special=False), max(lengths))
+    rows, done = [], 0
+    for n in lengths:
+        llm.n_tokens = done  # drop the previous length's generated tokens (KV positions past `done`)
+        llm._ctx.kv_cache_seq_rm(-1, done, -1)
+        t0 = time.perf_counter()
+        llm.eval(ids[done:n])
+        prefill = (n - done) / (time.perf_counter() - t0)
+        done = n
+        times = []
+        for _ in range(a.tokens):
+            tok = int(np.argmax(_last_logits(llm)))
+            t = time.perf_counter()
+            llm.eval([tok])
+            times.append(time.perf_counter() - t)
+        rows.append({"context": n, "decode_tok_s": (len(times) - 1) / sum(times[1:]), "prefill_tok_s": prefill})
+    return {"rows": rows, "peak_rss": rss()}
 
 
 def child_llama(a) -> dict:
@@ -146,10 +213,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--contexts", default=None, help="e.g. 1024,4096,8160: decode after contexts this long")
     ap.add_argument("--child", choices=["colibri", "llama", "transformers"])
     a = ap.parse_args()
     if a.child:
         fn = {"colibri": child_colibri, "llama": child_llama, "transformers": child_transformers}[a.child]
+        if a.contexts:
+            fn = {"colibri": child_colibri_contexts, "llama": child_llama_contexts}[a.child]
         print(json.dumps(fn(a)))
         return
 
@@ -169,10 +239,12 @@ def main() -> None:
     engines = [("colibri", sys.executable)]
     if a.llama_python:
         engines.append(("llama", a.llama_python))
-    if not a.no_transformers:
+    if not a.no_transformers and not a.contexts:
         engines.append(("transformers", sys.executable))
     results: dict[str, list[dict]] = {n: [] for n, _ in engines}
     common = ["--gguf", a.gguf, "--container", a.container, "--threads", str(a.threads), "--tokens", str(a.tokens)]
+    if a.contexts:
+        common += ["--contexts", a.contexts]
     for _ in range(a.repeats):
         for name, py in engines:
             t_spawn = time.time()
@@ -181,13 +253,17 @@ def main() -> None:
                 print(f"{name} failed: {p.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
                 continue
             r = json.loads(p.stdout.strip().splitlines()[-1])
-            r["cold_start_s"] = r["first_token_unix"] - t_spawn
+            if "first_token_unix" in r:
+                r["cold_start_s"] = r["first_token_unix"] - t_spawn
             results[name].append(r)
 
     def med(name, key):
         vals = [r[key] for r in results[name]]
         return statistics.median(vals) if vals else float("nan")
 
+    if a.contexts:
+        report_contexts(a, c, results, engines, bw, bytes_per_token)
+        return
     roof = bw / bytes_per_token
     print(f"machine: {os.cpu_count()} cores; threads {a.threads}; model {Path(a.gguf).name} "
           f"({embed.get('scheme', '?')} embeddings); {a.repeats} repeats, medians")
@@ -212,6 +288,32 @@ def main() -> None:
         a_, b_ = results["colibri"][0]["tokens"], results["llama"][0]["tokens"]
         n = next((i for i, (x, y) in enumerate(zip(a_, b_)) if x != y), min(len(a_), len(b_)))
         print(f"greedy tokens shared with llama.cpp (int8 activations): first {n} of {a.tokens}")
+
+
+def report_contexts(a, c, results, engines, bw, weight_bytes) -> None:
+    """Decode tok/s by context length. The roof counts the KV cache read per token as well as the
+    weights: colibri keeps K and V in float32 (exact against transformers), llama.cpp in f16."""
+    cfg = c.config
+    kv_row = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * (cfg["hidden_size"] // cfg["num_attention_heads"])
+    print(f"machine: {os.cpu_count()} cores; threads {a.threads}; {Path(a.gguf).name}; {a.tokens} tokens decoded at "
+          f"each length; {a.repeats} repeats, medians; read bandwidth {bw / 1e9:.1f} GB/s")
+    print(f"{'context':>7} {'engine':8} {'decode tok/s':>12} {'roof tok/s':>10} {'% roof':>6} {'attention share':>15}")
+    lengths = [int(x) for x in a.contexts.split(",")]
+    for i, n in enumerate(lengths):
+        for name, _ in engines:
+            if not results[name]:
+                continue
+            rows = [r["rows"][i] for r in results[name]]
+            d = statistics.median(r["decode_tok_s"] for r in rows)
+            kv_bytes = n * kv_row * (4 if name == "colibri" else 2)
+            roof = bw / (weight_bytes + kv_bytes)
+            share = (f"{100 * statistics.median(r['attention_s'] * r['decode_tok_s'] for r in rows):14.0f}%"
+                     if "attention_s" in rows[0] else f"{'':15}")
+            print(f"{n:7} {name:8} {d:12.1f} {roof:10.0f} {100 * d / roof:5.0f}% {share}")
+        if all(results[name] for name, _ in engines) and len(engines) > 1:
+            ratio = (statistics.median(r["rows"][i]["decode_tok_s"] for r in results["colibri"])
+                     / statistics.median(r["rows"][i]["decode_tok_s"] for r in results["llama"]))
+            print(f"{n:7} colibri / llama.cpp: {ratio:.2f}x")
 
 
 if __name__ == "__main__":

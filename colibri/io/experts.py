@@ -55,7 +55,7 @@ class ResidentExperts:
         for e in ids:
             yield e, experts[e]
 
-    def prefetch(self, prefix: str, ids) -> None:
+    def prefetch(self, prefix: str, ids, certain: bool = False) -> None:
         """Everything is resident: nothing to fetch ahead."""
 
     def fused(self, prefix: str) -> FusedExperts | None:

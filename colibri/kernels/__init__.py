@@ -60,7 +60,8 @@ def _cache_in_user_dir():
 # Every module holding kernels is imported here, inside the block (tests/test_warmup.py checks).
 with _cache_in_user_dir():
     from . import decode, moe, ops
-    from .cpu import embedding, matmul, matvec
+    from .cpu import embedding, matvec
+    from .gemm import matmul
 from .quant import (
     FLOAT_SCHEMES,
     GROUP_SIZE,

@@ -12,11 +12,9 @@ in one task, b keys in one block.
 from __future__ import annotations
 
 import math
-from concurrent.futures import ThreadPoolExecutor
-from functools import lru_cache
-
 import numpy as np
-from numba import get_num_threads
+
+from .tasks import run_tasks, split
 
 # Bytes of scores one task holds at a time. A few MB stays in L2/L3 while exp and the value
 # product read it back, and bounds a prompt's attention memory whatever its length.
@@ -54,31 +52,6 @@ class OnlineSoftmax:
 def key_block(rows: int) -> int:
     """Keys per block so that `rows` score rows of float32 fit SCORE_BLOCK_BYTES."""
     return int(min(MAX_BLOCK, max(MIN_BLOCK, SCORE_BLOCK_BYTES // (4 * max(rows, 1)))))
-
-
-@lru_cache(maxsize=4)
-def _pool(n: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=n, thread_name_prefix="colibri-attn")
-
-
-def kernel_threads() -> int:
-    """The kernels' thread count (numba's, set per calling thread by kernels.set_threads)."""
-    return get_num_threads()
-
-
-def run_tasks(fn, tasks: list, nthreads: int | None = None) -> list:
-    """fn over tasks, on `nthreads` threads (default: the kernels'; inline for one of either)."""
-    nthreads = kernel_threads() if nthreads is None else nthreads
-    if nthreads <= 1 or len(tasks) <= 1:
-        return [fn(t) for t in tasks]
-    return list(_pool(nthreads).map(fn, tasks))
-
-
-def split(n: int, parts: int) -> list[tuple[int, int]]:
-    """[0, n) in `parts` contiguous ranges of nearly equal size (none empty)."""
-    parts = max(1, min(parts, n))
-    step = math.ceil(n / parts)
-    return [(a, min(n, a + step)) for a in range(0, n, step)]
 
 
 def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale: np.float32,

@@ -1,4 +1,5 @@
-"""CPU kernels (numba) over QTensor: matvec for decode, matmul for prefill, embedding lookup.
+"""CPU kernels (numba) over QTensor: matvec for decode, embedding lookup (prefill's matmul is
+in gemm.py).
 Each is checked against `quant.dequantize` (tests/kernels/test_cpu.py); DESIGN.md section 6.
 
 Why the loops look as they do (timings: this repo's 2-core AMD EPYC sandbox, one thread):
@@ -15,8 +16,6 @@ Why the loops look as they do (timings: this repo's 2-core AMD EPYC sandbox, one
   the measured read bandwidth (README, Measured).
 - Nibble, int8 and half-float decoding are LLVM IR intrinsics: numba widens small integers
   to int64, and int64->float conversion is slow in SIMD (absent on AVX2); ~35% measured.
-- Prefill (matmul) is compute bound: a tile of rows is dequantized once, exactly, into a
-  per-thread buffer and used for all L activation rows by a 4x4 register-blocked kernel.
 - Every kernel is parallel over output rows (prange); the wrappers check shapes and dtypes
   so that numba only ever sees contiguous arrays of the expected types.
 """
@@ -33,8 +32,6 @@ from .quant import GROUP_SIZE, INT4_SCHEMES, SCHEMES, QTensor
 # reassoc lets LLVM split each reduction over vector lanes; contract fuses to FMA. Sums
 # change only by float32 rounding.
 _FAST = {"reassoc", "contract", "nsz"}
-# Rows dequantized per matmul tile: 16 rows x 4096 inputs x 4 B = 256 KB, L2-resident.
-_TILE = 16
 
 _I32 = ir.IntType(32)
 
@@ -502,130 +499,6 @@ def _matvec_u16(w, is_bf16, x, y):
         y[r + 3] = a3
 
 
-# --- matmul: prefill, a dequantized tile of rows against all L activation rows ------------
-
-
-# Four weight rows x four activation rows per pass over k: 8 loads feed 16 FMAs. Measured on
-# a 16-row tile, L=64: 4x4 ~160 GFLOP/s per core, 4x2 ~85, 4x1 ~50.
-@njit(cache=True, fastmath=_FAST)
-def _dot4x4(w, j, x, l, y, y0):
-    a00 = a01 = a02 = a03 = np.float32(0.0)
-    a10 = a11 = a12 = a13 = np.float32(0.0)
-    a20 = a21 = a22 = a23 = np.float32(0.0)
-    a30 = a31 = a32 = a33 = np.float32(0.0)
-    for k in range(x.shape[1]):
-        w0 = w[j, k]
-        w1 = w[j + 1, k]
-        w2 = w[j + 2, k]
-        w3 = w[j + 3, k]
-        x0 = x[l, k]
-        x1 = x[l + 1, k]
-        x2 = x[l + 2, k]
-        x3 = x[l + 3, k]
-        a00 += w0 * x0
-        a01 += w1 * x0
-        a02 += w2 * x0
-        a03 += w3 * x0
-        a10 += w0 * x1
-        a11 += w1 * x1
-        a12 += w2 * x1
-        a13 += w3 * x1
-        a20 += w0 * x2
-        a21 += w1 * x2
-        a22 += w2 * x2
-        a23 += w3 * x2
-        a30 += w0 * x3
-        a31 += w1 * x3
-        a32 += w2 * x3
-        a33 += w3 * x3
-    c = y0 + j
-    y[l, c], y[l, c + 1], y[l, c + 2], y[l, c + 3] = a00, a01, a02, a03
-    y[l + 1, c], y[l + 1, c + 1], y[l + 1, c + 2], y[l + 1, c + 3] = a10, a11, a12, a13
-    y[l + 2, c], y[l + 2, c + 1], y[l + 2, c + 2], y[l + 2, c + 3] = a20, a21, a22, a23
-    y[l + 3, c], y[l + 3, c + 1], y[l + 3, c + 2], y[l + 3, c + 3] = a30, a31, a32, a33
-
-
-@njit(cache=True, fastmath=_FAST)
-def _tile_matmul(w, nr, x, y, y0):
-    """y[:, y0 : y0+nr] = x @ w[:nr].T for a dequantized tile w."""
-    L = x.shape[0]
-    l4 = L - L % 4
-    j4 = nr - nr % 4
-    for l in range(0, l4, 4):
-        for j in range(0, j4, 4):
-            _dot4x4(w, j, x, l, y, y0)
-    for l in range(L):
-        xl = x[l]
-        if l >= l4:
-            for j in range(0, j4, 4):
-                _f32_rows_dot4(w, j, xl, y, l, y0 + j)
-        for j in range(j4, nr):
-            y[l, y0 + j] = _f32_row_dot(w, j, xl)
-
-
-@njit(parallel=True, cache=True)
-def _matmul_int4(q, scales, mins, half, has_min, x, y, nthreads):
-    out, n = q.shape[0], x.shape[1]
-    nblk = (out + _TILE - 1) // _TILE
-    nth = min(nthreads, nblk)
-    # One buffer per thread, allocated once; tiles are dealt round-robin to threads.
-    # (nthreads comes from the caller: get_num_threads() inside would block caching.)
-    for t in prange(nth):
-        buf = np.empty((_TILE, n), np.float32)
-        for blk in range(t, nblk, nth):
-            r0 = blk * _TILE
-            nr = min(_TILE, out - r0)
-            for j in range(nr):
-                _deq_int4_row(q[r0 + j], scales[r0 + j], mins[r0 + j], half, has_min, buf[j])
-            _tile_matmul(buf, nr, x, y, r0)
-
-
-@njit(parallel=True, cache=True)
-def _matmul_q8(q, scales, group, x, y, nthreads):
-    out, n = q.shape[0], x.shape[1]
-    nblk = (out + _TILE - 1) // _TILE
-    nth = min(nthreads, nblk)
-    for t in prange(nth):
-        buf = np.empty((_TILE, n), np.float32)
-        for blk in range(t, nblk, nth):
-            r0 = blk * _TILE
-            nr = min(_TILE, out - r0)
-            for j in range(nr):
-                _deq_q8_row(q[r0 + j], scales[r0 + j], group, buf[j])
-            _tile_matmul(buf, nr, x, y, r0)
-
-
-@njit(parallel=True, cache=True)
-def _matmul_u16(w, is_bf16, x, y, nthreads):
-    out, n = w.shape[0], x.shape[1]
-    nblk = (out + _TILE - 1) // _TILE
-    nth = min(nthreads, nblk)
-    for t in prange(nth):
-        buf = np.empty((_TILE, n), np.float32)
-        for blk in range(t, nblk, nth):
-            r0 = blk * _TILE
-            nr = min(_TILE, out - r0)
-            for j in range(nr):
-                _deq_u16_row(w[r0 + j], is_bf16, buf[j])
-            _tile_matmul(buf, nr, x, y, r0)
-
-
-@njit(parallel=True, cache=True)
-def _matmul_f32(w, x, y, nthreads):
-    out, n = w.shape[0], x.shape[1]
-    nblk = (out + _TILE - 1) // _TILE
-    nth = min(nthreads, nblk)
-    # float32 weights need no dequantization; the copy only gives _tile_matmul the same
-    # cache-friendly tile (and one compiled specialisation) as the other schemes.
-    for t in prange(nth):
-        buf = np.empty((_TILE, n), np.float32)
-        for blk in range(t, nblk, nth):
-            r0 = blk * _TILE
-            nr = min(_TILE, out - r0)
-            buf[:nr] = w[r0:r0 + nr]
-            _tile_matmul(buf, nr, x, y, r0)
-
-
 # --- embedding ----------------------------------------------------------------------------
 
 
@@ -739,25 +612,6 @@ def matvec(t: QTensor, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarr
     return y
 
 
-def matmul(t: QTensor, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """y = x @ dequantize(t).T: float32 [L, in] -> float32 [L, out_features] (prefill)."""
-    _check_tensor(t)
-    x = _activations(x, 2, t.shape[1], "matmul")
-    y = _result(out, (x.shape[0], t.shape[0]), "matmul")
-    if y.size == 0:
-        return y
-    s = t.scheme
-    if s in ("int4_g64", "q4_0", "q4_1"):
-        _matmul_int4(*_int4_args(t), x, y, get_num_threads())
-    elif s == "q8_0":
-        _matmul_q8(t.q, t.scales, GROUP_SIZE[s], x, y, get_num_threads())
-    elif s == "f32":
-        _matmul_f32(t.q, x, y, get_num_threads())
-    else:
-        _matmul_u16(t.q.view(np.uint16), s == "bf16", x, y, get_num_threads())
-    return y
-
-
 def embedding(t: QTensor, ids: np.ndarray) -> np.ndarray:
     """Dequantized rows t[ids]: int [L] -> float32 [L, in], equal to dequantize(t)[ids]."""
     _check_tensor(t)
@@ -784,4 +638,4 @@ def embedding(t: QTensor, ids: np.ndarray) -> np.ndarray:
     return y
 
 
-__all__ = ["matvec", "matmul", "embedding"]
+__all__ = ["matvec", "embedding"]

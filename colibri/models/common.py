@@ -366,6 +366,13 @@ class SparseMoE:
         _, ids = self.route(rms_norm(x, norm, eps))
         self.experts.prefetch(self.prefix, np.unique(ids).tolist())
 
+    def fetch_for_rows(self, xs: list[np.ndarray], norm: np.ndarray, eps: float) -> None:
+        """Several rows about to run this layer one by one (DecoderModel.forward_rows): route
+        them all now and start reading the union of their experts, each expert once, in
+        parallel; the rows then find them in RAM."""
+        _, ids = self.route(rms_norm(np.concatenate(xs), norm, eps))
+        self.experts.prefetch(self.prefix, np.unique(ids).tolist(), certain=True)
+
     def __call__(self, x: np.ndarray) -> np.ndarray:
         t0 = clock() if PHASES.on else 0.0
         weights, ids = self.route(x)  # [L, K], [L, K]
@@ -448,18 +455,18 @@ class DecoderLayer:
     def __call__(self, x, cache, layer, pos0, cos, sin):
         t0 = clock() if PHASES.on else 0.0
         if x.shape[0] == 1:
-            x = self._attend_one(x, cache, layer, pos0, cos, sin)
+            x = self.attend_one(x, cache, layer, pos0, cos, sin)
         else:
             x = x + self.attn(rms_norm(x, self.input_norm, self.eps), cache, layer, pos0, cos, sin)
         if t0:
             PHASES.add("attention", layer, t0)
             t0 = clock()
-        x = self._mlp_one(x) if x.shape[0] == 1 else x + self.mlp(rms_norm(x, self.post_norm, self.eps))
+        x = self.mlp_one(x) if x.shape[0] == 1 else x + self.mlp(rms_norm(x, self.post_norm, self.eps))
         if t0:
             PHASES.add("ffn", layer, t0)
         return x
 
-    def _attend_one(self, x, cache, layer, pos0, cos, sin):
+    def attend_one(self, x, cache, layer, pos0, cos, sin):
         """One token's attention block: one compiled call where the fused kernel covers it."""
         attn_args, _ = self._fused if self._fused is not None else self._build_fused()
         if attn_args is not None:
@@ -473,7 +480,7 @@ class DecoderLayer:
             x = x + self.attn(rms_norm(x, self.input_norm, self.eps), cache, layer, pos0, cos, sin)
         return x
 
-    def _mlp_one(self, x):
+    def mlp_one(self, x):
         """One token's feed-forward block: one compiled call for a fused dense MLP."""
         _, mlp_args = self._fused if self._fused is not None else self._build_fused()
         if mlp_args is not None:
@@ -543,3 +550,35 @@ class DecoderModel:
         if t0:
             PHASES.add("head", -1, t0)
         return logits
+
+    def forward_rows(self, ids, caches: list) -> np.ndarray:
+        """One token per row, row r continuing caches[r]; returns logits [B, V]. Rows may share
+        a cache: they are then consecutive positions of one sequence, in row order (drafted
+        tokens being verified). Different caches are different sequences (a batch).
+
+        Layer by layer, each row makes exactly the calls forward([ids[r]], caches[r]) makes, on
+        the same inputs, so its logits are the same bits as decoding that token alone: batching
+        and speculation never change a token. What the rows share is reading: each layer's
+        weights come from DRAM for the first row and from the CPU caches for the others, and a
+        MoE layer's routed experts are read from disk once for all rows (the union is requested
+        after the rows' attention, before the first row's experts run)."""
+        B = len(ids)
+        pos, end = [], {}
+        for c in caches:
+            p = end.get(id(c), c.length)
+            pos.append(p)
+            end[id(c)] = p + 1
+        for c in caches:
+            c.reserve(end[id(c)])
+        trig = [self.rope.cos_sin(np.arange(p, p + 1)) for p in pos]
+        xs = [embedding(self.embed, np.array([t], dtype=np.int64)) for t in ids]
+        for i, layer in enumerate(self.layers):
+            for r in range(B):
+                xs[r] = layer.attend_one(xs[r], caches[r], i, pos[r], *trig[r])
+            if B > 1 and isinstance(layer.mlp, SparseMoE):
+                layer.mlp.fetch_for_rows(xs, layer.post_norm, self.args.rms_norm_eps)
+            for r in range(B):
+                xs[r] = layer.mlp_one(xs[r])
+        for c in caches:
+            c.length = end[id(c)]
+        return np.concatenate([linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head) for x in xs])

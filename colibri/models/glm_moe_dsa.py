@@ -114,26 +114,31 @@ class Indexer:
 
 
 class DSAttention(mla.MLAttention):
-    def __init__(self, args: ModelArgs, w, prefix: str, rope, indexer: Indexer | None, shared: dict):
+    def __init__(self, args: ModelArgs, w, prefix: str, rope, indexer: Indexer | None):
         super().__init__(args, w, prefix, rope, interleave=True)
-        self.indexer = indexer
-        self.shared = shared  # the last "full" layer's selection, read by "shared" layers
+        self.indexer = indexer  # None: a "shared" layer, reusing the last "full" layer's selection
 
     def __call__(self, x, cache: mla.MLACache, layer: int, pos0: int, cos, sin) -> np.ndarray:
         q_resid, q_nope, q_rope = self.query(x, cos, sin)
         self.store_latent(x, cache, layer, pos0, cos, sin)
+        # The selection is kept on the sequence's cache, by the position of the rows it is for:
+        # DecoderModel.forward_rows runs a layer for several rows (several sequences, or drafted
+        # positions of one) before the next layer, so "the last full layer's" selection must be
+        # the one made for these rows. Older positions' selections are dropped here.
+        chosen = cache.selections
         if self.indexer is not None:
-            self.shared["visible"] = self.indexer.select(x, q_resid, cache, layer, pos0, cos, sin)
-        return self.attend(q_nope, q_rope, cache, layer, pos0, self.shared["visible"])
+            for p in [p for p in chosen if p < cache.length]:
+                del chosen[p]
+            chosen[pos0] = self.indexer.select(x, q_resid, cache, layer, pos0, cos, sin)
+        return self.attend(q_nope, q_rope, cache, layer, pos0, chosen[pos0])
 
 
 def build(config: dict, weights, experts) -> mla.MLAModel:
     args = ModelArgs.from_dict(config)
-    shared: dict = {}
 
     def attention(i, rope):
         p = f"model.layers.{i}.self_attn"
         indexer = Indexer(args, weights, f"{p}.indexer") if args.indexer_types[i] == "full" else None
-        return DSAttention(args, weights, p, rope, indexer, shared)
+        return DSAttention(args, weights, p, rope, indexer)
 
     return mla.build_mla_model(args, weights, experts, attention, index_dim=args.index_head_dim)

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from colibri.errors import ColibriError
-from colibri.kernels.attention import OnlineSoftmax, key_block, run_tasks, split
+from colibri.kernels.attention import OnlineSoftmax, key_block
+from colibri.kernels.tasks import run_tasks, split
 from colibri.kernels.quant import dequantize
 from colibri.models import common
 from colibri.models.common import KVCache, linear, rms_norm
@@ -71,6 +72,7 @@ class MLACache(KVCache):
     def __init__(self, num_layers: int, kv_lora_rank: int, rope_dim: int, max_tokens: int, index_dim: int = 0):
         super().__init__(num_layers, 1, kv_lora_rank, max_tokens, v_dim=rope_dim + index_dim)
         self.rope_dim = rope_dim
+        self.selections: dict[int, np.ndarray] = {}  # DSA: first position -> the indexer's choice
 
     def latent(self, layer: int) -> np.ndarray:
         return self.k[layer][0]                       # [capacity, r]

@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from colibri.kernels.cpu import embedding, matmul, matvec
+from colibri.kernels.cpu import embedding, matvec
+from colibri.kernels.gemm import matmul
 from colibri.kernels.quant import SCHEMES, QTensor, dequantize, quantize
 
 # (out, in): single row, row counts that are not a multiple of 8-row blocks or 2 threads, a very
@@ -37,7 +38,7 @@ def test_matvec(scheme, shape):
     assert_close(y, dequantize(t).astype(np.float64) @ x)
 
 
-MATMUL_CASES = [(s, L) for s in [(7, 128), (13, 192), (3, 16384)] for L in (1, 3, 17)] + [((4096, 256), 17)]
+MATMUL_CASES = [(s, L) for s in [(7, 128), (13, 192), (3, 16384)] for L in (1, 3, 17)] + [((4096, 256), 17), ((4096, 256), 130), ((37, 128), 200)]
 
 
 def case_id(c):
@@ -125,3 +126,23 @@ def test_empty_batches():
     t = make("q8_0", (7, 128), 12)
     assert matmul(t, np.zeros((0, 128), np.float32)).shape == (0, 7)
     assert embedding(t, np.zeros(0, np.int64)).shape == (0, 128)
+
+
+def test_blas_matmul_same_bits_with_any_thread_count():
+    """Tiles are dealt to threads, not cut by them: the thread count never changes a bit."""
+    import numba
+
+    from colibri.kernels import gemm
+
+    t = make("q4_1", (4096, 256), 11)
+    x = np.random.default_rng(12).standard_normal((gemm.BLAS_MIN_ROWS + 5, 256)).astype(np.float32)
+    saved = numba.get_num_threads()
+    try:
+        outs = []
+        for n in sorted({1, numba.config.NUMBA_NUM_THREADS}):
+            numba.set_num_threads(n)
+            outs.append(matmul(t, x))
+    finally:
+        numba.set_num_threads(saved)
+    assert all(np.array_equal(outs[0], o) for o in outs[1:])
+    assert_close(outs[0], x.astype(np.float64) @ dequantize(t).astype(np.float64).T)

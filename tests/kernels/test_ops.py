@@ -39,7 +39,7 @@ def test_rope_matches_rotate_half(L, H, Dh, rot):
 
 @pytest.mark.parametrize("H,KV,Dk,Dv,n,cap", [(1, 1, 8, 8, 1, 4), (4, 2, 16, 16, 37, 64), (9, 3, 64, 64, 200, 256),
                                               (8, 8, 24, 16, 5, 5), (6, 2, 32, 32, 1000, 1024),
-                                              (2, 1, 16, 16, 128, 128)])
+                                              (2, 1, 16, 16, 128, 128), (15, 5, 64, 64, 3001, 3072)])
 def test_attend_one(H, KV, Dk, Dv, n, cap):
     q = rng.normal(size=(H, Dk)).astype(np.float32)
     k = rng.normal(size=(KV, cap, Dk)).astype(np.float32)
@@ -52,6 +52,25 @@ def test_attend_one(H, KV, Dk, Dv, n, cap):
         p = np.exp(s - s.max())
         ref[h] = (p / p.sum()) @ v[h // G, :n]
     close(ops.attend_one(q, k, v, n, scale), ref.reshape(-1).astype(np.float32), rtol=1e-5)
+
+
+def test_attend_one_same_bits_with_any_thread_count():
+    """Chunks of keys are fixed and merged in order, so threads never change the result (and
+    so never change a token)."""
+    import numba
+
+    q = rng.normal(size=(9, 64)).astype(np.float32)
+    k = rng.normal(size=(3, 2048, 64)).astype(np.float32)
+    v = rng.normal(size=(3, 2048, 64)).astype(np.float32)
+    saved = numba.get_num_threads()
+    try:
+        outs = []
+        for t in sorted({1, numba.config.NUMBA_NUM_THREADS}):
+            numba.set_num_threads(t)
+            outs.append(ops.attend_one(q, k, v, 1999, np.float32(0.125)))
+    finally:
+        numba.set_num_threads(saved)
+    assert all(np.array_equal(outs[0], o) for o in outs[1:])
 
 
 @pytest.mark.parametrize("L,n", [(1, 1), (1, 1536), (6, 33)])

@@ -100,8 +100,40 @@ def check_against_transformers(model_cls, config, tmp_path: Path, seed: int, bit
         rel = np.max(np.abs(ours - ref_logits)) / np.max(np.abs(ref_logits))
         assert rel < 1e-4, f"prompt {prompt}: final logits differ by {rel:.2e} (relative to max)"
     check_fused_decode_matches(engine, prompts[-1])
+    check_rows_match_solo_decode(engine, prompts[-1], prompts[0])
     check_chunked_prefill(out, prompts[-1], ref)
     return engine
+
+
+def check_rows_match_solo_decode(engine, prompt_a: list[int], prompt_b: list[int], steps: int = 6) -> None:
+    """DecoderModel.forward_rows gives each row the same bits as decoding it alone: two
+    sequences in one batch, and drafted positions of one sequence verified together (then cut
+    back, as a rejected draft is)."""
+    model = engine.model
+    rng = np.random.default_rng(len(prompt_a) + 7)
+    ta, tb = (rng.integers(0, engine.vocab_size, steps).tolist() for _ in range(2))
+
+    def solo(prompt, tokens):
+        cache = model.new_cache(len(prompt) + len(tokens) + 1)
+        model.forward(np.asarray(prompt), cache)
+        return np.concatenate([model.forward(np.asarray([t]), cache) for t in tokens])
+
+    def prefilled(prompt):
+        cache = model.new_cache(len(prompt) + steps + 1)
+        model.forward(np.asarray(prompt), cache)
+        return cache
+
+    alone_a, alone_b = solo(prompt_a, ta), solo(prompt_b, tb)
+    ca, cb = prefilled(prompt_a), prefilled(prompt_b)
+    for s in range(steps):  # a batch of two sequences
+        rows = model.forward_rows([ta[s], tb[s]], [ca, cb])
+        assert np.array_equal(rows[0], alone_a[s]) and np.array_equal(rows[1], alone_b[s]), f"batch step {s}"
+    c = prefilled(prompt_a)  # one sequence, three positions at once, the last two then rejected
+    rows = model.forward_rows(ta[:3], [c, c, c])
+    assert np.array_equal(rows, alone_a[:3]) and c.length == len(prompt_a) + 3
+    c.truncate(len(prompt_a) + 1)
+    rows = model.forward_rows(ta[1:steps], [c] * (steps - 1))
+    assert np.array_equal(rows, alone_a[1:steps])
 
 
 def check_chunked_prefill(container_dir: Path, prompt: list[int], ref, chunk: int = 7) -> None:

@@ -1,0 +1,254 @@
+"""Prefill's matmul over QTensor: y = x @ dequantize(W).T for L activation rows.
+
+Prefill is compute bound, so weights are dequantized, exactly, into a float32 tile of rows
+(the row dequantizers are the embedding's: equal to quant.dequantize bit for bit) and the
+arithmetic is float32 multiply-adds. Two ways to do that arithmetic:
+
+- From BLAS_MIN_ROWS activation rows: numpy's BLAS sgemm on each dequantized tile. Python
+  threads take alternate tiles (tasks.run_tasks): the numba dequantizer is compiled nogil and
+  BLAS releases the GIL, so they run in parallel. A tile is sized to stay in L2 while BLAS
+  reads it back (TILE_BYTES). At a 512-token chunk this ran 245-300 GFLOP/s on 2 threads
+  against 200-220 for the numba kernel (1.2-1.4x on SmolLM2's and OLMoE's shapes); at 128
+  rows the two were even, below it the per-tile dequantization dominates
+  (bench/prefill_gemm.py).
+- Fewer rows (an expert's handful of tokens in a chunk, a short prompt): the numba 4x4
+  register-blocked kernel below, one parallel call, nothing dequantized twice.
+
+Both sum in an order fixed by the tile shapes, never by the thread count (tiles are dealt to
+threads, not cut by them), so the same prompt gives the same bits with any number of threads.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+from numba import get_num_threads, njit, prange
+
+from .cpu import (_FAST, _activations, _check_tensor, _deq_int4_row, _deq_q8_row, _deq_u16_row, _f32_row_dot,
+                  _f32_rows_dot4, _int4_args, _result)
+from .quant import GROUP_SIZE, INT4_SCHEMES, QTensor
+from .tasks import run_tasks
+
+# Rows dequantized per numba matmul tile: 16 rows x 4096 inputs x 4 B = 256 KB, L2-resident.
+_TILE = 16
+BLAS_MIN_ROWS = 128  # activation rows from which BLAS wins (bench/prefill_gemm.py)
+TILE_BYTES = 1 << 19  # one BLAS tile of dequantized rows (per thread): stays in L2
+
+
+# --- few rows: a dequantized tile of weight rows against all L activation rows, in numba ---
+
+
+# Four weight rows x four activation rows per pass over k: 8 loads feed 16 FMAs. Measured on
+# a 16-row tile, L=64: 4x4 ~160 GFLOP/s per core, 4x2 ~85, 4x1 ~50.
+@njit(cache=True, fastmath=_FAST)
+def _dot4x4(w, j, x, l, y, y0):
+    a00 = a01 = a02 = a03 = np.float32(0.0)
+    a10 = a11 = a12 = a13 = np.float32(0.0)
+    a20 = a21 = a22 = a23 = np.float32(0.0)
+    a30 = a31 = a32 = a33 = np.float32(0.0)
+    for k in range(x.shape[1]):
+        w0 = w[j, k]
+        w1 = w[j + 1, k]
+        w2 = w[j + 2, k]
+        w3 = w[j + 3, k]
+        x0 = x[l, k]
+        x1 = x[l + 1, k]
+        x2 = x[l + 2, k]
+        x3 = x[l + 3, k]
+        a00 += w0 * x0
+        a01 += w1 * x0
+        a02 += w2 * x0
+        a03 += w3 * x0
+        a10 += w0 * x1
+        a11 += w1 * x1
+        a12 += w2 * x1
+        a13 += w3 * x1
+        a20 += w0 * x2
+        a21 += w1 * x2
+        a22 += w2 * x2
+        a23 += w3 * x2
+        a30 += w0 * x3
+        a31 += w1 * x3
+        a32 += w2 * x3
+        a33 += w3 * x3
+    c = y0 + j
+    y[l, c], y[l, c + 1], y[l, c + 2], y[l, c + 3] = a00, a01, a02, a03
+    y[l + 1, c], y[l + 1, c + 1], y[l + 1, c + 2], y[l + 1, c + 3] = a10, a11, a12, a13
+    y[l + 2, c], y[l + 2, c + 1], y[l + 2, c + 2], y[l + 2, c + 3] = a20, a21, a22, a23
+    y[l + 3, c], y[l + 3, c + 1], y[l + 3, c + 2], y[l + 3, c + 3] = a30, a31, a32, a33
+
+
+@njit(cache=True, fastmath=_FAST)
+def _tile_matmul(w, nr, x, y, y0):
+    """y[:, y0 : y0+nr] = x @ w[:nr].T for a dequantized tile w."""
+    L = x.shape[0]
+    l4 = L - L % 4
+    j4 = nr - nr % 4
+    for l in range(0, l4, 4):
+        for j in range(0, j4, 4):
+            _dot4x4(w, j, x, l, y, y0)
+    for l in range(L):
+        xl = x[l]
+        if l >= l4:
+            for j in range(0, j4, 4):
+                _f32_rows_dot4(w, j, xl, y, l, y0 + j)
+        for j in range(j4, nr):
+            y[l, y0 + j] = _f32_row_dot(w, j, xl)
+
+
+@njit(parallel=True, cache=True)
+def _matmul_int4(q, scales, mins, half, has_min, x, y, nthreads):
+    out, n = q.shape[0], x.shape[1]
+    nblk = (out + _TILE - 1) // _TILE
+    nth = min(nthreads, nblk)
+    # One buffer per thread, allocated once; tiles are dealt round-robin to threads.
+    # (nthreads comes from the caller: get_num_threads() inside would block caching.)
+    for t in prange(nth):
+        buf = np.empty((_TILE, n), np.float32)
+        for blk in range(t, nblk, nth):
+            r0 = blk * _TILE
+            nr = min(_TILE, out - r0)
+            for j in range(nr):
+                _deq_int4_row(q[r0 + j], scales[r0 + j], mins[r0 + j], half, has_min, buf[j])
+            _tile_matmul(buf, nr, x, y, r0)
+
+
+@njit(parallel=True, cache=True)
+def _matmul_q8(q, scales, group, x, y, nthreads):
+    out, n = q.shape[0], x.shape[1]
+    nblk = (out + _TILE - 1) // _TILE
+    nth = min(nthreads, nblk)
+    for t in prange(nth):
+        buf = np.empty((_TILE, n), np.float32)
+        for blk in range(t, nblk, nth):
+            r0 = blk * _TILE
+            nr = min(_TILE, out - r0)
+            for j in range(nr):
+                _deq_q8_row(q[r0 + j], scales[r0 + j], group, buf[j])
+            _tile_matmul(buf, nr, x, y, r0)
+
+
+@njit(parallel=True, cache=True)
+def _matmul_u16(w, is_bf16, x, y, nthreads):
+    out, n = w.shape[0], x.shape[1]
+    nblk = (out + _TILE - 1) // _TILE
+    nth = min(nthreads, nblk)
+    for t in prange(nth):
+        buf = np.empty((_TILE, n), np.float32)
+        for blk in range(t, nblk, nth):
+            r0 = blk * _TILE
+            nr = min(_TILE, out - r0)
+            for j in range(nr):
+                _deq_u16_row(w[r0 + j], is_bf16, buf[j])
+            _tile_matmul(buf, nr, x, y, r0)
+
+
+@njit(parallel=True, cache=True)
+def _matmul_f32(w, x, y, nthreads):
+    out, n = w.shape[0], x.shape[1]
+    nblk = (out + _TILE - 1) // _TILE
+    nth = min(nthreads, nblk)
+    # float32 weights need no dequantization; the copy only gives _tile_matmul the same
+    # cache-friendly tile (and one compiled specialisation) as the other schemes.
+    for t in prange(nth):
+        buf = np.empty((_TILE, n), np.float32)
+        for blk in range(t, nblk, nth):
+            r0 = blk * _TILE
+            nr = min(_TILE, out - r0)
+            buf[:nr] = w[r0:r0 + nr]
+            _tile_matmul(buf, nr, x, y, r0)
+
+
+# --- many rows: dequantize a tile (numba, no GIL), multiply it with BLAS -----------------
+
+
+@njit(cache=True, nogil=True)
+def _deq_int4_tile(q, scales, mins, half, has_min, r0, nr, buf):
+    for j in range(nr):
+        _deq_int4_row(q[r0 + j], scales[r0 + j], mins[r0 + j], half, has_min, buf[j])
+
+
+@njit(cache=True, nogil=True)
+def _deq_q8_tile(q, scales, group, r0, nr, buf):
+    for j in range(nr):
+        _deq_q8_row(q[r0 + j], scales[r0 + j], group, buf[j])
+
+
+@njit(cache=True, nogil=True)
+def _deq_u16_tile(w, is_bf16, r0, nr, buf):
+    for j in range(nr):
+        _deq_u16_row(w[r0 + j], is_bf16, buf[j])
+
+
+def _tile_rows(n_in: int) -> int:
+    """Weight rows per BLAS tile: TILE_BYTES of float32, a multiple of 16, at least 16."""
+    return max(16, (TILE_BYTES // (4 * n_in)) // 16 * 16)
+
+
+_local = threading.local()
+
+
+def _tile_buffer(rows: int, n_in: int) -> np.ndarray:
+    """This thread's dequantization buffer (kept: a fresh 1 MB buffer page-faults each call)."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.size < rows * n_in:
+        buf = _local.buf = np.empty(rows * n_in, np.float32)
+    return buf[:rows * n_in].reshape(rows, n_in)
+
+
+def _dequantizer(t: QTensor):
+    """fn(r0, nr, buf) filling buf[:nr] with rows r0 .. r0+nr of dequantize(t); None for f32."""
+    s = t.scheme
+    if s in INT4_SCHEMES:
+        args = _int4_args(t)
+        return lambda r0, nr, buf: _deq_int4_tile(*args, r0, nr, buf)
+    if s == "q8_0":
+        return lambda r0, nr, buf: _deq_q8_tile(t.q, t.scales, GROUP_SIZE[s], r0, nr, buf)
+    if s == "f32":
+        return None
+    w, is_bf16 = t.q.view(np.uint16), s == "bf16"
+    return lambda r0, nr, buf: _deq_u16_tile(w, is_bf16, r0, nr, buf)
+
+
+def _matmul_blas(t: QTensor, x: np.ndarray, y: np.ndarray, nthreads: int) -> None:
+    out, n_in = t.shape
+    rows = _tile_rows(n_in)
+    tiles = list(range(0, out, rows))
+    deq = _dequantizer(t)
+    nth = max(1, min(nthreads, len(tiles)))
+
+    def work(first: int) -> None:
+        buf = _tile_buffer(rows, n_in) if deq is not None else None
+        for r0 in tiles[first::nth]:
+            nr = min(rows, out - r0)
+            if deq is None:
+                w = t.q[r0:r0 + nr]
+            else:
+                deq(r0, nr, buf)
+                w = buf[:nr]
+            y[:, r0:r0 + nr] = x @ w.T
+
+    run_tasks(work, list(range(nth)), nth)
+
+
+def matmul(t: QTensor, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """y = x @ dequantize(t).T: float32 [L, in] -> float32 [L, out_features] (prefill)."""
+    _check_tensor(t)
+    x = _activations(x, 2, t.shape[1], "matmul")
+    y = _result(out, (x.shape[0], t.shape[0]), "matmul")
+    if y.size == 0:
+        return y
+    nthreads = get_num_threads()
+    if x.shape[0] >= BLAS_MIN_ROWS:
+        _matmul_blas(t, x, y, nthreads)
+        return y
+    s = t.scheme
+    if s in INT4_SCHEMES:
+        _matmul_int4(*_int4_args(t), x, y, nthreads)
+    elif s == "q8_0":
+        _matmul_q8(t.q, t.scales, GROUP_SIZE[s], x, y, nthreads)
+    elif s == "f32":
+        _matmul_f32(t.q, x, y, nthreads)
+    else:
+        _matmul_u16(t.q.view(np.uint16), s == "bf16", x, y, nthreads)
+    return y
