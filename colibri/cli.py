@@ -70,6 +70,23 @@ def threads_option(**kw):
                         "(default: all cores; use 1 when other work keeps the cores busy).", **kw)
 
 
+def speculative_option(**kw):
+    """--speculative for every command that generates."""
+    return typer.Option("off", "--speculative", help="Draft tokens and check them in one pass: off, ngram "
+                        "(prompt lookup) or auto (ngram while it measures faster). Never changes the output.", **kw)
+
+
+def check_mode(speculative: str, draft_tokens: int) -> None:
+    """--speculative / --draft-tokens, checked before a model loads."""
+    from colibri.speculative import check_mode as check
+
+    check(speculative, draft_tokens)
+
+
+def draft_tokens_option(**kw):
+    return typer.Option(6, "--draft-tokens", help="Tokens drafted per pass with --speculative (1-32).", **kw)
+
+
 def fit_max_tokens(engine, prompt, max_tokens: int, **encode) -> None:
     """The engine stops at the end of the context without a word; say so up front when -n asks
     for more than the context leaves after the prompt. (A prompt that fills the context is the
@@ -101,6 +118,8 @@ def run(
     threads: Optional[int] = threads_option(),
     auto_tier: bool = typer.Option(False, "--auto-tier", help="Apply `colibri plan` (its RAM budget) where "
                                    "--ram-gb is not given."),
+    speculative: str = speculative_option(),
+    draft_tokens: int = draft_tokens_option(),
     stats: bool = typer.Option(False, "--stats", help="Print speed figures to stderr at the end."),
 ):
     """Generate an answer to PROMPT, printed as it streams."""
@@ -108,6 +127,7 @@ def run(
 
     if max_tokens < 0:
         raise ColibriError(f"--max-tokens must be >= 0, not {max_tokens}")
+    check_mode(speculative, draft_tokens)
     model = model_dir(model)
     need_tokenizer(model)
     if auto_tier and ram_gb is None:
@@ -115,7 +135,7 @@ def run(
 
         ram_gb = engine_options(model, None, True).get("ram_gb")
     engine = Engine.load(model, progress=True, max_context=max_context, ram_gb=ram_gb, expert_io=expert_io,
-                         prefetch=prefetch, threads=threads)
+                         prefetch=prefetch, threads=threads, speculative=speculative, draft_tokens=draft_tokens)
     fit_max_tokens(engine, prompt, max_tokens, raw=raw, system=system)
     for ev in engine.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, seed=seed, raw=raw, system=system):
@@ -127,6 +147,10 @@ def run(
         err.print(f"[dim]{g.prompt_tokens} prompt tokens ({g.prefill_tok_s:.1f} tok/s), "
                   f"{g.completion_tokens} generated ({g.decode_tok_s:.1f} tok/s), "
                   f"TTFT {g.ttft_s * 1000:.0f} ms, load {engine.load_s:.2f} s, finish: {g.finish_reason}[/dim]")
+        if g.speculative:
+            s = g.speculative
+            err.print(f"[dim]drafts: {s['accepted']} of {s['drafted']} accepted ({100 * s['acceptance']:.0f}%) "
+                      f"in {s['passes']} passes[/dim]")
 
 
 @app.command()
@@ -169,12 +193,15 @@ def chat(
     stats: Optional[str] = typer.Option(None, "--stats", help="Stats line per turn: full, compact or off "
                                         "(default: full in a terminal, off when piped)."),
     threads: Optional[int] = threads_option(),
+    speculative: str = speculative_option(),
+    draft_tokens: int = draft_tokens_option(),
 ):
     """Talk with a model in the terminal (plain lines in, plain text out when not a terminal)."""
     from colibri.plan import engine_options
     from colibri.tui import chat as run_chat
 
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
+    check_mode(speculative, draft_tokens)
     if not attach:
         model = model_dir(model)
         need_tokenizer(model)
@@ -183,6 +210,8 @@ def chat(
         options["max_context"] = max_context
     if threads is not None and not attach:
         options["threads"] = threads
+    if not attach:
+        options.update(speculative=speculative, draft_tokens=draft_tokens)
     run_chat(model, attach=attach, system=system, max_tokens=max_tokens, stats=stats, sampling=sampling,
              engine_options=options)
 
@@ -304,11 +333,14 @@ def serve(
     prefill_chunk: int = typer.Option(512, "--prefill-chunk", envvar="COLI_PREFILL_CHUNK", min=1,
                                       help="Prompt tokens per forward pass: bounds a long prompt's memory, and a "
                                            "client that leaves stops its prefill within one chunk."),
+    speculative: str = speculative_option(envvar="COLI_SPECULATIVE"),
+    draft_tokens: int = draft_tokens_option(envvar="COLI_DRAFT_TOKENS"),
 ):
     """Serve the model over an OpenAI- and Anthropic-compatible HTTP API."""
     from colibri.serve.server import ServeOptions
     from colibri.serve.server import run as run_server
 
+    check_mode(speculative, draft_tokens)
     model = model_dir(model)
     if auto_tier and ram_gb is None:
         from colibri.plan import engine_options
@@ -324,7 +356,7 @@ def serve(
                             max_connections_per_ip=max_connections_per_ip, header_timeout=header_timeout,
                             read_timeout=read_timeout,
                             drain_timeout=drain_timeout, log_level=log_level, ram_gb=ram_gb, threads=threads,
-                            prefill_chunk=prefill_chunk))
+                            prefill_chunk=prefill_chunk, speculative=speculative, draft_tokens=draft_tokens))
 
 
 @app.command()

@@ -15,6 +15,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from colibri import generate as gen
+from colibri import speculative as spec
 from colibri.errors import ColibriError, EngineFault
 from colibri.io.container import Container
 from colibri.io.expert_store import ExpertStore
@@ -45,6 +46,10 @@ class EngineConfig:
     # groups, attention score blocks) by O(chunk x context) instead of O(prompt x context), and is
     # where a prefill can be cancelled. 512 keeps the weights' reads amortized over many tokens.
     prefill_chunk: int = 512
+    # Draft tokens and check them in one pass (colibri/speculative.py): "off" | "ngram" | "auto".
+    # Never changes the output; stream(speculative=...) overrides it per request.
+    speculative: str = "off"
+    draft_tokens: int = spec.DEFAULT_DRAFT_TOKENS
 
 
 DEFAULT_MAX_CONTEXT = 8192
@@ -81,6 +86,7 @@ class Generation:
     # before it), the most likely alternatives there, best first).
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     grammar_s: float = 0.0              # time spent masking logits with a grammar
+    speculative: dict | None = None     # drafted passes, drafted and accepted tokens (when drafting)
 
     @property
     def completion_tokens(self) -> int:
@@ -123,6 +129,7 @@ class Engine:
             raise ColibriError(f"kv_slots must be between 1 and 16, not {config.kv_slots}")
         if config.prefill_chunk < 1:
             raise ColibriError(f"prefill_chunk must be at least 1, not {config.prefill_chunk}")
+        spec.check_mode(config.speculative, config.draft_tokens)
         self.slots = [KVSlot(model.new_cache(self.max_context)) for _ in range(config.kv_slots)]
         self.last: Generation | None = None
         self._threads = ThreadPolicy(config.threads)  # kernel threads: explicit, else adapted to the machine's load
@@ -244,7 +251,8 @@ class Engine:
                stop: list[str] | None = None, logprobs: int | None = None, slot: int | None = None,
                stop_at_eos: bool = True, cancel: Callable[[], bool] | None = None,
                min_p: float = 0.0, penalties: gen.Penalties | None = None, constraint=None,
-               prompt_logprobs: int | None = None, **template_kwargs) -> Iterator[TokenEvent]:
+               prompt_logprobs: int | None = None, speculative: str | None = None,
+               draft_tokens: int | None = None, **template_kwargs) -> Iterator[TokenEvent]:
         """Yield tokens as they are produced. When the iterator is exhausted, `self.last` holds
         the finished Generation. Closing the iterator early (a client went away) leaves the
         slot holding exactly the tokens computed so far. `cancel` is polled between prefill
@@ -261,7 +269,9 @@ class Engine:
         complete, and with finish_reason "grammar_dead_end" if no token is allowed. Reported
         logprobs are the model's own, before either. `prompt_logprobs` (0..20 alternatives)
         scores every prompt token (Generation.prompt_logprobs); the prompt is then prefilled
-        afresh, as the cached positions have no logits kept. `max_tokens` 0 only scores."""
+        afresh, as the cached positions have no logits kept. `max_tokens` 0 only scores.
+        `speculative` / `draft_tokens` (default: the engine's config) draft tokens and check them
+        in one pass; the output is the same either way (colibri/speculative.py)."""
         if max_tokens < 0:
             raise ColibriError(f"max_tokens must be >= 0, not {max_tokens}")
         if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
@@ -273,6 +283,9 @@ class Engine:
             raise ColibriError(f"min_p must be between 0 and 1, not {min_p}")
         if penalties is not None and penalties.repetition <= 0:
             raise ColibriError(f"the repetition penalty must be > 0, not {penalties.repetition}")
+        speculative = self.config.speculative if speculative is None else speculative
+        draft_tokens = self.config.draft_tokens if draft_tokens is None else draft_tokens
+        spec.check_mode(speculative, draft_tokens)
         t_start = time.perf_counter()
         ids = self.encode_prompt(prompt, raw=raw, system=system, **template_kwargs)
         if not ids:
@@ -307,6 +320,7 @@ class Engine:
         t_prefill0 = time.perf_counter()
         ttft = prefill_s = 0.0
         t_decode0 = t_prefill0
+        drafts = spec.Speculator(self.model, ids, speculative, draft_tokens) if speculative != "off" else None
         try:
             if max_tokens > 0 or scored is not None:
                 logits = self._prefill(kv, ids, reused, cancel, scored, prompt_logprobs)
@@ -349,7 +363,11 @@ class Engine:
                         cancelled = True
                         break
                     self._threads.apply()
-                    logits = _finite(gen.decode_one(self.model, kv.cache, tok), len(kv.ids), self.model_id)
+                    if drafts is None:
+                        logits = gen.decode_one(self.model, kv.cache, tok)
+                    else:
+                        logits = drafts.step(kv.cache, len(kv.ids), tok, max_tokens - len(out) - 1)
+                    logits = _finite(logits, len(kv.ids), self.model_id)
                     kv.ids.append(tok)
                 if cancelled:
                     finish = "cancelled"
@@ -359,11 +377,15 @@ class Engine:
                     text_parts.append(tail)
                     yield TokenEvent(None, tail)
         finally:
-            # The cache holds exactly the tokens in kv.ids, also when the consumer stops early.
+            # The cache holds exactly the tokens in kv.ids (no drafts past them), also when the
+            # consumer stops early.
+            if drafts is not None:
+                drafts.finish(kv.cache, len(kv.ids))
             kv.cache.truncate(len(kv.ids))
         self.last = Generation(out, "".join(text_parts), finish, len(ids), reused, ttft, prefill_s,
                                time.perf_counter() - t_decode0, slot, _turn_stats(stats0, self._store_stats()),
-                               scored, constraint.mask_seconds if constraint is not None else 0.0)
+                               scored, constraint.mask_seconds if constraint is not None else 0.0,
+                               drafts.stats.as_dict() if drafts is not None else None)
         if isinstance(self.experts, ExpertStore):
             self.experts.save_history()
 

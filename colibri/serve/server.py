@@ -48,6 +48,8 @@ class ServeOptions:
     ram_gb: float | None = None       # engine budget for resident weights (None: planned)
     threads: int | None = None        # kernel threads (None: all cores)
     prefill_chunk: int = 512          # prompt tokens per forward pass (memory bound, cancellation point)
+    speculative: str = "off"          # draft tokens and check them in one pass: off | ngram | auto
+    draft_tokens: int = 6             # drafts per pass
 
 
 def check(o: ServeOptions) -> None:
@@ -157,7 +159,8 @@ def run(o: ServeOptions) -> None:
     scheduler = None
     try:
         engine = Engine.load(o.model, progress=True, kv_slots=o.kv_slots, max_context=o.max_context,
-                             ram_gb=o.ram_gb, threads=o.threads, prefill_chunk=o.prefill_chunk)
+                             ram_gb=o.ram_gb, threads=o.threads, prefill_chunk=o.prefill_chunk,
+                             speculative=o.speculative, draft_tokens=o.draft_tokens)
         state_dir = None
         if o.persist:
             state_dir = Path(o.state_dir) if o.state_dir else default_state_dir(engine)

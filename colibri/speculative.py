@@ -1,0 +1,172 @@
+"""Speculative decoding: guess the next few tokens cheaply, check them all in one pass.
+
+A drafter proposes K tokens to follow the one just sampled; DecoderModel.forward_rows runs the
+sampled token and the K drafts as consecutive positions of the sequence in one layer-by-layer
+pass, which reads each layer's weights (and each routed expert) once for all K + 1 rows
+instead of once per token. Each row's logits are the same bits as decoding that token alone,
+so the engine samples exactly as without drafts: while a sampled token equals the next draft,
+the draft's row already holds the logits for the position after it, and the pass paid for
+that token; at the first difference the remaining drafts are dropped (the cache is cut back to
+the tokens kept) and decoding goes on from the sampled token.
+
+Because the logits are identical and the sampler draws from its generator exactly once per
+token either way, the output is identical to plain decoding for greedy and for sampled
+generation with a seed. (That also makes it a valid speculative sampler: accepting a drafted
+token d exactly when the target distribution's own sample equals d accepts with probability
+p(d), which is the standard rejection rule for a drafter that proposes one token for certain,
+and a rejected position keeps the target's sample.)
+
+Drafters: prompt lookup ("ngram": the tokens that followed the latest earlier occurrence of the
+context's last n tokens, n = 3, 2, 1; it pays on text that repeats or edits what the prompt
+holds: code refactors, reformatting, quoting). Modes: "off", "ngram" (draft whenever the
+lookup finds something) and "auto" (ngram, switched off while the measured seconds per token
+of drafted passes exceed those of plain steps, and tried again later).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from colibri.errors import ColibriError
+
+MODES = ("off", "ngram", "auto")
+DEFAULT_DRAFT_TOKENS = 6
+MAX_DRAFT_TOKENS = 32
+
+
+def check_mode(mode: str, draft_tokens: int) -> None:
+    if mode not in MODES:
+        raise ColibriError(f"speculative must be one of {', '.join(MODES)}, not {mode!r}")
+    if not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
+        raise ColibriError(f"draft tokens must be between 1 and {MAX_DRAFT_TOKENS}, not {draft_tokens}")
+
+
+class NgramDrafter:
+    """Prompt lookup over the sequence so far (prompt and output), kept as a growing array so
+    a lookup is a few vectorized comparisons, not a Python scan."""
+
+    def __init__(self, tokens: list[int], max_ngram: int = 3):
+        self.max_ngram = max_ngram
+        self._buf = np.zeros(max(64, 2 * len(tokens)), np.int64)
+        self.n = 0
+        self.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        need = self.n + len(tokens)
+        if need > self._buf.shape[0]:
+            grown = np.zeros(2 * need, np.int64)
+            grown[: self.n] = self._buf[: self.n]
+            self._buf = grown
+        self._buf[self.n : need] = tokens
+        self.n = need
+
+    def propose(self, k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the last n tokens
+        (longest n first); [] when nothing matches."""
+        seq = self._buf[: self.n]
+        for n in range(min(self.max_ngram, self.n - 1), 0, -1):
+            tail = seq[self.n - n :]
+            # starts i (i + n < self.n, so the match is not the tail itself and has a follower)
+            hit = seq[: self.n - n] == tail[0]
+            for j in range(1, n):
+                hit[: self.n - n - j] &= seq[j : self.n - n] == tail[j]
+                hit[self.n - n - j :] = False
+            starts = np.flatnonzero(hit)
+            if starts.size:
+                follow = int(starts[-1]) + n
+                return seq[follow : follow + k].tolist()
+        return []
+
+
+@dataclass
+class SpecStats:
+    passes: int = 0     # multi-row passes run
+    drafted: int = 0    # draft tokens checked
+    accepted: int = 0   # draft tokens that became output
+
+    def as_dict(self) -> dict:
+        rate = self.accepted / self.drafted if self.drafted else 0.0
+        return {"passes": self.passes, "drafted": self.drafted, "accepted": self.accepted,
+                "acceptance": round(rate, 4)}
+
+
+class Speculator:
+    """The logits for each next position of one generation, from drafted passes where they pay.
+    step() replaces gen.decode_one in the engine's token loop; the cache's positions past the
+    committed tokens may hold drafts, which step() keeps or cuts back."""
+
+    # auto: judge drafting on this many emitted tokens, and after switching it off, decode this
+    # many tokens plainly before trying again.
+    JUDGE_TOKENS = 12
+    PAUSE_TOKENS = 48
+
+    def __init__(self, model, context: list[int], mode: str, draft_tokens: int):
+        self.model = model
+        self.mode = mode
+        self.k = draft_tokens
+        self.drafter = NgramDrafter(context)
+        self.stats = SpecStats()
+        self._ahead: list[tuple[int, np.ndarray]] = []  # (draft token, logits after it)
+        self._pass: list = []  # [seconds, tokens emitted] of the pass whose drafts are being used
+        self._plain = [0.0, 0]   # seconds, tokens of plain steps (auto's yardstick)
+        self._spec = [0.0, 0]    # seconds, tokens of drafted passes since the last judgement
+        self._pause = 0
+
+    def step(self, cache, committed: int, tok: int, room: int) -> np.ndarray:
+        """Logits for the position after `tok`, the token just sampled, which follows the
+        `committed` tokens the cache holds for certain. `room`: how many more tokens the
+        generation may still emit after tok (drafts beyond it would be wasted)."""
+        self.drafter.extend([tok])
+        if self._ahead:
+            draft, row = self._ahead.pop(0)
+            if draft == tok:
+                self.stats.accepted += 1
+                self._pass[1] += 1
+                return row
+            self._ahead.clear()
+            cache.truncate(committed)
+        self._close_pass()
+        k = min(self.k, room, cache.max_tokens - committed - 1)
+        draft = self.drafter.propose(k) if k > 0 and self._drafting() else []
+        t0 = time.perf_counter()
+        if not draft:
+            logits = self.model.forward(np.asarray([tok], dtype=np.int64), cache)[-1]
+            self._plain[0] += time.perf_counter() - t0
+            self._plain[1] += 1
+            return logits
+        rows = self.model.forward_rows([tok, *draft], [cache] * (len(draft) + 1))
+        self._pass = [time.perf_counter() - t0, 1]
+        self.stats.passes += 1
+        self.stats.drafted += len(draft)
+        self._ahead = list(zip(draft, rows[1:]))
+        return rows[0]
+
+    def finish(self, cache, committed: int) -> None:
+        """The generation ended: drop drafts the cache still holds past `committed`."""
+        self._ahead.clear()
+        cache.truncate(committed)
+        self._close_pass()
+
+    def _close_pass(self) -> None:
+        if self._pass:
+            self._spec[0] += self._pass[0]
+            self._spec[1] += self._pass[1]
+            self._pass = []
+
+    def _drafting(self) -> bool:
+        if self.mode == "ngram":
+            return True
+        if self._pause:  # auto, switched off for a while: plain steps (and their timing)
+            self._pause -= 1
+            return False
+        if self._plain[1] < 2:  # auto needs the cost of a plain step first
+            return False
+        if self._spec[1] >= self.JUDGE_TOKENS:
+            per_spec, per_plain = self._spec[0] / self._spec[1], self._plain[0] / self._plain[1]
+            self._spec = [0.0, 0]
+            if per_spec > per_plain:
+                self._pause = self.PAUSE_TOKENS
+                return False
+        return True
