@@ -52,7 +52,7 @@ def child_colibri(a) -> dict:
     e = Engine.load(a.container)
     g = e.generate(SHORT, max_tokens=1)
     first = time.time()
-    ids = e.tokenizer.encode(long_prompt(), add_special_tokens=False)
+    ids = e.tokenizer.encode(long_prompt(a.prompt_words), add_special_tokens=False)
     e.reset()
     g = e.generate(ids, max_tokens=1)
     prefill = (len(ids)) / g.prefill_s
@@ -129,12 +129,12 @@ def child_llama(a) -> dict:
     import numpy as np
     from llama_cpp import Llama
 
-    llm = Llama(model_path=a.gguf, n_ctx=2048, n_batch=512, n_threads=a.threads, n_threads_batch=a.threads,
+    llm = Llama(model_path=a.gguf, n_ctx=4096, n_batch=512, n_threads=a.threads, n_threads_batch=a.threads,
                 verbose=False)
     ids = llm.tokenize(_render(llm, SHORT), add_bos=False, special=True)
     llm.eval(ids)
     first = time.time()
-    long_ids = llm.tokenize(long_prompt().encode(), add_bos=False, special=False)
+    long_ids = llm.tokenize(long_prompt(a.prompt_words).encode(), add_bos=False, special=False)
     llm.reset()
     t0 = time.perf_counter()
     llm.eval(long_ids)
@@ -184,7 +184,7 @@ def child_transformers(a) -> dict:
     with torch.no_grad():
         model(ids)
         first = time.time()
-        long_ids = torch.tensor([tok.encode(long_prompt(), add_special_tokens=False)])
+        long_ids = torch.tensor([tok.encode(long_prompt(a.prompt_words), add_special_tokens=False)])
         t0 = time.perf_counter()
         logits = model(long_ids).logits[0, -1]
         int(torch.argmax(logits))
@@ -213,6 +213,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prompt-words", type=int, default=420, help="words in the prefill prompt (420: ~480 tokens)")
     ap.add_argument("--contexts", default=None, help="e.g. 1024,4096,8160: decode after contexts this long")
     ap.add_argument("--child", choices=["colibri", "llama", "transformers"])
     a = ap.parse_args()
@@ -242,7 +243,8 @@ def main() -> None:
     if not a.no_transformers and not a.contexts:
         engines.append(("transformers", sys.executable))
     results: dict[str, list[dict]] = {n: [] for n, _ in engines}
-    common = ["--gguf", a.gguf, "--container", a.container, "--threads", str(a.threads), "--tokens", str(a.tokens)]
+    common = ["--gguf", a.gguf, "--container", a.container, "--threads", str(a.threads), "--tokens", str(a.tokens),
+              "--prompt-words", str(a.prompt_words)]
     if a.contexts:
         common += ["--contexts", a.contexts]
     for _ in range(a.repeats):
@@ -269,7 +271,8 @@ def main() -> None:
           f"({embed.get('scheme', '?')} embeddings); {a.repeats} repeats, medians")
     print(f"read bandwidth (parallel f32 sum, 512 MiB): {bw / 1e9:.1f} GB/s; weights read per token "
           f"{bytes_per_token / 1e6:.1f} MB; decode roof {roof:.0f} tok/s")
-    print(f"{'engine':13} {'decode tok/s':>12} {'% roof':>6} {'prefill tok/s':>13} {'TTFT(~500) s':>12} "
+    n_prompt = results["colibri"][0]["prompt_tokens"] if results["colibri"] else 0
+    print(f"{'engine':13} {'decode tok/s':>12} {'% roof':>6} {'prefill tok/s':>13} {f'TTFT({n_prompt}) s':>12} "
           f"{'cold start s':>12} {'peak RSS MB':>11}")
     for name, _ in engines:
         if not results[name]:
