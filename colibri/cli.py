@@ -333,6 +333,9 @@ def serve(
     prefill_chunk: int = typer.Option(512, "--prefill-chunk", envvar="COLI_PREFILL_CHUNK", min=1,
                                       help="Prompt tokens per forward pass: bounds a long prompt's memory, and a "
                                            "client that leaves stops its prefill within one chunk."),
+    max_batch: int = typer.Option(1, "--max-batch", envvar="COLI_MAX_BATCH",
+                                  help="Generations run at once, sharing each forward pass (1-16; each holds a KV "
+                                       "slot, so --kv-slots is raised to it). Tokens are the same as alone."),
     speculative: str = speculative_option(envvar="COLI_SPECULATIVE"),
     draft_tokens: int = draft_tokens_option(envvar="COLI_DRAFT_TOKENS"),
 ):
@@ -356,7 +359,8 @@ def serve(
                             max_connections_per_ip=max_connections_per_ip, header_timeout=header_timeout,
                             read_timeout=read_timeout,
                             drain_timeout=drain_timeout, log_level=log_level, ram_gb=ram_gb, threads=threads,
-                            prefill_chunk=prefill_chunk, speculative=speculative, draft_tokens=draft_tokens))
+                            prefill_chunk=prefill_chunk, speculative=speculative, draft_tokens=draft_tokens,
+                            max_batch=max_batch))
 
 
 @app.command()

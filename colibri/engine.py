@@ -6,6 +6,7 @@ common token prefix, so a conversation only prefills its new tokens.
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from threadpoolctl import threadpool_limits
 
 from colibri import generate as gen
 from colibri import speculative as spec
+from colibri.batching import StepBatcher
 from colibri.errors import ColibriError, EngineFault
 from colibri.io.container import Container
 from colibri.io.expert_store import ExpertStore
@@ -131,8 +133,53 @@ class Engine:
             raise ColibriError(f"prefill_chunk must be at least 1, not {config.prefill_chunk}")
         spec.check_mode(config.speculative, config.draft_tokens)
         self.slots = [KVSlot(model.new_cache(self.max_context)) for _ in range(config.kv_slots)]
-        self.last: Generation | None = None
+        self._local = threading.local()  # `last`, per thread: concurrent streams (batching) each see their own
         self._threads = ThreadPolicy(config.threads)  # kernel threads: explicit, else adapted to the machine's load
+        self._batcher: StepBatcher | None = None
+
+    @property
+    def last(self) -> Generation | None:
+        """The Generation the last stream finished on this thread."""
+        return getattr(self._local, "last", None)
+
+    @last.setter
+    def last(self, g: Generation | None) -> None:
+        self._local.last = g
+
+    # ------------------------------------------------------------------ batching
+    def start_batching(self) -> None:
+        """From now on, streams running at the same time on different threads (and different
+        slots) share forward passes (colibri/batching.py); each one's tokens stay exactly
+        what it would produce alone."""
+        if self._batcher is None:
+            self._batcher = StepBatcher(self.model, self._threads.apply)
+
+    def stop_batching(self) -> None:
+        if self._batcher is not None:
+            self._batcher.stop()
+            self._batcher = None
+
+    @property
+    def batch_stats(self) -> dict | None:
+        b = self._batcher
+        return None if b is None else {"steps": b.steps, "rows": b.rows_run,
+                                       "mean_rows": round(b.rows_run / b.steps, 3) if b.steps else 0.0}
+
+    def _rows(self, tokens: list[int], caches: list) -> np.ndarray:
+        """forward_rows, through the batcher when batching (shared with other streams)."""
+        if self._batcher is not None:
+            return self._batcher.rows(tokens, caches)
+        return self.model.forward_rows(tokens, caches)
+
+    def _decode(self, cache, tok: int) -> np.ndarray:
+        if self._batcher is not None:
+            return self._batcher.rows([tok], [cache])[0]
+        return gen.decode_one(self.model, cache, tok)
+
+    def _chunk(self, cache, piece: list[int], all_logits: bool = False) -> np.ndarray:
+        if self._batcher is not None:
+            return self._batcher.chunk(piece, cache, all_logits)
+        return self.model.forward(np.asarray(piece, dtype=np.int64), cache, all_logits=all_logits)
 
     @classmethod
     def load(cls, model_dir: str | Path | None = None, progress: bool = False, **options) -> "Engine":
@@ -206,16 +253,20 @@ class Engine:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     # ------------------------------------------------------------------ slots
-    def pick_slot(self, ids: list[int]) -> int:
-        """The slot sharing the longest token prefix with `ids`, else the least recently used."""
+    def pick_slot(self, ids: list[int], exclude: set[int] = frozenset()) -> int:
+        """The slot sharing the longest token prefix with `ids`, else the least recently used;
+        never one in `exclude` (slots other generations are using)."""
+        free = [i for i in range(len(self.slots)) if i not in exclude]
+        if not free:
+            raise ColibriError("every KV slot is in use")
         best, best_len = None, 0
-        for i, s in enumerate(self.slots):
-            n = _common_prefix(s.ids, ids)
+        for i in free:
+            n = _common_prefix(self.slots[i].ids, ids)
             if n > best_len:
                 best, best_len = i, n
         if best is not None:
             return best
-        return min(range(len(self.slots)), key=lambda i: self.slots[i].last_used)
+        return min(free, key=lambda i: self.slots[i].last_used)
 
     def reusable_prefix(self, slot: int, ids: list[int]) -> int:
         """How many of `ids` a generation in `slot` would take from the KV cache (not prefill)."""
@@ -320,7 +371,10 @@ class Engine:
         t_prefill0 = time.perf_counter()
         ttft = prefill_s = 0.0
         t_decode0 = t_prefill0
-        drafts = spec.Speculator(self.model, ids, speculative, draft_tokens) if speculative != "off" else None
+        drafts = spec.Speculator(self._rows, ids, speculative, draft_tokens) if speculative != "off" else None
+        batcher = self._batcher
+        if batcher is not None:
+            batcher.join()
         try:
             if max_tokens > 0 or scored is not None:
                 logits = self._prefill(kv, ids, reused, cancel, scored, prompt_logprobs)
@@ -364,7 +418,7 @@ class Engine:
                         break
                     self._threads.apply()
                     if drafts is None:
-                        logits = gen.decode_one(self.model, kv.cache, tok)
+                        logits = self._decode(kv.cache, tok)
                     else:
                         logits = drafts.step(kv.cache, len(kv.ids), tok, max_tokens - len(out) - 1)
                     logits = _finite(logits, len(kv.ids), self.model_id)
@@ -379,6 +433,8 @@ class Engine:
         finally:
             # The cache holds exactly the tokens in kv.ids (no drafts past them), also when the
             # consumer stops early.
+            if batcher is not None:
+                batcher.leave()
             if drafts is not None:
                 drafts.finish(kv.cache, len(kv.ids))
             kv.cache.truncate(len(kv.ids))
@@ -403,9 +459,9 @@ class Engine:
             self._threads.apply()
             piece = ids[a : a + chunk]
             if scored is None:
-                logits = gen.prefill(self.model, kv.cache, piece)
+                logits = self._chunk(kv.cache, piece)[-1]
             else:
-                rows = self.model.forward(np.asarray(piece, dtype=np.int64), kv.cache, all_logits=True)
+                rows = self._chunk(kv.cache, piece, all_logits=True)
                 _finite(rows, a, self.model_id)
                 scored.extend(gen.score_next(rows[: len(ids) - 1 - a], ids[a + 1 : a + 1 + len(piece)], top))
                 logits = rows[-1]

@@ -102,8 +102,8 @@ class Speculator:
     JUDGE_TOKENS = 12
     PAUSE_TOKENS = 48
 
-    def __init__(self, model, context: list[int], mode: str, draft_tokens: int):
-        self.model = model
+    def __init__(self, forward_rows, context: list[int], mode: str, draft_tokens: int):
+        self.forward_rows = forward_rows  # DecoderModel.forward_rows, or the engine's batched version
         self.mode = mode
         self.k = draft_tokens
         self.drafter = NgramDrafter(context)
@@ -132,11 +132,11 @@ class Speculator:
         draft = self.drafter.propose(k) if k > 0 and self._drafting() else []
         t0 = time.perf_counter()
         if not draft:
-            logits = self.model.forward(np.asarray([tok], dtype=np.int64), cache)[-1]
+            logits = self.forward_rows([tok], [cache])[0]
             self._plain[0] += time.perf_counter() - t0
             self._plain[1] += 1
             return logits
-        rows = self.model.forward_rows([tok, *draft], [cache] * (len(draft) + 1))
+        rows = self.forward_rows([tok, *draft], [cache] * (len(draft) + 1))
         self._pass = [time.perf_counter() - t0, 1]
         self.stats.passes += 1
         self.stats.drafted += len(draft)

@@ -68,7 +68,7 @@ def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig, metric
         s = scheduler.stats
         return JSONResponse({
             "status": "draining" if draining else "ok", "model": state.model_id,
-            "active": int(scheduler.active is not None), "queued": scheduler.queued,
+            "active": scheduler.running, "queued": scheduler.queued,
             "max_queue": scheduler.max_queue, "admitted": s.admitted, "completed": s.completed,
             "cancelled": s.cancelled, "failed": s.failed, "rejected": s.rejected,
             "rejected_queue_full": s.rejected_queue_full, "rejected_queue_timeout": s.rejected_queue_timeout,

@@ -65,8 +65,12 @@ class _StateCollector:
                                   value=s.completion_tokens)
         yield GaugeMetricFamily("colibri_queue_depth", "Requests waiting for their turn", value=self.scheduler.queued)
         yield GaugeMetricFamily("colibri_active_generations", "Generations running now",
-                                value=int(self.scheduler.active is not None))
+                                value=self.scheduler.running)
         yield GaugeMetricFamily("colibri_draining", "1 while shutting down", value=int(self.scheduler.draining))
+        batch = self.engine.batch_stats
+        if batch is not None:  # --max-batch > 1: rows / steps is the mean batch size
+            yield CounterMetricFamily("colibri_batch_steps", "Shared forward passes run", value=batch["steps"])
+            yield CounterMetricFamily("colibri_batch_rows", "Decode rows those passes ran", value=batch["rows"])
         slots = GaugeMetricFamily("colibri_kv_slot_tokens", "Tokens each KV slot holds", labels=["slot"])
         for i, slot in enumerate(self.engine.slots):
             slots.add_metric([str(i)], len(slot.ids))

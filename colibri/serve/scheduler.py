@@ -1,7 +1,13 @@
-"""The scheduler: one thread owns the Engine (which is not thread-safe) and runs one generation
-at a time from a bounded FIFO queue; each token is handed to the asyncio side as it is made
-(loop.call_soon_threadsafe), as llama.cpp's server hands results from its slot loop to its HTTP
-threads. Admission (queue full, draining) is decided here, before any response header exists.
+"""The scheduler: up to `max_batch` generations at a time, taken from a bounded FIFO queue, each
+on one of `max_batch` worker threads with a KV slot of its own; each token is handed to the
+asyncio side as it is made (loop.call_soon_threadsafe), as llama.cpp's server hands results from
+its slot loop to its HTTP threads. Admission (queue full, draining) is decided here, before any
+response header exists.
+
+With max_batch > 1 the engine batches (colibri/batching.py): the running generations' decode
+steps share one forward pass, a new request's prompt is prefilled one chunk per step between
+them, and each generation's tokens are exactly what it would produce alone. Requests join and
+leave between steps. With max_batch 1 one generation runs at a time, with no batching machinery.
 """
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import logging
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,19 +96,29 @@ class Stats:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, max_queue: int = 8, state_dir: Path | None = None, metrics=None):
+    def __init__(self, engine: Engine, max_queue: int = 8, state_dir: Path | None = None, metrics=None,
+                 max_batch: int = 1):
+        if not 1 <= max_batch <= len(engine.slots):
+            raise ColibriError(f"max_batch must be between 1 and the engine's KV slots ({len(engine.slots)}), "
+                               f"not {max_batch}")
         self.engine = engine
         self.max_queue = max_queue
+        self.max_batch = max_batch
         self.state_dir = state_dir
         self.metrics = metrics
         self.stats = Stats()
         self.draining = False
-        self.active: Job | None = None
+        self.active: list[Job] = []
+        self._busy_slots: set[int] = set()
         self._waiting: deque[Job] = deque()
         self._cv = threading.Condition()
         self._stopped = False
         self._turn_s = 1.0  # moving average of a generation's length, for Retry-After
         self._thread = threading.Thread(target=self._run, name="colibri-scheduler", daemon=True)
+        # Persistent workers: a kernel's OpenMP team belongs to the thread that starts it.
+        self._workers = ThreadPoolExecutor(max_workers=max_batch, thread_name_prefix="colibri-gen")
+        if max_batch > 1:
+            engine.start_batching()
 
     # ------------------------------------------------------------------ asyncio side
     def start(self) -> None:
@@ -113,8 +130,8 @@ class Scheduler:
                 self.stats.rejected_draining += 1
                 raise Rejected(503, "draining", "the server is shutting down; retry on another instance or later",
                                self._retry_after())
-            # max_queue counts requests waiting behind a running one; an idle scheduler takes one more
-            if len(self._waiting) >= self.max_queue + (self.active is None):
+            # max_queue counts requests waiting behind the running ones; free batch places take more
+            if len(self._waiting) >= self.max_queue + (self.max_batch - len(self.active)):
                 self.stats.rejected_queue_full += 1
                 raise Rejected(429, "queue_full", f"the server is busy: {len(self._waiting)} requests are already "
                                "waiting; retry later", self._retry_after())
@@ -142,11 +159,15 @@ class Scheduler:
             return self._retry_after()
 
     def _retry_after(self) -> int:
-        return max(1, min(60, round(self._turn_s * (len(self._waiting) + 1))))
+        return max(1, min(60, round(self._turn_s * (len(self._waiting) / self.max_batch + 1))))
 
     @property
     def queued(self) -> int:
         return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self.active)
 
     def begin_drain(self) -> None:
         with self._cv:
@@ -154,48 +175,60 @@ class Scheduler:
 
     def idle(self) -> bool:
         with self._cv:
-            return self.active is None and not self._waiting
+            return not self.active and not self._waiting
 
     def stop(self, timeout: float = 5.0) -> None:
         with self._cv:
             self._stopped = True
-            if self.active is not None:
-                self.active.cancel()
-            for job in self._waiting:
+            for job in [*self.active, *self._waiting]:
                 job.cancel()
             self._cv.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self._workers.shutdown(wait=False)
+        self.engine.stop_batching()
 
     # ------------------------------------------------------------------ scheduler thread
     def _run(self) -> None:
+        """Start waiting jobs, in order, while a batch place (and their slot) is free."""
         while True:
             with self._cv:
-                while not self._waiting and not self._stopped:
+                while not self._stopped and (len(self.active) >= self.max_batch or self._startable() is None):
                     self._cv.wait()
                 if self._stopped:
                     return
-                job = self._waiting.popleft()
-                self.active = job
-            t0 = time.monotonic()
-            try:
-                self._serve(job)
-            except Exception:  # never let one request take the scheduler down
-                log.exception("scheduler: request %s failed", job.request_id)
-            finally:
-                with self._cv:
-                    self.active = None
-                    self._turn_s = 0.8 * self._turn_s + 0.2 * (time.monotonic() - t0)
-                    self._cv.notify_all()
+                job = self._startable()
+                self._waiting.remove(job)
+                slot = job.slot if job.slot is not None else self.engine.pick_slot(job.ids, exclude=self._busy_slots)
+                self.active.append(job)
+                self._busy_slots.add(slot)
+            self._workers.submit(self._work, job, slot)
 
-    def _serve(self, job: Job) -> None:
+    def _startable(self) -> Job | None:
+        """The first waiting job that can start now: one asking for a slot in use waits for it
+        (the jobs behind it may go first)."""
+        return next((j for j in self._waiting if j.slot is None or j.slot not in self._busy_slots), None)
+
+    def _work(self, job: Job, slot: int) -> None:
+        t0 = time.monotonic()
+        try:
+            self._serve(job, slot)
+        except Exception:  # never let one request take the scheduler down
+            log.exception("scheduler: request %s failed", job.request_id)
+        finally:
+            with self._cv:
+                self.active.remove(job)
+                self._busy_slots.discard(slot)
+                self._turn_s = 0.8 * self._turn_s + 0.2 * (time.monotonic() - t0)
+                self._cv.notify_all()
+
+    def _serve(self, job: Job, slot: int) -> None:
         if job.cancelled.is_set():  # the client left while it waited
             with self._cv:
                 self.stats.cancelled += 1
             return
         engine = self.engine
         wait = time.monotonic() - job.enqueued
-        slot = job.slot if job.slot is not None else engine.pick_slot(job.ids)
         reused = engine.reusable_prefix(slot, job.ids)
         if self.metrics:
             self.metrics.queue_wait.observe(wait)

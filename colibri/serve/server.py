@@ -50,6 +50,7 @@ class ServeOptions:
     prefill_chunk: int = 512          # prompt tokens per forward pass (memory bound, cancellation point)
     speculative: str = "off"          # draft tokens and check them in one pass: off | ngram | auto
     draft_tokens: int = 6             # drafts per pass
+    max_batch: int = 1                # generations at once, sharing forward passes (each needs a KV slot)
 
 
 def check(o: ServeOptions) -> None:
@@ -65,6 +66,8 @@ def check(o: ServeOptions) -> None:
         raise ColibriError(f"--max-tokens must be >= 1, not {o.max_tokens}")
     if not 1 <= o.kv_slots <= 16:
         raise ColibriError(f"--kv-slots must be between 1 and 16, not {o.kv_slots}")
+    if not 1 <= o.max_batch <= 16:
+        raise ColibriError(f"--max-batch must be between 1 and 16, not {o.max_batch}")
     if o.max_connections < 1:
         raise ColibriError(f"--max-connections must be >= 1, not {o.max_connections}")
     if o.max_connections_per_ip < 1:
@@ -94,7 +97,7 @@ class DrainingServer(uvicorn.Server):
 
     def _drain(self) -> None:
         log.info("draining: waiting for %d admitted request(s)",
-                 self.scheduler.queued + int(self.scheduler.active is not None))
+                 self.scheduler.queued + self.scheduler.running)
         deadline = time.monotonic() + self.drain_timeout
         while not self.scheduler.idle() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -158,7 +161,9 @@ def run(o: ServeOptions) -> None:
     port = sock.getsockname()[1]  # the real one when --port 0 asked for any
     scheduler = None
     try:
-        engine = Engine.load(o.model, progress=True, kv_slots=o.kv_slots, max_context=o.max_context,
+        # Every running generation holds a slot of its own: at least --max-batch slots.
+        kv_slots = max(o.kv_slots, o.max_batch)
+        engine = Engine.load(o.model, progress=True, kv_slots=kv_slots, max_context=o.max_context,
                              ram_gb=o.ram_gb, threads=o.threads, prefill_chunk=o.prefill_chunk,
                              speculative=o.speculative, draft_tokens=o.draft_tokens)
         state_dir = None
@@ -166,7 +171,8 @@ def run(o: ServeOptions) -> None:
             state_dir = Path(o.state_dir) if o.state_dir else default_state_dir(engine)
             private_dir(state_dir)  # saved conversations: 0700, their files 0600
         metrics = ServeMetrics()
-        scheduler = Scheduler(engine, max_queue=o.max_queue, state_dir=state_dir, metrics=metrics)
+        scheduler = Scheduler(engine, max_queue=o.max_queue, state_dir=state_dir, metrics=metrics,
+                              max_batch=o.max_batch)
         metrics.attach(scheduler, engine)
         guard = ConnectionGuard(ConnectionLimits(o.max_connections, o.max_connections_per_ip, o.header_timeout))
         metrics.attach_connections(guard)
@@ -186,8 +192,9 @@ def run(o: ServeOptions) -> None:
         start_listening(sock, o.host, port, uconfig.backlog)
         scheduler.start()
         model_id = o.model_id or engine.model_id
-        print(f"colibri serve: {model_id} listening on {url_of(o.host, port)} ({o.kv_slots} KV slot(s) holding "
-              f"{sum(held)} tokens; state in {state_dir or 'memory only'})", file=sys.stderr, flush=True)
+        print(f"colibri serve: {model_id} listening on {url_of(o.host, port)} ({kv_slots} KV slot(s) holding "
+              f"{sum(held)} tokens; up to {o.max_batch} generation(s) at once; state in {state_dir or 'memory only'})",
+              file=sys.stderr, flush=True)
         server.run(sockets=[sock])
     finally:
         if scheduler is not None:
