@@ -80,6 +80,8 @@ class _StateCollector:
         if stats:
             yield CounterMetricFamily("colibri_expert_hits", "Expert lookups served from RAM", value=stats["hits"])
             yield CounterMetricFamily("colibri_expert_misses", "Expert lookups read from disk", value=stats["misses"])
+            yield CounterMetricFamily("colibri_expert_bytes_read", "Bytes of experts read from disk",
+                                      value=stats["bytes_read"])
             asked = stats["hits"] + stats["misses"]
             ratio = stats["hits"] / asked if asked else 1.0
         else:

@@ -69,6 +69,7 @@ class SamplingRequest(_Strict):
     # vLLM's and llama.cpp's extensions
     repetition_penalty: float | None = Field(None, gt=0, le=10)
     min_p: float | None = Field(None, ge=0, le=1)
+    ignore_eos: bool | None = None                    # generate max_tokens even past end-of-sequence
     guided_json: dict[str, Any] | str | None = None   # a JSON schema (object or its JSON text)
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(None, min_length=1)

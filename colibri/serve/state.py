@@ -126,7 +126,7 @@ class ServerState:
                  req=None) -> dict:
         """engine.stream keywords, with the APIs' defaults (temperature 1, top_p 1). `max_tokens`
         comes from token_budget; `seed` is in 0..2**64-1 (the schema refuses others). `req`, an
-        OpenAI SamplingRequest, adds its penalties, logit_bias and min_p."""
+        OpenAI SamplingRequest, adds its penalties, logit_bias, min_p and ignore_eos."""
         t = 1.0 if temperature is None else temperature
         p = 1.0 if top_p is None else top_p
         if p == 0:  # the limit of nucleus sampling is the most likely token
@@ -138,6 +138,8 @@ class ServerState:
                 return getattr(req, name, None)
 
             options["min_p"] = field("min_p") or 0.0
+            if field("ignore_eos"):
+                options["stop_at_eos"] = False
             repetition = field("repetition_penalty")
             penalties = Penalties(logit_bias=self._logit_bias(field("logit_bias")),
                                   repetition=1.0 if repetition is None else repetition,

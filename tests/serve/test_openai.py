@@ -209,3 +209,12 @@ def test_metrics_are_prometheus_text(server):
                  "colibri_decode_tokens_per_second_bucket", "colibri_expert_hit_ratio",
                  "colibri_http_responses_total"):
         assert name in text
+
+
+def test_ignore_eos_generates_the_whole_budget(openai_client):
+    """vLLM's and llama.cpp's `ignore_eos`: benchmarks ask for exactly max_tokens tokens."""
+    ask = dict(model=MODEL_ID, messages=[{"role": "user", "content": "Say hi."}], max_tokens=40, temperature=0)
+    short = openai_client.chat.completions.create(**ask)
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 40
+    full = openai_client.chat.completions.create(**ask, extra_body={"ignore_eos": True})
+    assert full.usage.completion_tokens == 40 and full.choices[0].finish_reason == "length"

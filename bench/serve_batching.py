@@ -1,0 +1,180 @@
+"""Serving several clients at once: aggregate decode tok/s and the time between a client's tokens
+at 1, 2, 4 and 8 concurrent streaming clients, for `colibri serve --max-batch N` (and --max-batch 1,
+one generation at a time, as the baseline), beside llama.cpp's own `llama-server --parallel N`
+on the same GGUF when its path is given. Every run: greedy, distinct prompts, the same number of
+tokens per client. With a streamed-experts model, colibri's GB read from disk per generated token
+too (its /metrics). Benchmark only: no asserts.
+
+    python bench/serve_batching.py [--llama-server PATH] [--clients 1,2,4,8] [--tokens 64]
+    python bench/serve_batching.py --model /tmp/olmoe --ram-gb 1.5 --no-baseline   # streamed experts
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+TOPICS = ["the history of the printing press", "how a steam engine works", "the life cycle of a star",
+          "why the sky is blue", "how bees make honey", "the rules of chess", "how vaccines work",
+          "the water cycle"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, cmd: list[str], port: int, env: dict, log: Path):
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(log, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{cmd[0]} exited: {log.read_text()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"{cmd[0]} did not start")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def stream(url: str, model: str, prompt: str, tokens: int) -> list[float]:
+    """Arrival times of a streamed completion's tokens."""
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    times = []
+    with httpx.Client(timeout=600) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                frame = json.loads(line[6:])
+                if frame.get("choices") and frame["choices"][0].get("text"):
+                    times.append(time.perf_counter())
+    return times
+
+
+def measure(url: str, model: str, clients: int, tokens: int) -> dict:
+    results: list = [None] * clients
+    go = threading.Barrier(clients + 1)
+
+    def work(i):
+        go.wait()
+        results[i] = stream(url, model, f"Write a long, detailed essay about {TOPICS[i % len(TOPICS)]}.", tokens)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    go.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    gaps = [b - a for times in results for a, b in zip(times, times[1:])]
+    firsts = [times[0] - t0 for times in results if times]
+    n = sum(len(times) for times in results)
+    # Decode rate: tokens after each client's first, over the span from the first first-token to the
+    # last token (prefill of the prompts is not in it).
+    span = max(times[-1] for times in results) - min(times[0] for times in results)
+    return {"clients": clients, "tokens": n, "wall_s": wall, "aggregate_tok_s": (n - clients) / span if span else 0,
+            "gap_p50_ms": 1e3 * statistics.median(gaps), "gap_p99_ms": 1e3 * quantile(gaps, 0.99),
+            "ttft_max_s": max(firsts)}
+
+
+def quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def expert_bytes(url: str) -> float | None:
+    m = re.search(r"^colibri_expert_bytes_read_total ([0-9.e+]+)$", httpx.get(url + "/metrics", timeout=30).text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="colibri container (default: the embedded SmolLM2)")
+    ap.add_argument("--gguf", default=None, help="the GGUF for llama-server (default: SmolLM2's)")
+    ap.add_argument("--llama-server", default=None, help="path of a llama-server binary")
+    ap.add_argument("--clients", default="1,2,4,8")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ram-gb", default=None, help="colibri's --ram-gb (streams experts when below the model)")
+    ap.add_argument("--no-baseline", action="store_true", help="skip colibri --max-batch 1")
+    a = ap.parse_args()
+
+    from colibri.default_model import default_gguf, default_model_dir
+
+    model = a.model or str(default_model_dir(progress=False))
+    gguf = a.gguf or (str(default_gguf()) if a.model is None else None)
+    counts = [int(c) for c in a.clients.split(",")]
+    top = max(counts)
+    env = {**os.environ, "NUMBA_NUM_THREADS": str(a.threads), "OMP_NUM_THREADS": str(a.threads)}
+    logs = Path("/tmp/serve_batching")
+    logs.mkdir(exist_ok=True)
+    engines = []
+    colibri = [sys.executable, "-m", "colibri.cli", "serve", "--model", model, "--model-id", "m", "--no-persist",
+               "--threads", str(a.threads), "--max-tokens", str(a.tokens), "--max-queue", str(top)]
+    if a.ram_gb:
+        colibri += ["--ram-gb", a.ram_gb]
+    engines.append((f"colibri --max-batch {top}", colibri + ["--max-batch", str(top)]))
+    if not a.no_baseline:
+        engines.append(("colibri --max-batch 1", colibri + ["--max-batch", "1"]))
+    if a.llama_server and gguf:
+        engines.append((f"llama-server --parallel {top}",
+                        [a.llama_server, "-m", gguf, "--parallel", str(top), "-c", str(top * 1024), "-t", str(a.threads),
+                         "-tb", str(a.threads), "--alias", "m", "--no-webui", "-cb"]))
+    rows = []
+    for name, cmd in engines:
+        port = free_port()
+        cmd = cmd + ["--port", str(port)]
+        srv = Server(cmd, port, env, logs / f"{name.split()[0]}-{port}.log")
+        try:
+            measure(srv.url, "m", 1, 8)  # warm: kernels, caches
+            for c in counts:
+                before = expert_bytes(srv.url) if name.startswith("colibri") else None
+                r = measure(srv.url, "m", c, a.tokens)
+                after = expert_bytes(srv.url) if before is not None else None
+                r["gb_per_token"] = (after - before) / r["tokens"] / 1e9 if after is not None else None
+                rows.append((name, r))
+                print(f"{name:28} clients {c}: {r['aggregate_tok_s']:6.1f} tok/s, gap p50 {r['gap_p50_ms']:.1f} ms "
+                      f"p99 {r['gap_p99_ms']:.1f} ms" + (f", {r['gb_per_token']:.4f} GB/token" if r["gb_per_token"] is not None else ""),
+                      flush=True)
+        finally:
+            srv.stop()
+    print(f"\n{'engine':28} {'clients':>7} {'agg tok/s':>9} {'x 1 client':>10} {'gap p50 ms':>10} {'gap p99 ms':>10} "
+          f"{'GB/token':>8}")
+    for name, r in rows:
+        one = next(x for n, x in rows if n == name and x["clients"] == min(counts))
+        gb = f"{r['gb_per_token']:8.4f}" if r["gb_per_token"] is not None else f"{'':8}"
+        print(f"{name:28} {r['clients']:7} {r['aggregate_tok_s']:9.1f} {r['aggregate_tok_s'] / one['aggregate_tok_s']:9.2f}x "
+              f"{r['gap_p50_ms']:10.1f} {r['gap_p99_ms']:10.1f} {gb}")
+
+
+if __name__ == "__main__":
+    main()
