@@ -95,12 +95,17 @@ class SpecStats:
 class Speculator:
     """The logits for each next position of one generation, from drafted passes where they pay.
     step() replaces gen.decode_one in the engine's token loop; the cache's positions past the
-    committed tokens may hold drafts, which step() keeps or cuts back."""
+    committed tokens may hold drafts, which step() keeps or cuts back.
 
-    # auto: judge drafting on this many emitted tokens, and after switching it off, decode this
-    # many tokens plainly before trying again.
-    JUDGE_TOKENS = 12
-    PAUSE_TOKENS = 48
+    `auto` decides before every step from what it has measured in this generation: t1, the
+    seconds of a plain step; r, what one more row adds to a pass, as a share of t1; a, the chance
+    that a draft is accepted given the one before it was (accepted / (accepted + rejections)).
+    K drafts then yield 1 + a + a^2 + ... + a^K tokens for (1 + r K) t1 seconds; it drafts the K
+    that maximizes tokens per second, and not at all when no K beats a plain step. While it is
+    not drafting it still looks the drafts up, and checks one (K = 1) every PROBE_EVERY steps,
+    so a stretch of text that starts repeating is noticed."""
+
+    PROBE_EVERY = 16
 
     def __init__(self, forward_rows, context: list[int], mode: str, draft_tokens: int):
         self.forward_rows = forward_rows  # DecoderModel.forward_rows, or the engine's batched version
@@ -109,10 +114,12 @@ class Speculator:
         self.drafter = NgramDrafter(context)
         self.stats = SpecStats()
         self._ahead: list[tuple[int, np.ndarray]] = []  # (draft token, logits after it)
-        self._pass: list = []  # [seconds, tokens emitted] of the pass whose drafts are being used
-        self._plain = [0.0, 0]   # seconds, tokens of plain steps (auto's yardstick)
-        self._spec = [0.0, 0]    # seconds, tokens of drafted passes since the last judgement
-        self._pause = 0
+        self._pass_drafts = 0     # drafts in the pass being used
+        self._pass_accepted = 0
+        self._rejections = 0
+        self._plain = [0.0, 0]    # seconds, count of plain steps
+        self._extra = [0.0, 0]    # seconds over a plain step, rows beyond the first, of drafted passes
+        self._since_probe = 0
 
     def step(self, cache, committed: int, tok: int, room: int) -> np.ndarray:
         """Logits for the position after `tok`, the token just sampled, which follows the
@@ -123,21 +130,23 @@ class Speculator:
             draft, row = self._ahead.pop(0)
             if draft == tok:
                 self.stats.accepted += 1
-                self._pass[1] += 1
+                self._pass_accepted += 1
                 return row
             self._ahead.clear()
+            self._rejections += 1
             cache.truncate(committed)
-        self._close_pass()
-        k = min(self.k, room, cache.max_tokens - committed - 1)
-        draft = self.drafter.propose(k) if k > 0 and self._drafting() else []
+        k = min(self._draft_count(), room, cache.max_tokens - committed - 1)
+        draft = self.drafter.propose(k) if k > 0 else []
         t0 = time.perf_counter()
-        if not draft:
-            logits = self.forward_rows([tok], [cache])[0]
-            self._plain[0] += time.perf_counter() - t0
-            self._plain[1] += 1
-            return logits
         rows = self.forward_rows([tok, *draft], [cache] * (len(draft) + 1))
-        self._pass = [time.perf_counter() - t0, 1]
+        seconds = time.perf_counter() - t0
+        if not draft:
+            self._plain[0] += seconds
+            self._plain[1] += 1
+            return rows[0]
+        if self._plain[1]:
+            self._extra[0] += seconds - self._plain[0] / self._plain[1]
+            self._extra[1] += len(draft)
         self.stats.passes += 1
         self.stats.drafted += len(draft)
         self._ahead = list(zip(draft, rows[1:]))
@@ -147,26 +156,28 @@ class Speculator:
         """The generation ended: drop drafts the cache still holds past `committed`."""
         self._ahead.clear()
         cache.truncate(committed)
-        self._close_pass()
 
-    def _close_pass(self) -> None:
-        if self._pass:
-            self._spec[0] += self._pass[0]
-            self._spec[1] += self._pass[1]
-            self._pass = []
-
-    def _drafting(self) -> bool:
+    def _draft_count(self) -> int:
+        """How many tokens to draft for the next step (0: a plain step)."""
         if self.mode == "ngram":
-            return True
-        if self._pause:  # auto, switched off for a while: plain steps (and their timing)
-            self._pause -= 1
-            return False
-        if self._plain[1] < 2:  # auto needs the cost of a plain step first
-            return False
-        if self._spec[1] >= self.JUDGE_TOKENS:
-            per_spec, per_plain = self._spec[0] / self._spec[1], self._plain[0] / self._plain[1]
-            self._spec = [0.0, 0]
-            if per_spec > per_plain:
-                self._pause = self.PAUSE_TOKENS
-                return False
-        return True
+            return self.k
+        if self._plain[1] < 2:  # auto: first the cost of a plain step
+            return 0
+        t1 = self._plain[0] / self._plain[1]
+        r = max(self._extra[0], 0.0) / self._extra[1] / t1 if self._extra[1] else 0.5
+        accepted, rejected = self.stats.accepted, self._rejections
+        a = (accepted + 1.0) / (accepted + rejected + 2.0)  # a uniform prior: 1/2 before any evidence
+        best_k, best_rate, tokens = 0, 1.0, 1.0
+        for k in range(1, self.k + 1):
+            tokens += a ** k
+            rate = tokens / (1.0 + r * k)  # tokens per plain-step time
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        if best_k:
+            self._since_probe = 0
+            return best_k
+        self._since_probe += 1
+        if self._since_probe >= self.PROBE_EVERY:
+            self._since_probe = 0
+            return 1
+        return 0

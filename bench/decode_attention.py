@@ -1,0 +1,54 @@
+"""The decode attention kernel alone (colibri.kernels.ops.attend_one) at SmolLM2's shapes (9 query
+heads over 3 KV heads of 64, 30 layers) and 1k-8k tokens of context: ms per token for all layers,
+and the K/V bytes it reads per second. Separate arrays per layer (as the cache has), so each
+layer's K/V comes from memory, not from the CPU caches. Benchmark only: no asserts.
+
+    python bench/decode_attention.py [--contexts 1024,4096,8192] [--heads 9 --kv-heads 3 --head-dim 64 --layers 30]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", default="1024,4096,8192")
+    ap.add_argument("--heads", type=int, default=9)
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=5)
+    a = ap.parse_args()
+
+    from colibri.kernels import ops
+
+    lengths = [int(x) for x in a.contexts.split(",")]
+    cap = max(lengths)
+    rng = np.random.default_rng(0)
+    k = [rng.standard_normal((a.kv_heads, cap, a.head_dim), dtype=np.float32) for _ in range(a.layers)]
+    v = [rng.standard_normal((a.kv_heads, cap, a.head_dim), dtype=np.float32) for _ in range(a.layers)]
+    q = rng.standard_normal((a.heads, a.head_dim), dtype=np.float32)
+    scale = np.float32(a.head_dim ** -0.5)
+    print(f"{a.heads} heads over {a.kv_heads} KV heads of {a.head_dim}, {a.layers} layers; best of {a.repeats}")
+    print(f"{'context':>7} {'ms/token':>9} {'K+V GB/s':>9}")
+    for n in lengths:
+        ops.attend_one(q, k[0], v[0], n, scale)
+        best = float("inf")
+        for _ in range(a.repeats):
+            t0 = time.perf_counter()
+            for layer in range(a.layers):
+                ops.attend_one(q, k[layer], v[layer], n, scale)
+            best = min(best, time.perf_counter() - t0)
+        read = a.layers * a.kv_heads * n * a.head_dim * 4 * 2
+        print(f"{n:7} {best * 1e3:9.2f} {read / best / 1e9:9.1f}")
+
+
+if __name__ == "__main__":
+    main()
