@@ -5,6 +5,7 @@ the tokens are checked to be identical across modes. Benchmark only: no asserts.
 
     python bench/speculative.py [--repeats 3] [--tokens 200]                # SmolLM2: copy-edit and free-form prompts
     python bench/speculative.py --model /work/medium-moe --ram-gb 0.14      # streamed experts (random ids prompt)
+    python bench/speculative.py --row-cost                                  # ms of one forward_rows pass, 1-9 rows
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ def main() -> None:
     ap.add_argument("--draft-tokens", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--row-cost", action="store_true", help="time DecoderModel.forward_rows with 1-9 rows instead")
     a = ap.parse_args()
 
     from colibri import Engine
@@ -54,6 +56,9 @@ def main() -> None:
     if a.ram_gb is not None:
         options.update(ram_gb=a.ram_gb, stream_experts=True)
     engine = Engine.load(a.model, **options)
+    if a.row_cost:
+        row_cost(engine)
+        return
     if engine.tokenizer is None or a.ram_gb is not None:
         # Random-weight MoE shapes have no meaningful text: random ids; their greedy output
         # falls into loops after a while, which is what lookup drafts find.
@@ -86,6 +91,29 @@ def main() -> None:
             read_text = f"{statistics.median(reads):13.2f}" if reads else f"{'-':>13}"
             same = all(g.token_ids == ref for g, _ in runs[m])
             print(f"{name:11} {m:6} {tok_s:12.1f} {tok_s / base:5.2f}x {acc_text} {read_text} {str(same):>11}")
+
+
+def row_cost(engine) -> None:
+    """What a drafted pass (or a batch step) costs per row: forward_rows over 1-9 consecutive
+    positions after a ~300-token context, median of 30."""
+    import time
+
+    model = engine.model
+    cache = model.new_cache(4096)
+    model.forward(np.asarray(engine.encode_prompt("Write a long story about a fox. " * 30)), cache)
+    base = cache.length
+    one = None
+    for rows in (1, 2, 3, 5, 9):
+        times = []
+        for _ in range(30):
+            cache.truncate(base)
+            t0 = time.perf_counter()
+            model.forward_rows([5] * rows, [cache] * rows)
+            times.append(time.perf_counter() - t0)
+        t = statistics.median(times)
+        one = one or t
+        extra = f", each extra row {(t - one) / (rows - 1) / one:.2f} of a step" if rows > 1 else ""
+        print(f"{rows} rows: {t * 1e3:6.2f} ms{extra}")
 
 
 if __name__ == "__main__":
