@@ -154,6 +154,7 @@ class ExpertStore:
         self.config = config
         self.stats = StoreStats()
         self._lock = threading.Lock()
+        self._history_lock = threading.Lock()  # turn ends of concurrent generations (batching) save it
         self._fds: dict[str, int] = {}
         self._maps: dict[str, np.ndarray] = {}
         self._verified: set[tuple[str, int]] = set()  # mmap: experts checked since the files were mapped
@@ -418,8 +419,9 @@ class ExpertStore:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(json.dumps({"version": 1, "counts": merged}))
-            os.replace(tmp, path)
+            with self._history_lock:
+                tmp.write_text(json.dumps({"version": 1, "counts": merged}))
+                os.replace(tmp, path)
         except OSError as e:
             warnings.warn(f"could not save routing history to {path}: {e}", stacklevel=2)
 
