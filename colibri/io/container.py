@@ -15,6 +15,8 @@ checksums existed have none and are read unverified.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import json
 import os
 import shutil
@@ -127,6 +129,7 @@ class Container:
             raise ColibriError(f"{self.dir} is not a colibri model directory: no {MANIFEST}{hint}")
         self.manifest = _read_object(manifest_path, f"{self.dir}: its manifest {MANIFEST}")
         self.config = _read_object(self.dir / "config.json", f"{self.dir}: its config.json")
+        self.on_read: Callable[[int], None] | None = None  # told the bytes of each dense tensor read (progress)
         if self.manifest.get("version") != FORMAT_VERSION:
             raise ColibriError(f"{self.dir}: container version {self.manifest.get('version')} is not "
                                f"supported (expected {FORMAT_VERSION}); re-convert the model")
@@ -161,6 +164,8 @@ class Container:
             raise ColibriError(f"{self.dir}: tensor {name} is missing; the container does not match its config")
         parts = {p: self.dense.read(f"{name}.{p}") for p in ("q", "scales", "mins")
                  if f"{name}.{p}" in self.dense.tensors}
+        if self.on_read is not None:
+            self.on_read(sum(a.nbytes for a in parts.values()))
         if len(spec["shape"]) == 1:
             return parts["q"].astype(np.float32)
         return QTensor(spec["scheme"], tuple(spec["shape"]), parts["q"], parts.get("scales"), parts.get("mins"))

@@ -24,6 +24,7 @@ fails the generation that asked and leaves the store serving every other expert.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -33,6 +34,7 @@ import warnings
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -42,6 +44,27 @@ from colibri.kernels.moe import FusedExperts, StackedExperts
 
 IO_MODES = ("pread", "direct", "mmap")
 _ALIGN = 4096
+
+
+SHOW_BYTES = 1 << 30  # a read phase larger than this takes over a second: worth showing
+
+
+def shown(show, what: str, total: int):
+    """show(what, total), a context manager whose value has add(nbytes) (colibri.progress), when
+    given and the phase is large enough to be worth showing; else one whose value is None."""
+    return show(what, total) if show is not None and total >= SHOW_BYTES else contextlib.nullcontext()
+
+
+def load_history(path: Path) -> dict:
+    """Routing counts per MoE layer; a missing file is empty, a corrupt one is ignored with a warning."""
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        return {k: [int(c) for c in v] for k, v in data["counts"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        warnings.warn(f"ignoring unreadable routing history {path}: {e}", stacklevel=2)
+        return {}
 
 
 def arena(nbytes: int) -> np.ndarray:
@@ -82,6 +105,7 @@ class StoreConfig:
     prefetch: bool = True           # read the next layer's predicted experts during attention
     verify: bool = True             # check each blob read from disk against the manifest checksum
     history: dict = field(default_factory=dict)  # prefix -> routing counts [E] (from usage history)
+    history_file: Path | None = None  # where save_history keeps them (None: nowhere)
 
 
 @dataclass
@@ -147,7 +171,8 @@ class _Layer:
 
 
 class ExpertStore:
-    def __init__(self, container: Container, config: StoreConfig):
+    def __init__(self, container: Container, config: StoreConfig, show=None):
+        """`show`: a display for the hot set's reads at start (see `shown`)."""
         if config.io not in IO_MODES:
             raise ColibriError(f"unknown expert io mode {config.io!r}; choose one of {', '.join(IO_MODES)}")
         self.container = container
@@ -177,7 +202,7 @@ class ExpertStore:
             for p in prefixes:
                 self._open(p)
             if config.hot_fraction > 0 and config.history:
-                self._pin_hot_set()
+                self._pin_hot_set(show)
         except BaseException:
             self.close()  # a damaged hot expert fails the load: leave no reader threads or fds behind
             raise
@@ -232,7 +257,7 @@ class ExpertStore:
         return blob
 
     # ------------------------------------------------------------------ placement
-    def _pin_hot_set(self) -> None:
+    def _pin_hot_set(self, show=None) -> None:
         """Load the experts with the most routing history, across all layers, into pinned slots
         (start-up warm-up). Counts compare across layers: every layer routes each token to
         top-k experts, so one count is one read saved wherever it is."""
@@ -252,8 +277,11 @@ class ExpertStore:
             slot = self.slots.free.pop()
             layer.pinned[int(e)] = slot
             futures.append(self._readers.submit(self._read, layer.prefix, int(e), self.slots.buffers[slot]))
-        for f in futures:
-            f.result()
+        with shown(show, "pinning the hot set", len(futures) * self.slots.slot_bytes) as progress:
+            for f in futures:
+                f.result()
+                if progress:
+                    progress.add(self.slots.slot_bytes)
 
     def prefetch(self, prefix: str, ids, certain: bool = False) -> None:
         """Start reading experts the next layer will probably ask for into RAM slots (only with
@@ -410,9 +438,9 @@ class ExpertStore:
     def save_history(self) -> None:
         """Persist routing counts (earlier history + this process) crash-safely; called at every
         turn end so the next start pins the right hot set."""
-        from colibri.io.experts import history_path
-
-        path = history_path(self.container)
+        path = self.config.history_file
+        if path is None:
+            return
         merged = {p: (np.asarray(self.config.history.get(p, np.zeros_like(l.counts)), dtype=np.int64)
                       + l.counts).tolist() if len(self.config.history.get(p, [])) in (0, l.counts.size)
                   else l.counts.tolist() for p, l in self.layers.items()}

@@ -1,54 +1,88 @@
 """Routed-expert sources: what a MoE block asks for its experts.
 
-`ResidentExperts` reads every expert blob into RAM once at load (one pread per expert into
-one preallocated array per layer, each checked against the manifest checksum): the fastest
-choice when every expert fits the budget.
+`ResidentExperts` reads every expert blob into RAM once at load (one preallocated array per
+layer, each blob checked against the manifest checksum): the fastest choice when every expert
+fits the budget. READ_THREADS readers issue O_DIRECT reads at once (one buffered reader reached
+~1 GB/s cold here, four ~2 GB/s, the disk's speed): on the Qwen3-30B-A3B-shaped synthetic (16.3
+GB of experts, 24 GB of RAM) the experts' load went from 27-29 s to 9.4-11 s (README).
 `expert_store.ExpertStore` (disk -> RAM LRU, readahead, hot set, prefetch) implements the same
 `iter_experts` / `prefetch` contract, so models never know where an expert came from.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 from colibri.errors import ColibriError, EngineFault
 from colibri.io.container import Container
-from colibri.io.expert_store import arena
+from colibri.io.expert_store import ExpertStore, StoreConfig, arena, load_history, shown
 from colibri.kernels.moe import FusedExperts, StackedExperts
+
+READ_THREADS = 4
+
+
+def _open_direct(path) -> int:
+    """O_DIRECT where the file system takes it: the blobs go straight from disk into the arena.
+    Through the page cache, a model about the size of RAM also fills the cache with a second
+    copy, and the kernel must evict it while the arena's pages are being allocated: a 16.3 GB
+    load ran at 0.6 GB/s that way on a 24 GB machine. (Blob offsets and sizes are multiples of
+    4096 and the arena is page-aligned, as O_DIRECT needs.)"""
+    try:
+        return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    except OSError:  # e.g. tmpfs: no O_DIRECT
+        return os.open(path, os.O_RDONLY)
 
 
 class ResidentExperts:
-    def __init__(self, container: Container, verify: bool = True):
+    def __init__(self, container: Container, verify: bool = True,
+                 on_read: Callable[[int], None] | None = None):
+        """Every expert of `container` read into RAM now; `on_read(nbytes)` after each one (a
+        progress display)."""
         self.layers: dict[str, list] = {}
         self._stacked: dict[str, StackedExperts | None] = {}
         self._blobs: dict[str, np.ndarray] = {}
         self.bytes_resident = 0
         for prefix, layout in container.expert_layouts.items():
-            store = arena(layout.num_experts * layout.blob_bytes).reshape(layout.num_experts, layout.blob_bytes)
-            path = container.expert_file(prefix).path
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                for e in range(layout.num_experts):
-                    _, offset, nbytes = container.expert_range(prefix, e)
-                    n = os.preadv(fd, [memoryview(store[e])], offset)
-                    if n != nbytes:
-                        raise EngineFault(f"expert {e} of {prefix} in {path} is truncated (read {n} of {nbytes} "
-                                          "bytes): the file is damaged; re-convert or restore it")
-                    if verify:
-                        container.verify_expert(prefix, e, store[e])
-            finally:
-                os.close(fd)
+            store = arena(layout.num_experts * layout.blob_bytes)
+            store = store.reshape(layout.num_experts, layout.blob_bytes)
             self.layers[prefix] = [layout.unpack(store[e]) for e in range(layout.num_experts)]
             self._blobs[prefix] = store
             self._stacked[prefix] = StackedExperts.view(store, layout.blob_bytes, layout.num_experts,
                                                         layout.projections)
             self.bytes_resident += store.nbytes
+        self._read_all(container, verify, on_read)
 
+    def _read_all(self, container: Container, verify: bool, on_read) -> None:
+        fds = {p: _open_direct(container.expert_file(p).path) for p in self._blobs}
+
+        def read(job: tuple[str, int]) -> None:
+            prefix, e = job
+            _, offset, nbytes = container.expert_range(prefix, e)
+            blob = self._blobs[prefix][e]
+            n = os.preadv(fds[prefix], [memoryview(blob)], offset)
+            if n != nbytes:
+                path = container.expert_file(prefix).path
+                raise EngineFault(f"expert {e} of {prefix} in {path} is truncated (read {n} of {nbytes} "
+                                  "bytes): the file is damaged; re-convert or restore it")
+            if verify:
+                container.verify_expert(prefix, e, blob)
+            if on_read is not None:
+                on_read(nbytes)
+
+        jobs = [(p, e) for p, blobs in self._blobs.items() for e in range(blobs.shape[0])]
+        try:
+            with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="colibri-expert-read") as pool:
+                for _ in pool.map(read, jobs):  # the first failure, in layer and expert order, raises
+                    pass
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    # ------------------------------------------------------------------ the expert source contract
     def iter_experts(self, prefix: str, ids: list[int], blobs: bool = False):
         """Yield (expert id, {projection: QTensor}), or (expert id, its uint8 blob) with `blobs`."""
         experts = self._blobs[prefix] if blobs else self.layers[prefix]
@@ -125,10 +159,11 @@ def plan_budget(ram_gb: float | None) -> int:
     return max(0, avail - max(GiB, int(0.15 * avail)))
 
 
-def open_experts(container: Container, config):
+def open_experts(container: Container, config, show=None, history_file: Path | None = None):
     """Resident experts when they all fit the budget (or streaming is off), else an ExpertStore
-    holding what the budget allows. Raises when the dense part alone does not fit."""
-    from colibri.io.expert_store import ExpertStore, StoreConfig
+    holding what the budget allows. Raises when the dense part alone does not fit. `show`
+    displays the reads at start (expert_store.shown); `history_file` keeps the store's routing
+    history between runs (its hot set; None: none kept)."""
 
     dense = container.dense_bytes
     expert_total = container.expert_bytes
@@ -143,29 +178,12 @@ def open_experts(container: Container, config):
     # manifest checksum. Read with a default so this module works before the field exists.
     verify = bool(getattr(config, "verify_experts", True))
     if not stream or not container.expert_layouts:
-        return ResidentExperts(container, verify=verify)
-    history = load_history(history_path(container))
+        with shown(show, f"reading the experts of {container.dir.name}", container.expert_bytes) as progress:
+            return ResidentExperts(container, verify=verify, on_read=progress.add if progress else None)
+    history = load_history(history_file) if history_file is not None else {}
     store_cfg = StoreConfig(ram_bytes=budget - dense, io=config.expert_io, threads=config.read_threads,
                             hot_fraction=0.5 if config.hot_set else 0.0, prefetch=config.prefetch,
-                            history=history, verify=verify)
-    return ExpertStore(container, store_cfg)
+                            history=history, history_file=history_file, verify=verify)
+    return ExpertStore(container, store_cfg, show=show)
 
 
-def history_path(container: Container) -> Path:
-    """Routing history lives in the user's cache directory, keyed by the model's path."""
-    from colibri.default_model import cache_root
-
-    key = hashlib.sha1(str(container.dir.resolve()).encode()).hexdigest()[:10]
-    return cache_root() / "history" / f"{container.dir.name}-{key}.json"
-
-
-def load_history(path: Path) -> dict:
-    """Routing counts per MoE layer; a missing file is empty, a corrupt one is ignored with a warning."""
-    if not path.exists():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-        return {k: [int(c) for c in v] for k, v in data["counts"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        warnings.warn(f"ignoring unreadable routing history {path}: {e}", stacklevel=2)
-        return {}

@@ -90,9 +90,9 @@ def test_hot_set_is_learned_from_history(synthetic):
 
 
 def test_corrupt_history_is_ignored_with_a_warning(synthetic, tmp_path):
-    from colibri.io.experts import history_path
+    from colibri.default_model import history_path
 
-    path = history_path(Container(synthetic))
+    path = history_path(Container(synthetic).dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("{ not json")
     with warnings.catch_warnings(record=True) as caught:
@@ -159,3 +159,22 @@ def test_one_lru_over_all_layers_lets_a_busy_layer_use_idle_slots(synthetic):
         assert store.tiers()[prefixes[1]]["lru"] == [7]
     finally:
         store.close()
+
+
+def test_load_shows_each_long_read_phase(synthetic, monkeypatch, capsys):
+    """Engine.load(progress=True) names every read phase large enough to take a second (here the
+    threshold is lowered to 0 so the tiny model's phases count): resident experts, then the
+    dense weights; with a budget, the hot set being pinned. Not a terminal: one line each."""
+    from colibri.io import expert_store
+
+    monkeypatch.setattr(expert_store, "SHOW_BYTES", 0)
+    Engine.load(synthetic, stream_experts=False, progress=True)
+    err = capsys.readouterr().err
+    c = Container(synthetic)
+    assert f"reading the experts of m ({c.expert_bytes / 1e9:.1f} GB)... done: " in err
+    assert "reading the dense weights of m" in err and "GB/s)" in err
+    warm = Engine.load(synthetic, ram_gb=budget_gb(synthetic, 4), stream_experts=True)
+    warm.generate(SEQ[:5], max_tokens=4, stop_at_eos=False)  # routing history: a hot set to pin
+    capsys.readouterr()
+    Engine.load(synthetic, ram_gb=budget_gb(synthetic, 4), stream_experts=True, progress=True)
+    assert "pinning the hot set" in capsys.readouterr().err
