@@ -18,9 +18,9 @@ and a rejected position keeps the target's sample.)
 
 Drafters: prompt lookup ("ngram": the tokens that followed the latest earlier occurrence of the
 context's last n tokens, n = 3, 2, 1; it pays on text that repeats or edits what the prompt
-holds: code refactors, reformatting, quoting). Modes: "off", "ngram" (draft whenever the
-lookup finds something) and "auto" (ngram, switched off while the measured seconds per token
-of drafted passes exceed those of plain steps, and tried again later).
+holds: code refactors, reformatting, quoting). Modes: "off", "ngram" (draft K whenever the
+lookup finds something) and "auto" (ngram with as many drafts as the measured costs and
+acceptance say pay, none when nothing does; see Speculator).
 """
 from __future__ import annotations
 
@@ -101,9 +101,9 @@ class Speculator:
     seconds of a plain step; r, what one more row adds to a pass, as a share of t1; a, the chance
     that a draft is accepted given the one before it was (accepted / (accepted + rejections)).
     K drafts then yield 1 + a + a^2 + ... + a^K tokens for (1 + r K) t1 seconds; it drafts the K
-    that maximizes tokens per second, and not at all when no K beats a plain step. While it is
-    not drafting it still looks the drafts up, and checks one (K = 1) every PROBE_EVERY steps,
-    so a stretch of text that starts repeating is noticed."""
+    that maximizes tokens per second, and not at all when no K beats a plain step; then it
+    still drafts one token (K = 1) every PROBE_EVERY steps, so text that starts repeating, and
+    raises a, is noticed."""
 
     PROBE_EVERY = 16
 
@@ -114,9 +114,7 @@ class Speculator:
         self.drafter = NgramDrafter(context)
         self.stats = SpecStats()
         self._ahead: list[tuple[int, np.ndarray]] = []  # (draft token, logits after it)
-        self._pass_drafts = 0     # drafts in the pass being used
-        self._pass_accepted = 0
-        self._rejections = 0
+        self._rejections = 0      # passes that ended at a draft the sampler did not take
         self._plain = [0.0, 0]    # seconds, count of plain steps
         self._extra = [0.0, 0]    # seconds over a plain step, rows beyond the first, of drafted passes
         self._since_probe = 0
@@ -130,7 +128,6 @@ class Speculator:
             draft, row = self._ahead.pop(0)
             if draft == tok:
                 self.stats.accepted += 1
-                self._pass_accepted += 1
                 return row
             self._ahead.clear()
             self._rejections += 1
