@@ -81,6 +81,39 @@ def rope(x, cos, sin, rot):
 ATTEND_CHUNK = 128
 
 
+@njit(cache=True, fastmath={"reassoc", "contract", "nsz"})
+def _attend_chunk(q, k, v, kv, t0, m_len, scale, s, ms, ls, accs):
+    """Keys t0 .. t0+m_len of KV head kv for its G query heads: each head's max score into ms,
+    its exp-sum into ls and its exp-weighted value sum into accs (zeros on entry); s is a
+    [G, >= m_len] scratch. Element loops only: a slice store compiles its shape-mismatch error
+    path, seconds of a first start's compile."""
+    G, Dk, Dv = ms.shape[0], q.shape[1], accs.shape[1]
+    for j in range(m_len):
+        t = t0 + j
+        for g in range(G):
+            a = np.float32(0.0)
+            for d in range(Dk):
+                a += q[kv * G + g, d] * k[kv, t, d]
+            s[g, j] = a * scale
+    for g in range(G):
+        m = np.float32(-np.inf)
+        for j in range(m_len):
+            m = max(m, s[g, j])
+        total = np.float32(0.0)
+        for j in range(m_len):
+            e = expf(s[g, j] - m)
+            s[g, j] = e
+            total += e
+        ms[g] = m
+        ls[g] = total
+    for j in range(m_len):
+        t = t0 + j
+        for g in range(G):
+            p = s[g, j]
+            for d in range(Dv):
+                accs[g, d] += p * v[kv, t, d]
+
+
 @njit(cache=True, parallel=True, fastmath={"reassoc", "contract", "nsz"})
 def attend_one(q, k, v, n, scale):
     """One query position over the first n cached keys (decode). q [H, Dk]; k [KV, cap, Dk];
@@ -92,46 +125,20 @@ def attend_one(q, k, v, n, scale):
     ~12 MB a layer: this read, not the weights, is what a long conversation's token costs).
     An item keeps its chunk's max score, exp-sum and weighted value sum; one serial pass merges
     the chunks in order (online softmax), so the result does not depend on the threads."""
-    H, Dk = q.shape
+    H = q.shape[0]
     KV, _, Dv = v.shape
     G = H // KV
     C = ATTEND_CHUNK
     nc = (n + C - 1) // C
     ms = np.empty((KV, nc, G), np.float32)
     ls = np.empty((KV, nc, G), np.float32)
-    accs = np.empty((KV, nc, G, Dv), np.float32)
+    accs = np.zeros((KV, nc, G, Dv), np.float32)
+    scratch = np.empty((KV * nc, G, C), np.float32)
     for item in prange(KV * nc):
         kv = item // nc
         c = item - kv * nc
-        t0 = c * C
-        m_len = min(n - t0, C)
-        s = np.empty((G, C), np.float32)
-        for j in range(m_len):
-            t = t0 + j
-            for g in range(G):
-                a = np.float32(0.0)
-                for d in range(Dk):
-                    a += q[kv * G + g, d] * k[kv, t, d]
-                s[g, j] = a * scale
-        for g in range(G):
-            m = np.float32(-np.inf)
-            for j in range(m_len):
-                m = max(m, s[g, j])
-            total = np.float32(0.0)
-            for j in range(m_len):
-                e = expf(s[g, j] - m)
-                s[g, j] = e
-                total += e
-            ms[kv, c, g] = m
-            ls[kv, c, g] = total
-        acc = np.zeros((G, Dv), np.float32)
-        for j in range(m_len):
-            t = t0 + j
-            for g in range(G):
-                p = s[g, j]
-                for d in range(Dv):
-                    acc[g, d] += p * v[kv, t, d]
-        accs[kv, c] = acc
+        _attend_chunk(q, k, v, kv, c * C, min(n - c * C, C), scale, scratch[item], ms[kv, c], ls[kv, c],
+                      accs[kv, c])
     out = np.empty(H * Dv, np.float32)
     row = np.empty(Dv, np.float32)
     for h in range(H):
@@ -141,7 +148,8 @@ def attend_one(q, k, v, n, scale):
         for c in range(nc):
             top = max(top, ms[kv, c, g])
         total = np.float32(0.0)
-        row[:] = 0.0
+        for d in range(Dv):
+            row[d] = 0.0
         for c in range(nc):
             w = expf(ms[kv, c, g] - top)
             total += w * ls[kv, c, g]
