@@ -29,6 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from colibri.errors import ColibriError
 from colibri.io import fp8
+from colibri.model_types import module_name
 from colibri.io.container import EXPERT_PROJECTIONS, ContainerWriter
 from colibri.io.safetensors_io import SafetensorsFile
 from colibri.kernels.quant import QTensor, quantize
@@ -106,8 +107,6 @@ def _num_experts(config: dict) -> int | None:
 
 
 def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
-    from colibri.models import family
-
     try:
         config = json.loads((src / "config.json").read_text())
     except FileNotFoundError:
@@ -117,7 +116,7 @@ def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
     if not isinstance(config, dict):
         raise ColibriError(f"{src}/config.json holds a JSON {type(config).__name__}, not an object; "
                            "is it a Hugging Face checkpoint directory?")
-    family(config.get("model_type"))  # unknown model_type: fail before reading any weights
+    module_name(config.get("model_type"))  # unknown model_type: fail before reading any weights
     block = fp8.block_size(config)     # unsupported quantization_config: fail early too
     shards = sorted(src.glob("*.safetensors"))
     if not shards:
