@@ -25,9 +25,9 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
+from colibri.chat_backends import THINK_CLOSE, THINK_OPEN, AttachBackend, EngineBackend, TurnStats
 from colibri.errors import ColibriError
 
 STATS_MODES = ("full", "compact", "off")
@@ -47,35 +47,6 @@ Ctrl-C stops an answer and keeps the conversation."""
 
 
 # ----------------------------------------------------------------------------- figures
-
-@dataclass
-class TurnStats:
-    completion_tokens: int
-    finish_reason: str                   # "stop", "length" or "interrupted"
-    elapsed_s: float
-    prompt_tokens: int | None = None
-    prompt_tokens_reused: int | None = None
-    ttft_s: float | None = None
-    decode_tok_s: float | None = None
-    prefill_tok_s: float | None = None
-    hit_rate: float | None = None        # expert cache, when the engine reports one
-    rss_bytes: int | None = None
-
-    @property
-    def tok_s(self) -> float:
-        if self.decode_tok_s:
-            return self.decode_tok_s
-        decode = self.elapsed_s - (self.ttft_s or 0.0)
-        return (self.completion_tokens - 1) / decode if self.completion_tokens > 1 and decode > 0 else 0.0
-
-
-def rss_bytes() -> int | None:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
 
 def _mb(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
@@ -106,181 +77,7 @@ def format_stats(s: TurnStats, mode: str = "full") -> str:
     return " · ".join(parts)
 
 
-# ----------------------------------------------------------------------------- backends
-
-class EngineBackend:
-    """A chat backend over an in-process Engine."""
-
-    def __init__(self, engine, sampling: dict):
-        self.engine = engine
-        self.sampling = sampling
-        self.stats: TurnStats | None = None
-
-    def describe(self) -> dict:
-        from colibri.info import describe, quant_summary
-
-        info = describe(self.engine.container)
-        return {"model": self.engine.model_id, "family": self.engine.model_type, "quant": quant_summary(info),
-                "weights_bytes": info["disk"]["dense_bytes"] + info["disk"]["expert_bytes"],
-                "streaming": self._expert_counts() is not None,
-                "load_s": self.engine.load_s, "rss_bytes": rss_bytes()}
-
-    def opens_in_reasoning(self, messages: list[dict], system: str | None) -> bool:
-        """Whether the chat template already opened a reasoning block for the answer."""
-        tok = self.engine.tokenizer
-        if tok is None or not tok.has_chat_template:
-            return False
-        msgs = ([{"role": "system", "content": system}] if system else []) + messages
-        try:
-            text = tok.apply_chat_template(msgs, add_generation_prompt=True)
-        except ColibriError:
-            return False
-        tail = text.rstrip()
-        return tail.endswith(THINK_OPEN) and THINK_CLOSE not in tail[-len(THINK_OPEN) - 2:]
-
-    def stream(self, messages: list[dict], system: str | None, max_tokens: int) -> Iterator[str]:
-        """Text pieces of the answer; self.stats holds the turn's figures afterwards (also when
-        the consumer stops early: closing the engine's stream keeps its KV cache consistent)."""
-        self.stats = None
-        before = self._expert_counts()
-        t0 = time.perf_counter()
-        n, first, done = 0, None, False
-        it = self.engine.stream(messages, max_tokens=max_tokens, system=system, **self.sampling)
-        try:
-            for ev in it:
-                n += ev.token_id is not None  # the last event may carry only held-back text
-                if first is None:
-                    first = time.perf_counter() - t0
-                if ev.text:
-                    yield ev.text
-            done = True
-        finally:
-            it.close()
-            elapsed = time.perf_counter() - t0
-            g = self.engine.last if done else None
-            if g is not None:
-                self.stats = TurnStats(g.completion_tokens, g.finish_reason, elapsed, g.prompt_tokens,
-                                       g.prompt_tokens_reused, g.ttft_s, g.decode_tok_s, g.prefill_tok_s)
-            else:
-                self.stats = TurnStats(n, "interrupted", elapsed, ttft_s=first)
-            self.stats.hit_rate = self._turn_hit_rate(before)
-            self.stats.rss_bytes = rss_bytes()
-
-    def _expert_counts(self) -> dict | None:
-        """The engine's cumulative expert-cache figures, when experts stream (else None)."""
-        stats = getattr(self.engine, "expert_stats", None)
-        if callable(stats):
-            stats = stats()
-        return dict(stats) if isinstance(stats, dict) else None
-
-    def _turn_hit_rate(self, before: dict | None) -> float | None:
-        after = self._expert_counts()
-        if after is None:
-            return None
-        if before and {"hits", "misses"} <= set(after):  # this turn's share, not the session's
-            hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
-            return hits / (hits + misses) if hits + misses else None
-        return float(after["hit_rate"]) if after.get("hit_rate") is not None else None
-
-    def reset(self) -> None:
-        self.engine.reset()
-
-
-class AttachBackend:
-    """A chat backend talking to a running `colibri serve` (or any OpenAI-compatible server)
-    through POST /v1/chat/completions with stream=true; the server keeps the KV cache."""
-
-    def __init__(self, url: str, sampling: dict, api_key: str | None = None):
-        self.base = url.rstrip("/")
-        if not self.base.endswith("/v1"):
-            self.base += "/v1"
-        self.sampling = sampling
-        self.api_key = api_key or os.environ.get("COLIBRI_API_KEY")
-        self.stats: TurnStats | None = None
-        self.model = None
-
-    def _request(self, path: str, body: dict | None = None, timeout: float = 600):
-        import urllib.error
-        import urllib.request
-
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        req = urllib.request.Request(self.base + path, data=None if body is None else json.dumps(body).encode(),
-                                     headers=headers, method="GET" if body is None else "POST")
-        try:
-            return urllib.request.urlopen(req, timeout=timeout)
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:300]
-            try:
-                detail = json.loads(detail)["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                pass
-            raise ColibriError(f"{self.base}{path}: HTTP {e.code}: {detail}") from None
-        except (urllib.error.URLError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            raise ColibriError(f"cannot reach {self.base} ({reason}); is `colibri serve` running there?") from None
-
-    def describe(self) -> dict:
-        with self._request("/models", timeout=10) as r:
-            models = json.loads(r.read()).get("data", [])
-        self.model = models[0]["id"] if models else "default"
-        return {"model": self.model, "family": f"attached to {self.base}", "quant": None,
-                "weights_bytes": None, "load_s": None, "rss_bytes": None}
-
-    def opens_in_reasoning(self, messages, system) -> bool:
-        return False
-
-    def stream(self, messages: list[dict], system: str | None, max_tokens: int) -> Iterator[str]:
-        self.stats = None
-        msgs = ([{"role": "system", "content": system}] if system else []) + \
-            [{"role": m["role"], "content": m["content"]} for m in messages]
-        body = {"model": self.model or "default", "messages": msgs, "stream": True, "max_tokens": max_tokens,
-                "stream_options": {"include_usage": True},
-                **{k: v for k, v in self.sampling.items() if v is not None and k != "top_k"}}
-        t0 = time.perf_counter()
-        n, first, finish, usage = 0, None, "interrupted", {}
-        try:
-            resp = self._request("/chat/completions", body)
-        except ColibriError as e:  # a server that rejects the usage option still streams without it
-            if "stream_options" not in str(e):
-                raise
-            body.pop("stream_options")
-            resp = self._request("/chat/completions", body)
-        try:
-            for raw in resp:
-                line = raw.decode("utf-8", errors="replace").strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                usage = chunk.get("usage") or usage
-                for choice in chunk.get("choices", []):
-                    delta = choice.get("delta", {})
-                    for key in ("reasoning_content", "content"):
-                        text = delta.get(key)
-                        if text:
-                            n += 1
-                            if first is None:
-                                first = time.perf_counter() - t0
-                            yield f"{THINK_OPEN}{text}{THINK_CLOSE}" if key == "reasoning_content" else text
-                    finish = choice.get("finish_reason") or finish
-        finally:
-            resp.close()
-            details = usage.get("prompt_tokens_details") or {}
-            self.stats = TurnStats(usage.get("completion_tokens", n), finish, time.perf_counter() - t0,
-                                   usage.get("prompt_tokens"), details.get("cached_tokens"), first)
-
-    def reset(self) -> None:
-        pass  # the server matches prefixes itself; a new conversation simply shares none
-
-
 # ----------------------------------------------------------------------------- reasoning
-
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-
 
 class ReasoningSplitter:
     """Splits streamed text into ("reasoning" | "answer", text) at <think> ... </think>,

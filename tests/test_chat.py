@@ -14,8 +14,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from colibri import ColibriError
-from colibri.tui import (AttachBackend, ChatSession, ChatUI, EngineBackend, ReasoningSplitter, StreamPrinter,
-                         TurnStats, format_stats, has_markdown, read_message)
+from colibri.chat_backends import AttachBackend, EngineBackend, TurnStats
+from colibri.tui import ChatSession, ChatUI, ReasoningSplitter, StreamPrinter, format_stats, has_markdown, read_message
 
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
