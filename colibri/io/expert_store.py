@@ -283,10 +283,9 @@ class ExpertStore:
                 if progress:
                     progress.add(self.slots.slot_bytes)
 
-    def prefetch(self, prefix: str, ids, certain: bool = False) -> None:
-        """Start reading experts the next layer will probably ask for into RAM slots (only with
-        the prefetch policy on), or, `certain`, experts it will ask for (always)."""
-        if not (self.config.prefetch or certain) or not self.slots.buffers:
+    def prefetch(self, prefix: str, ids) -> None:
+        """Start reading experts the next layer will probably ask for into RAM slots."""
+        if not self.config.prefetch or not self.slots.buffers:
             return
         layer = self.layers[prefix]
         protect = {(prefix, int(e)) for e in ids}

@@ -89,7 +89,7 @@ class ResidentExperts:
         for e in ids:
             yield e, experts[e]
 
-    def prefetch(self, prefix: str, ids, certain: bool = False) -> None:
+    def prefetch(self, prefix: str, ids) -> None:
         """Everything is resident: nothing to fetch ahead."""
 
     def fused(self, prefix: str) -> FusedExperts | None:

@@ -345,7 +345,54 @@ def softmax_topk(logits: np.ndarray, k: int, normalize: bool) -> tuple[np.ndarra
     return weights.astype(np.float32), ids
 
 
-class SparseMoE:
+class RoutedMoE:
+    """What every MoE block shares: route, run the routed experts, add the shared expert(s).
+    Subclasses set router-specific fields and define `route(x) -> (weights [L, K], ids [L, K])`
+    and `shared_out(x)` (None: no shared expert)."""
+
+    experts: object
+    prefix: str
+    layer: int
+
+    def shared_out(self, x: np.ndarray) -> np.ndarray | None:
+        return None
+
+    def prefetch_for(self, x: np.ndarray, norm: np.ndarray, eps: float) -> None:
+        """Before this layer's attention runs, guess its experts by routing the residual stream
+        as it enters the layer (attention changes it a little), and start reading them."""
+        _, ids = self.route(rms_norm(x, norm, eps))
+        self.experts.prefetch(self.prefix, np.unique(ids).tolist())
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        t0 = clock() if PHASES.on else 0.0
+        weights, ids = self.route(x)  # [L, K], [L, K]
+        if t0:
+            PHASES.add("router", self.layer, t0)
+            t0 = clock()
+        out = run_experts(x, weights, ids, self.experts, self.prefix)
+        if t0:
+            PHASES.add("routed_experts", self.layer, t0)
+            t0 = clock()
+        shared = self.shared_out(x)
+        if shared is not None:
+            out += shared
+            if t0:
+                PHASES.add("shared_experts", self.layer, t0)
+        return out
+
+    def rows(self, hs: list[np.ndarray]) -> list[np.ndarray]:
+        """self(h) for each one-token row h [1, D], the same bits, with each expert the rows
+        route to read once for all of them (DecoderModel.forward_rows)."""
+        routes = [self.route(h) for h in hs]
+        outs = run_experts_rows(hs, routes, self.experts, self.prefix)
+        for h, out in zip(hs, outs):
+            shared = self.shared_out(h)
+            if shared is not None:
+                out += shared
+        return outs
+
+
+class SparseMoE(RoutedMoE):
     """Routed SwiGLU experts (softmax top-k), optionally plus a shared expert with a sigmoid gate."""
 
     def __init__(self, args, w, experts, prefix: str, top_k: int, norm_topk_prob: bool,
@@ -360,35 +407,11 @@ class SparseMoE:
     def route(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return softmax_topk(linear(x, self.router), self.top_k, self.norm_topk_prob)
 
-    def prefetch_for(self, x: np.ndarray, norm: np.ndarray, eps: float) -> None:
-        """Before this layer's attention runs, guess its experts by routing the residual stream
-        as it enters the layer (attention changes it a little), and start reading them."""
-        _, ids = self.route(rms_norm(x, norm, eps))
-        self.experts.prefetch(self.prefix, np.unique(ids).tolist())
-
-    def fetch_for_rows(self, xs: list[np.ndarray], norm: np.ndarray, eps: float) -> None:
-        """Several rows about to run this layer one by one (DecoderModel.forward_rows): route
-        them all now and start reading the union of their experts, each expert once, in
-        parallel; the rows then find them in RAM."""
-        _, ids = self.route(rms_norm(np.concatenate(xs), norm, eps))
-        self.experts.prefetch(self.prefix, np.unique(ids).tolist(), certain=True)
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        t0 = clock() if PHASES.on else 0.0
-        weights, ids = self.route(x)  # [L, K], [L, K]
-        if t0:
-            PHASES.add("router", self.layer, t0)
-            t0 = clock()
-        out = run_experts(x, weights, ids, self.experts, self.prefix)
-        if t0:
-            PHASES.add("routed_experts", self.layer, t0)
-            t0 = clock()
-        if self.shared is not None:
-            gate = linear(x, self.shared_gate)                      # [L, 1]
-            out += (np.float32(1.0) / (np.float32(1.0) + np.exp(-gate))) * self.shared(x)
-            if t0:
-                PHASES.add("shared_experts", self.layer, t0)
-        return out
+    def shared_out(self, x: np.ndarray) -> np.ndarray | None:
+        if self.shared is None:
+            return None
+        gate = linear(x, self.shared_gate)                      # [L, 1]
+        return (np.float32(1.0) / (np.float32(1.0) + np.exp(-gate))) * self.shared(x)
 
 
 def layer_index(prefix: str) -> int:
@@ -441,6 +464,36 @@ def _decode_fused(x, weights, ids, experts, prefix: str, kernel) -> np.ndarray:
     return out[None, :]
 
 
+def run_experts_rows(hs: list[np.ndarray], routes: list, experts, prefix: str) -> list[np.ndarray]:
+    """run_experts(h, weights, ids) for each one-token row, the same bits: expert-major, each
+    expert of the rows' union fetched once (in the order the store has them ready) and applied
+    to every row that routes to it with the fused kernel's one-expert call, then each row's
+    contributions summed in expert-id order, as _decode_fused does. Without the fused kernel
+    (a blob format it does not cover), row by row."""
+    kernel = experts.fused(prefix)
+    if kernel is None or len(hs) == 1:
+        return [run_experts(h, w, ids, experts, prefix) for h, (w, ids) in zip(hs, routes)]
+    nthreads = get_num_threads()
+    rows = []  # (x, {expert: weight}) per row
+    for h, (w, ids) in zip(hs, routes):
+        order = np.argsort(ids[0], kind="stable")
+        weight = np.ascontiguousarray(w[0][order], dtype=np.float32)
+        rows.append((np.ascontiguousarray(h[0], dtype=np.float32), dict(zip(ids[0][order].tolist(), weight))))
+    union = sorted({e for _, weight_of in rows for e in weight_of})
+    parts: list[dict] = [{} for _ in rows]
+    for e, blob in experts.iter_experts(prefix, union, blobs=True):
+        for (xv, weight_of), part in zip(rows, parts):
+            if e in weight_of:
+                part[e] = kernel.one(xv, blob, weight_of[e], nthreads)
+    outs = []
+    for (xv, _), part in zip(rows, parts):
+        out = np.zeros(xv.shape[0], np.float32)
+        for e in sorted(part):
+            out += part[e]
+        outs.append(out[None, :])
+    return outs
+
+
 # ----------------------------------------------------------------------------- model
 
 class DecoderLayer:
@@ -479,6 +532,14 @@ class DecoderLayer:
         else:
             x = x + self.attn(rms_norm(x, self.input_norm, self.eps), cache, layer, pos0, cos, sin)
         return x
+
+    def mlp_rows(self, xs: list[np.ndarray]) -> list[np.ndarray]:
+        """mlp_one for each one-token row, the same bits; a MoE block runs the rows' experts
+        expert by expert, each read once (RoutedMoE.rows)."""
+        if len(xs) > 1 and isinstance(self.mlp, RoutedMoE):
+            outs = self.mlp.rows([rms_norm(x, self.post_norm, self.eps) for x in xs])
+            return [x + o for x, o in zip(xs, outs)]
+        return [self.mlp_one(x) for x in xs]
 
     def mlp_one(self, x):
         """One token's feed-forward block: one compiled call for a fused dense MLP."""
@@ -539,7 +600,7 @@ class DecoderModel:
         if t0:
             PHASES.add("embed", -1, t0)
         for i, layer in enumerate(self.layers):
-            if self.prefetch and isinstance(layer.mlp, SparseMoE):
+            if self.prefetch and isinstance(layer.mlp, RoutedMoE):
                 layer.mlp.prefetch_for(x, layer.post_norm, self.args.rms_norm_eps)
             x = layer(x, cache, i, pos0, cos, sin)
         cache.length = pos0 + L
@@ -560,8 +621,7 @@ class DecoderModel:
         the same inputs, so its logits are the same bits as decoding that token alone: batching
         and speculation never change a token. What the rows share is reading: each layer's
         weights come from DRAM for the first row and from the CPU caches for the others, and a
-        MoE layer's routed experts are read from disk once for all rows (the union is requested
-        after the rows' attention, before the first row's experts run)."""
+        MoE layer's routed experts are read once for all rows (RoutedMoE.rows)."""
         B = len(ids)
         pos, end = [], {}
         for c in caches:
@@ -575,10 +635,7 @@ class DecoderModel:
         for i, layer in enumerate(self.layers):
             for r in range(B):
                 xs[r] = layer.attend_one(xs[r], caches[r], i, pos[r], *trig[r])
-            if B > 1 and isinstance(layer.mlp, SparseMoE):
-                layer.mlp.fetch_for_rows(xs, layer.post_norm, self.args.rms_norm_eps)
-            for r in range(B):
-                xs[r] = layer.mlp_one(xs[r])
+            xs = layer.mlp_rows(xs)
         for c in caches:
             c.length = end[id(c)]
         return np.concatenate([linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head) for x in xs])

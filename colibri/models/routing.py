@@ -13,8 +13,7 @@ import numpy as np
 
 from colibri.errors import ColibriError
 from colibri.models import common
-from colibri.models.common import MLP, layer_index, linear, run_experts
-from colibri.profile import PHASES, clock
+from colibri.models.common import MLP, layer_index, linear
 
 SCORING_FUNCS = ("sigmoid",)
 TOPK_METHODS = ("noaux_tc",)
@@ -69,7 +68,7 @@ def grouped_topk(logits: np.ndarray, bias: np.ndarray, top_k: int, n_group: int,
     return (weights * np.float32(scaling)).astype(np.float32), ids
 
 
-class GroupedMoE:
+class GroupedMoE(common.RoutedMoE):
     """Routed SwiGLU experts chosen by grouped sigmoid routing, plus always-on shared experts."""
 
     def __init__(self, w, experts, prefix: str, num_experts: int, top_k: int, n_group: int | None,
@@ -88,21 +87,8 @@ class GroupedMoE:
         return grouped_topk(linear(x, self.router), self.bias, self.top_k, self.n_group, self.topk_group,
                             self.norm_topk_prob, self.scaling)
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        t0 = clock() if PHASES.on else 0.0
-        weights, ids = self.route(x)                                      # [L, K], [L, K]
-        if t0:
-            PHASES.add("router", self.layer, t0)
-            t0 = clock()
-        out = run_experts(x, weights, ids, self.experts, self.prefix)
-        if t0:
-            PHASES.add("routed_experts", self.layer, t0)
-            t0 = clock()
-        if self.shared is not None:
-            out += self.shared(x)
-            if t0:
-                PHASES.add("shared_experts", self.layer, t0)
-        return out
+    def shared_out(self, x: np.ndarray) -> np.ndarray | None:
+        return None if self.shared is None else self.shared(x)
 
 
 @dataclass
