@@ -446,47 +446,47 @@ def _decode_fused(x, weights, ids, experts, prefix: str, kernel) -> np.ndarray:
     when every expert is in RAM in place, else one call per expert as its blob is ready, summed
     in expert-id order, which equals the single call bit for bit (placement never changes
     tokens)."""
-    order = np.argsort(ids, kind="stable")
-    ids = ids[order].tolist()
-    w = np.ascontiguousarray(weights[order], dtype=np.float32)
-    xv = np.ascontiguousarray(x[0], dtype=np.float32)
+    row = _sorted_row(x, weights, ids)
+    xv, ids, w = row
     nthreads = get_num_threads()
     ready = experts.stacked(prefix, ids)
     if ready is not None:
         view, slots = ready
         return view(xv, slots, w, nthreads)[None, :]
-    weight_of = dict(zip(ids, w))
-    parts = {e: kernel.one(xv, blob, weight_of[e], nthreads)
-             for e, blob in experts.iter_experts(prefix, ids, blobs=True)}
-    out = np.zeros(xv.shape[0], np.float32)
-    for e in sorted(parts):
-        out += parts[e]
-    return out[None, :]
+    return _expert_by_expert([row], experts, prefix, kernel, nthreads)[0]
 
 
 def run_experts_rows(hs: list[np.ndarray], routes: list, experts, prefix: str) -> list[np.ndarray]:
-    """run_experts(h, weights, ids) for each one-token row, the same bits: expert-major, each
-    expert of the rows' union fetched once (in the order the store has them ready) and applied
-    to every row that routes to it with the fused kernel's one-expert call, then each row's
-    contributions summed in expert-id order, as _decode_fused does. Without the fused kernel
-    (a blob format it does not cover), row by row."""
+    """run_experts(h, weights, ids) for each one-token row, the same bits, with each expert of
+    the rows' union fetched once (_expert_by_expert, as _decode_fused's own fallback). Without
+    the fused kernel (a blob format it does not cover), row by row."""
     kernel = experts.fused(prefix)
     if kernel is None or len(hs) == 1:
         return [run_experts(h, w, ids, experts, prefix) for h, (w, ids) in zip(hs, routes)]
-    nthreads = get_num_threads()
-    rows = []  # (x, {expert: weight}) per row
-    for h, (w, ids) in zip(hs, routes):
-        order = np.argsort(ids[0], kind="stable")
-        weight = np.ascontiguousarray(w[0][order], dtype=np.float32)
-        rows.append((np.ascontiguousarray(h[0], dtype=np.float32), dict(zip(ids[0][order].tolist(), weight))))
-    union = sorted({e for _, weight_of in rows for e in weight_of})
+    rows = [_sorted_row(h, w[0], ids[0]) for h, (w, ids) in zip(hs, routes)]
+    return _expert_by_expert(rows, experts, prefix, kernel, get_num_threads())
+
+
+def _sorted_row(x, weights, ids) -> tuple:
+    """One token's (x [D] float32, its expert ids ascending, their weights in that order)."""
+    order = np.argsort(ids, kind="stable")
+    return (np.ascontiguousarray(x[0], dtype=np.float32), ids[order].tolist(),
+            np.ascontiguousarray(weights[order], dtype=np.float32))
+
+
+def _expert_by_expert(rows: list[tuple], experts, prefix: str, kernel, nthreads: int) -> list[np.ndarray]:
+    """Rows from _sorted_row: each expert of their union fetched once, in the order the store
+    has them ready, and applied to every row that routes to it (the fused kernel's one-expert
+    call); each row's contributions then summed in expert-id order -> [1, D] per row."""
+    weight_of = [dict(zip(ids, w)) for _, ids, w in rows]
+    union = sorted({e for chosen in weight_of for e in chosen})
     parts: list[dict] = [{} for _ in rows]
     for e, blob in experts.iter_experts(prefix, union, blobs=True):
-        for (xv, weight_of), part in zip(rows, parts):
-            if e in weight_of:
-                part[e] = kernel.one(xv, blob, weight_of[e], nthreads)
+        for (xv, _, _), chosen, part in zip(rows, weight_of, parts):
+            if e in chosen:
+                part[e] = kernel.one(xv, blob, chosen[e], nthreads)
     outs = []
-    for (xv, _), part in zip(rows, parts):
+    for (xv, _, _), part in zip(rows, parts):
         out = np.zeros(xv.shape[0], np.float32)
         for e in sorted(part):
             out += part[e]
