@@ -15,13 +15,12 @@ checksums existed have none and are read unverified.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import json
 import os
 import shutil
 import tempfile
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -67,6 +67,24 @@ def load_history(path: Path) -> dict:
         return {}
 
 
+def read_expert(container: Container, fd: int, prefix: str, e: int, buf: np.ndarray, verify: bool) -> int:
+    """Expert e of `prefix` from its open file `fd` into buf[:nbytes], checked against the
+    manifest when `verify`; returns nbytes. Failures are EngineFaults naming file and expert:
+    the client's request is fine, the model files are not."""
+    path, offset, nbytes = container.expert_range(prefix, e)
+    try:
+        n = os.preadv(fd, [memoryview(buf[:nbytes])], offset)
+    except OSError as err:
+        raise EngineFault(f"reading expert {e} of {prefix} from {path} failed ({err.strerror}); "
+                          "check the disk, then restore or re-convert the file") from None
+    if n != nbytes:
+        raise EngineFault(f"expert {e} of {prefix} in {path} is truncated (read {n} of {nbytes} bytes): "
+                          "the file is damaged; re-convert or restore it")
+    if verify:
+        container.verify_expert(prefix, e, buf[:nbytes])
+    return nbytes
+
+
 def arena(nbytes: int) -> np.ndarray:
     """uint8 [nbytes] of anonymous memory, page-aligned, backed by transparent huge pages where
     the kernel allows (`madvise` mode is the common default), and touched now.
@@ -231,17 +249,8 @@ class ExpertStore:
     def _read(self, prefix: str, e: int, buf: np.ndarray) -> np.ndarray:
         """One expert from disk into `buf` (runs in a reader thread), verified. Failures are
         EngineFaults: the client's request is fine, the model files are not."""
-        path, offset, nbytes = self.container.expert_range(prefix, e)
-        try:
-            n = os.preadv(self._fds[str(path)], [memoryview(buf[:nbytes])], offset)
-        except OSError as err:
-            raise EngineFault(f"reading expert {e} of {prefix} from {path} failed ({err.strerror}); "
-                              "check the disk, then restore or re-convert the file") from None
-        if n != nbytes:
-            raise EngineFault(f"expert {e} of {prefix} in {path} is truncated (read {n} of {nbytes} bytes): "
-                              "the file is damaged; re-convert or restore it")
-        if self.config.verify:
-            self.container.verify_expert(prefix, e, buf[:nbytes])
+        path, _, _ = self.container.expert_range(prefix, e)
+        nbytes = read_expert(self.container, self._fds[str(path)], prefix, e, buf, self.config.verify)
         with self._lock:
             self.stats.bytes_read += nbytes
             self.stats.reads += 1

@@ -4,7 +4,8 @@
 layer, each blob checked against the manifest checksum): the fastest choice when every expert
 fits the budget. READ_THREADS readers issue O_DIRECT reads at once (one buffered reader reached
 ~1 GB/s cold here, four ~2 GB/s, the disk's speed): on the Qwen3-30B-A3B-shaped synthetic (16.3
-GB of experts, 24 GB of RAM) the experts' load went from 27-29 s to 9.4-11 s (README).
+GB of experts, 24 GB of RAM) 10-11 s against 16-24 s for the one buffered reader, runs
+interleaved (bench/resident_load.py).
 `expert_store.ExpertStore` (disk -> RAM LRU, readahead, hot set, prefetch) implements the same
 `iter_experts` / `prefetch` contract, so models never know where an expert came from.
 """
@@ -17,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from colibri.errors import ColibriError, EngineFault
+from colibri.errors import ColibriError
 from colibri.io.container import Container
-from colibri.io.expert_store import ExpertStore, StoreConfig, arena, load_history, shown
+from colibri.io.expert_store import ExpertStore, StoreConfig, arena, load_history, read_expert, shown
 from colibri.kernels.moe import FusedExperts, StackedExperts
 
 READ_THREADS = 4
@@ -61,15 +62,7 @@ class ResidentExperts:
 
         def read(job: tuple[str, int]) -> None:
             prefix, e = job
-            _, offset, nbytes = container.expert_range(prefix, e)
-            blob = self._blobs[prefix][e]
-            n = os.preadv(fds[prefix], [memoryview(blob)], offset)
-            if n != nbytes:
-                path = container.expert_file(prefix).path
-                raise EngineFault(f"expert {e} of {prefix} in {path} is truncated (read {n} of {nbytes} "
-                                  "bytes): the file is damaged; re-convert or restore it")
-            if verify:
-                container.verify_expert(prefix, e, blob)
+            nbytes = read_expert(container, fds[prefix], prefix, e, self._blobs[prefix][e], verify)
             if on_read is not None:
                 on_read(nbytes)
 
