@@ -105,9 +105,9 @@ class StepBatcher:
                         break
                     self._cv.wait(left)
                 decode = [r for r in self._pending if not r.chunk]
-                chunks = [r for r in self._pending if r.chunk][:1]
+                waiting_chunks = [r for r in self._pending if r.chunk]
+                chunks, self._pending = waiting_chunks[:1], waiting_chunks[1:]
                 taken = decode + chunks
-                self._pending = [r for r in self._pending if all(r is not t for t in taken)]
             if self._before_step is not None:
                 self._before_step()
             if decode:
