@@ -49,7 +49,7 @@ def rss() -> int:
 def child_colibri(a) -> dict:
     from colibri import Engine
 
-    e = Engine.load(a.container)
+    e = Engine.load(a.container, activations=_activations(a))
     g = e.generate(SHORT, max_tokens=1)
     first = time.time()
     ids = e.tokenizer.encode(long_prompt(a.prompt_words), add_special_tokens=False)
@@ -61,6 +61,10 @@ def child_colibri(a) -> dict:
     g = e.generate(SHORT, max_tokens=a.tokens, stop_at_eos=False)
     return {"first_token_unix": first, "prompt_tokens": len(ids), "prefill_tok_s": prefill, "ttft_s": ttft,
             "decode_tok_s": g.decode_tok_s, "tokens": g.token_ids, "peak_rss": rss()}
+
+
+def _activations(a) -> str:
+    return "int8" if a.child == "colibri-int8" else "f32"
 
 
 def context_ids(tokenize, n: int) -> list[int]:
@@ -80,7 +84,7 @@ def child_colibri_contexts(a) -> dict:
     from colibri.kernels import ops
 
     lengths = [int(x) for x in a.contexts.split(",")]
-    e = Engine.load(a.container, max_context=max(lengths) + a.tokens)
+    e = Engine.load(a.container, max_context=max(lengths) + a.tokens, activations=_activations(a))
     ids = context_ids(lambda t: e.tokenizer.encode(t, add_special_tokens=False), max(lengths))
     args, cache = e.model.args, e.cache
     rows = []
@@ -215,12 +219,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompt-words", type=int, default=420, help="words in the prefill prompt (420: ~480 tokens)")
     ap.add_argument("--contexts", default=None, help="e.g. 1024,4096,8160: decode after contexts this long")
-    ap.add_argument("--child", choices=["colibri", "llama", "transformers"])
+    ap.add_argument("--int8", action="store_true", help="also colibri with --activations int8 (colibri-int8)")
+    ap.add_argument("--child", choices=["colibri", "colibri-int8", "llama", "transformers"])
     a = ap.parse_args()
     if a.child:
-        fn = {"colibri": child_colibri, "llama": child_llama, "transformers": child_transformers}[a.child]
+        fn = {"colibri": child_colibri, "colibri-int8": child_colibri, "llama": child_llama,
+              "transformers": child_transformers}[a.child]
         if a.contexts:
-            fn = {"colibri": child_colibri_contexts, "llama": child_llama_contexts}[a.child]
+            fn = {"colibri": child_colibri_contexts, "colibri-int8": child_colibri_contexts,
+                  "llama": child_llama_contexts}[a.child]
         print(json.dumps(fn(a)))
         return
 
@@ -238,6 +245,8 @@ def main() -> None:
     bw = read_bandwidth(a.threads)
     env = {**os.environ, "NUMBA_NUM_THREADS": str(a.threads), "OMP_NUM_THREADS": str(a.threads)}
     engines = [("colibri", sys.executable)]
+    if a.int8:
+        engines.append(("colibri-int8", sys.executable))
     if a.llama_python:
         engines.append(("llama", a.llama_python))
     if not a.no_transformers and not a.contexts:
@@ -281,12 +290,16 @@ def main() -> None:
         print(f"{name:13} {d:12.1f} {100 * d / roof:5.0f}% {med(name, 'prefill_tok_s'):13.1f} "
               f"{med(name, 'ttft_s'):12.3f} {med(name, 'cold_start_s'):12.2f} {med(name, 'peak_rss') / 1e6:11.0f}")
     for peer, _ in engines[1:]:
-        if results[peer] and results["colibri"]:
+        if results[peer] and results["colibri"] and peer != "colibri-int8":
             print(f"colibri / {peer}: decode {med('colibri', 'decode_tok_s') / med(peer, 'decode_tok_s'):.2f}x, "
                   f"prefill {med('colibri', 'prefill_tok_s') / med(peer, 'prefill_tok_s'):.2f}x")
     if results["colibri"] and "transformers" in results and results["transformers"]:
         same = results["colibri"][0]["tokens"] == results["transformers"][0]["tokens"]
         print(f"greedy tokens identical to transformers ({a.tokens} tokens): {same}")
+    if "colibri-int8" in results and results["colibri-int8"] and results.get("llama"):
+        i8 = "colibri-int8"
+        print(f"colibri-int8 / llama: decode {med(i8, 'decode_tok_s') / med('llama', 'decode_tok_s'):.2f}x, "
+              f"prefill {med(i8, 'prefill_tok_s') / med('llama', 'prefill_tok_s'):.2f}x")
     if results["colibri"] and "llama" in results and results["llama"]:
         a_, b_ = results["colibri"][0]["tokens"], results["llama"][0]["tokens"]
         n = next((i for i, (x, y) in enumerate(zip(a_, b_)) if x != y), min(len(a_), len(b_)))
@@ -308,11 +321,11 @@ def report_contexts(a, c, results, engines, bw, weight_bytes) -> None:
                 continue
             rows = [r["rows"][i] for r in results[name]]
             d = statistics.median(r["decode_tok_s"] for r in rows)
-            kv_bytes = n * kv_row * (4 if name == "colibri" else 2)
+            kv_bytes = n * kv_row * (4 if name.startswith("colibri") else 2)
             roof = bw / (weight_bytes + kv_bytes)
             share = (f"{100 * statistics.median(r['attention_s'] * r['decode_tok_s'] for r in rows):14.0f}%"
                      if "attention_s" in rows[0] else f"{'':15}")
-            print(f"{n:7} {name:8} {d:12.1f} {roof:10.0f} {100 * d / roof:5.0f}% {share}")
+            print(f"{n:7} {name:12} {d:12.1f} {roof:10.0f} {100 * d / roof:5.0f}% {share}")
         if all(results[name] for name, _ in engines) and len(engines) > 1:
             ratio = (statistics.median(r["rows"][i]["decode_tok_s"] for r in results["colibri"])
                      / statistics.median(r["rows"][i]["decode_tok_s"] for r in results["llama"]))

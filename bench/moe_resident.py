@@ -29,13 +29,18 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 
+# colibri: the fused routed-experts kernel; -int8: the same with --activations int8;
+# -per-expert: one SwiGLU call per expert (the path the fused kernel replaced); llama: llama.cpp.
+ENGINES = ["colibri", "colibri-int8", "colibri-per-expert", "llama"]
+
+
 def token_sequence(n: int) -> list[int]:
     import numpy as np
 
     return np.random.default_rng(0).integers(100, 49000, size=n).tolist()
 
 
-def child_colibri(a, fused: bool) -> dict:
+def child_colibri(a, fused: bool, activations: str = "f32") -> dict:
     from colibri import Engine
     from colibri.bench import layer_kinds
     from colibri.io.experts import ResidentExperts
@@ -44,7 +49,8 @@ def child_colibri(a, fused: bool) -> dict:
     if not fused:  # the per-expert path: every layer's experts one SwiGLU call at a time
         ResidentExperts.stacked = lambda self, prefix, ids: None
     t0 = time.perf_counter()
-    e = Engine.load(a.model, stream_experts=False, max_context=a.tokens + 8, threads=a.threads)
+    e = Engine.load(a.model, stream_experts=False, max_context=a.tokens + 8, threads=a.threads,
+                    activations=activations)
     load_s = time.perf_counter() - t0
     seq = token_sequence(a.tokens)
     e.reset()
@@ -91,11 +97,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--child", choices=["colibri", "colibri-per-expert", "llama"])
+    ap.add_argument("--child", choices=ENGINES)
+    ap.add_argument("--engines", default="colibri,colibri-int8,llama",
+                    help=f"comma-separated, from {', '.join(ENGINES)} (llama needs --gguf and --llama-python)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if a.child:
-        out = child_llama(a) if a.child == "llama" else child_colibri(a, fused=a.child == "colibri")
+        out = (child_llama(a) if a.child == "llama" else
+               child_colibri(a, fused=a.child != "colibri-per-expert",
+                             activations="int8" if a.child == "colibri-int8" else "f32"))
         print(json.dumps(out))
         return
     from membw import read_bandwidth
@@ -103,8 +113,11 @@ def main() -> None:
     bw = read_bandwidth(a.threads)
     per_token, experts = active_bytes(a.model)
     roof = bw / per_token
-    engines = [("colibri", sys.executable), ("colibri-per-expert", sys.executable)]
-    if a.gguf and a.llama_python:
+    wanted = a.engines.split(",")
+    if unknown := set(wanted) - set(ENGINES):
+        ap.error(f"unknown engine(s): {', '.join(sorted(unknown))}")
+    engines = [(name, sys.executable) for name in wanted if name != "llama"]
+    if "llama" in wanted and a.gguf and a.llama_python:
         engines.append(("llama", a.llama_python))
     env = {**os.environ, "NUMBA_NUM_THREADS": str(a.threads), "OMP_NUM_THREADS": str(a.threads)}
     args = ["--model", str(a.model), "--tokens", str(a.tokens), "--threads", str(a.threads)]

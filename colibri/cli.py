@@ -70,6 +70,21 @@ def threads_option(**kw):
                         "(default: all cores; use 1 when other work keeps the cores busy).", **kw)
 
 
+def check_activations(mode: str) -> str:
+    from colibri.kernels.idot import ACTIVATIONS
+
+    if mode not in ACTIVATIONS:
+        raise ColibriError(f"--activations must be one of {', '.join(ACTIVATIONS)}, not {mode!r}")
+    return mode
+
+
+def activations_option(**kw):
+    """--activations for every command that loads a model."""
+    return typer.Option("f32", "--activations", callback=check_activations, help="int4 matrices' activations: "
+                        "f32 (exact, the default) or int8 (integer dot products: faster where the CPU is the "
+                        "bottleneck, not exact; README: Quality).", **kw)
+
+
 def speculative_option(**kw):
     """--speculative for every command that generates."""
     return typer.Option("off", "--speculative", help="Draft tokens and check them in one pass: off, ngram "
@@ -120,6 +135,7 @@ def run(
                                    "--ram-gb is not given."),
     speculative: str = speculative_option(),
     draft_tokens: int = draft_tokens_option(),
+    activations: str = activations_option(),
     stats: bool = typer.Option(False, "--stats", help="Print speed figures to stderr at the end."),
 ):
     """Generate an answer to PROMPT, printed as it streams."""
@@ -135,7 +151,8 @@ def run(
 
         ram_gb = engine_options(model, None, True).get("ram_gb")
     engine = Engine.load(model, progress=True, max_context=max_context, ram_gb=ram_gb, expert_io=expert_io,
-                         prefetch=prefetch, threads=threads, speculative=speculative, draft_tokens=draft_tokens)
+                         prefetch=prefetch, threads=threads, speculative=speculative, draft_tokens=draft_tokens,
+                         activations=activations)
     fit_max_tokens(engine, prompt, max_tokens, raw=raw, system=system)
     for ev in engine.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, seed=seed, raw=raw, system=system):
@@ -195,6 +212,7 @@ def chat(
     threads: Optional[int] = threads_option(),
     speculative: str = speculative_option(),
     draft_tokens: int = draft_tokens_option(),
+    activations: str = activations_option(),
 ):
     """Talk with a model in the terminal (plain lines in, plain text out when not a terminal)."""
     from colibri.plan import engine_options
@@ -211,7 +229,7 @@ def chat(
     if threads is not None and not attach:
         options["threads"] = threads
     if not attach:
-        options.update(speculative=speculative, draft_tokens=draft_tokens)
+        options.update(speculative=speculative, draft_tokens=draft_tokens, activations=activations)
     run_chat(model, attach=attach, system=system, max_tokens=max_tokens, stats=stats, sampling=sampling,
              engine_options=options)
 
@@ -338,6 +356,7 @@ def serve(
                                        "slot, so --kv-slots is raised to it). Tokens are the same as alone."),
     speculative: str = speculative_option(envvar="COLI_SPECULATIVE"),
     draft_tokens: int = draft_tokens_option(envvar="COLI_DRAFT_TOKENS"),
+    activations: str = activations_option(envvar="COLI_ACTIVATIONS"),
 ):
     """Serve the model over an OpenAI- and Anthropic-compatible HTTP API."""
     from colibri.serve.server import ServeOptions
@@ -360,7 +379,7 @@ def serve(
                             read_timeout=read_timeout,
                             drain_timeout=drain_timeout, log_level=log_level, ram_gb=ram_gb, threads=threads,
                             prefill_chunk=prefill_chunk, speculative=speculative, draft_tokens=draft_tokens,
-                            max_batch=max_batch))
+                            max_batch=max_batch, activations=activations))
 
 
 @app.command()
@@ -374,6 +393,7 @@ def bench(
     prompt_tokens: int = typer.Option(256, "--prompt-tokens", help="Prompt length for prefill and TTFT."),
     threads: Optional[int] = threads_option(),
     auto_tier: bool = typer.Option(False, "--auto-tier", help="Apply `colibri plan` where --ram-gb is not given."),
+    activations: str = activations_option(),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ):
     """Cold and warm decode tok/s, prefill, TTFT, expert hit rate, GB read per token, peak RSS,
@@ -393,7 +413,7 @@ def bench(
 
         ram_gb = engine_options(model, None, True).get("ram_gb")
     report = run_bench(model, tokens=tokens, prompt_tokens=prompt_tokens, ram_gb=ram_gb, expert_io=expert_io, prefetch=prefetch,
-                       hot_set=hot_set, threads=threads)
+                       hot_set=hot_set, threads=threads, activations=activations)
     if as_json:
         print(json.dumps(report, indent=1))
     else:
@@ -413,6 +433,7 @@ def perplexity(
                                                  "reference saved by --save-logits: KL divergence, top-1 agreement."),
     ram_gb: Optional[float] = typer.Option(None, "--ram-gb", help="RAM budget for weights (dense + cached experts)."),
     threads: Optional[int] = threads_option(),
+    activations: str = activations_option(),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ):
     """Perplexity of the model over TEXT_FILE with a sliding window (README: Quality), and the KL
@@ -429,7 +450,8 @@ def perplexity(
     text = read_text(text_file)
     model = model_dir(model)
     need_tokenizer(model)
-    engine = Engine.load(model, progress=not as_json, ram_gb=ram_gb, threads=threads, max_context=ctx)
+    engine = Engine.load(model, progress=not as_json, ram_gb=ram_gb, threads=threads, max_context=ctx,
+                         activations=activations)
     trained = engine.container.config.get("max_position_embeddings")
     if trained and ctx > int(trained):
         raise ColibriError(f"--ctx {ctx} is longer than the context {engine.model_id} was trained for ({trained})")

@@ -20,6 +20,7 @@ from colibri import speculative as spec
 from colibri.batching import StepBatcher
 from colibri.errors import ColibriError, EngineFault
 from colibri.io.container import Container
+from colibri.kernels.idot import ACTIVATIONS
 from colibri.io.expert_store import ExpertStore, shown
 from colibri.io.experts import open_experts
 from colibri.models import family
@@ -52,6 +53,10 @@ class EngineConfig:
     # Never changes the output; stream(speculative=...) overrides it per request.
     speculative: str = "off"
     draft_tokens: int = spec.DEFAULT_DRAFT_TOKENS
+    # int4 matrices' activations: "f32" (exact: the reference's function) or "int8" (rounded to
+    # int8 per weight group and dotted in integer arithmetic: faster where the CPU is the
+    # bottleneck, at the fidelity cost the README measures; colibri/kernels/idot.py).
+    activations: str = "f32"
 
 
 DEFAULT_MAX_CONTEXT = 8192
@@ -114,6 +119,11 @@ class KVSlot:
     last_used: float = 0.0
 
 
+def _check_activations(mode: str) -> None:
+    if mode not in ACTIVATIONS:
+        raise ColibriError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {mode!r}")
+
+
 class Engine:
     def __init__(self, container: Container, tokenizer: Tokenizer | None, model, config: EngineConfig,
                  load_s: float = 0.0, experts=None):
@@ -132,6 +142,8 @@ class Engine:
         if config.prefill_chunk < 1:
             raise ColibriError(f"prefill_chunk must be at least 1, not {config.prefill_chunk}")
         spec.check_mode(config.speculative, config.draft_tokens)
+        _check_activations(config.activations)
+        model.activations = config.activations
         self.slots = [KVSlot(model.new_cache(self.max_context)) for _ in range(config.kv_slots)]
         self._local = threading.local()  # `last`, per thread: concurrent streams (batching) each see their own
         self._threads = ThreadPolicy(config.threads)  # kernel threads: explicit, else adapted to the machine's load
@@ -194,6 +206,7 @@ class Engine:
         if unknown:
             raise TypeError(f"unknown Engine option(s): {', '.join(sorted(unknown))}")
         config = EngineConfig(**{k: v for k, v in options.items() if v is not None})
+        _check_activations(config.activations)
         # numpy's BLAS (OpenBLAS) serves prefill attention and MLA; its threads keep spinning
         # for a while after each call, and on the cores the numba kernels run on they took about
         # half the CPU (bench/decode_vs_peers.py: SmolLM2 prefill 351 -> 630 tok/s with one thread).
@@ -217,6 +230,7 @@ class Engine:
             finally:
                 container.on_read = None
         model.prefetch = isinstance(experts, ExpertStore) and config.prefetch
+        model.activations = config.activations  # before the warm-up compiles its kernels
         if progress:  # in a thread of its own: see run_apart (the server generates on another thread)
             run_apart(compile_kernels, model, model_dir=container.dir)
         tok_path = Path(model_dir) / "tokenizer.json"

@@ -124,14 +124,18 @@ def test_slice_records_what_it_kept_and_decodes(slices, preset):
     assert len(tokens) == 4 and all(0 <= t < 512 for t in tokens)
 
 
-@pytest.mark.parametrize("preset", ["deepseek-v3", "qwen3-30b-a3b"])
-def test_placement_never_changes_tokens(slices, preset):
+@pytest.mark.parametrize("preset, activations", [("deepseek-v3", "f32"), ("qwen3-30b-a3b", "f32"),
+                                                 ("qwen3-30b-a3b", "int8")])
+def test_placement_never_changes_tokens(slices, preset, activations):
     """Resident experts, a RAM cache holding a few experts, and no cache at all (every expert
-    read from disk, pread and mmap): the same greedy tokens and the same final logits."""
+    read from disk, pread and mmap): the same greedy tokens and the same final logits, with
+    exact and with int8 activations."""
+    dense = _dense_gb(slices[preset])
     runs = {"resident": dict(stream_experts=False),
-            "small cache": dict(stream_experts=True, ram_gb=_dense_gb(slices[preset]) + 0.0005),
-            "no cache": dict(stream_experts=True, ram_gb=_dense_gb(slices[preset]) + 1e-6),
+            "small cache": dict(stream_experts=True, ram_gb=dense + 0.0005),
+            "no cache": dict(stream_experts=True, ram_gb=dense + 1e-6),
             "mmap": dict(stream_experts=True, expert_io="mmap")}
+    runs = {label: {**opts, "activations": activations} for label, opts in runs.items()}
     results = {label: _forced_run(slices[preset], **opts) for label, opts in runs.items()}
     tokens, logits = results["resident"]
     for label, (t, l) in results.items():

@@ -11,7 +11,8 @@ rounding, not bit for bit: the kernels' small reductions reassociate, and LLVM p
 per compiled specialization (tests/models/harness.py checks every family).
 
 A weight is passed as the tuple colibri.kernels.cpu.int4_weight(t) returns:
-(q, scales, offs, coef, half, cshift).
+(q, scales, offs, coef, half, cshift). Every block takes `act`, colibri.kernels.idot.marker() of
+the model's activation mode: its type picks the exact or the int8-activation row code.
 """
 from __future__ import annotations
 
@@ -19,14 +20,13 @@ import numpy as np
 from numba import njit
 
 from . import ops
-from .cpu import _matvec_int4
+from .idot import matvec_into
 
 
 @njit(cache=True)
-def _mv(w, x, nthreads):
-    q, scales, offs, coef, half, cshift = w
-    y = np.empty(q.shape[0], np.float32)
-    _matvec_int4(q, scales, offs, coef, half, cshift, x, y, nthreads)
+def _mv(w, x, nthreads, act):
+    y = np.empty(w[0].shape[0], np.float32)
+    matvec_into(w, x, y, nthreads, act)
     return y
 
 
@@ -44,14 +44,14 @@ def _clip(a, c):
 @njit(cache=True)
 def attention_block(x, norm_w, eps, qkv, qkv_bias, o, o_bias, cos, sin, rot,
                     kc, vc, pos, n_heads, n_kv, head_dim, scale, nthreads,
-                    qk_norm, q_norm, k_norm, norm_eps, clip):
+                    qk_norm, q_norm, k_norm, norm_eps, clip, act):
     """x [1, D] -> x + o_proj(attention(rope(qkv(rms_norm(x))))), writing this position's
     K and V into kc/vc [KV, cap, Dh] at `pos`. Biases are empty arrays when absent.
     qk_norm: QK_NORM_CODES value, with q_norm/k_norm weights (unused for 0); clip: q, k and v
     are clipped to [-clip, clip] after a full norm (np.inf: no clipping), as in
     Attention.__call__."""
     h = ops.rms_norm(x, norm_w, eps)
-    qkv_out = _mv(qkv, h[0], nthreads)
+    qkv_out = _mv(qkv, h[0], nthreads, act)
     if qkv_bias.shape[0]:
         qkv_out += qkv_bias
     nq, nk = n_heads * head_dim, n_kv * head_dim
@@ -79,26 +79,26 @@ def attention_block(x, norm_w, eps, qkv, qkv_bias, o, o_bias, cos, sin, rot,
             kc[g, pos, d] = k3[0, g, d]
             vc[g, pos, d] = v[g * head_dim + d]
     att = ops.attend_one(q3[0], kc, vc, pos + 1, scale)
-    out = _mv(o, att, nthreads)
+    out = _mv(o, att, nthreads, act)
     if o_bias.shape[0]:
         out += o_bias
     return x + out.reshape((1, -1))
 
 
 @njit(cache=True)
-def mlp_block(x, norm_w, eps, gate_up, n_inter, down, nthreads):
+def mlp_block(x, norm_w, eps, gate_up, n_inter, down, nthreads, act):
     """x [1, D] -> x + down(silu(gate(h)) * up(h)), h = rms_norm(x); gate_up is the fused
     [gate; up] weight."""
     h = ops.rms_norm(x, norm_w, eps)
-    gu = _mv(gate_up, h[0], nthreads)
-    act = ops.silu_mul(gu.reshape((1, -1)), n_inter)
-    return x + _mv(down, act[0], nthreads).reshape((1, -1))
+    gu = _mv(gate_up, h[0], nthreads, act)
+    a = ops.silu_mul(gu.reshape((1, -1)), n_inter)
+    return x + _mv(down, a[0], nthreads, act).reshape((1, -1))
 
 
 @njit(cache=True)
-def swiglu(x, gate, up, down, nthreads):
+def swiglu(x, gate, up, down, nthreads, act):
     """x [D] -> down(silu(gate(x)) * up(x)): one routed expert (or unfused MLP) for one token."""
-    g = _mv(gate, x, nthreads)
-    act = np.empty_like(g)
-    ops._silu_gate(g, _mv(up, x, nthreads), act)
-    return _mv(down, act, nthreads)
+    g = _mv(gate, x, nthreads, act)
+    a = np.empty_like(g)
+    ops._silu_gate(g, _mv(up, x, nthreads, act), a)
+    return _mv(down, a, nthreads, act)

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
-from .cpu import _chunk_shift, _group_sums, _int4_rows8
+from .cpu import _chunk_shift
+from .idot import marker, prepare, prepare_rows, row_of, rows8_into
 from .ops import _silu_gate
 from .quant import GROUP_SIZE
 
@@ -65,17 +66,20 @@ class FusedExperts:
         return cls(layout, half, _chunk_shift(half))
 
     def __call__(self, x: np.ndarray, memory: np.ndarray, slots: np.ndarray, weights: np.ndarray,
-                 nthreads: int) -> np.ndarray:
+                 nthreads: int, activations: str = "f32") -> np.ndarray:
         """sum_k weights[k] * expert_{slots[k]}(x) for one token x [D] float32, the experts'
         blobs in `memory` [n, stride] uint8; `slots` in ascending expert-id order (the order
-        contributions are added in)."""
-        return routed_experts(x, memory, self.layout, slots, weights, self.half, self.cshift, nthreads)
+        contributions are added in); `activations`: "f32" (exact) or "int8"."""
+        return routed_experts(x, memory, self.layout, slots, weights, self.half, self.cshift, nthreads,
+                              marker(activations))
 
-    def one(self, x: np.ndarray, blob: np.ndarray, weight: float, nthreads: int) -> np.ndarray:
+    def one(self, x: np.ndarray, blob: np.ndarray, weight: float, nthreads: int,
+            activations: str = "f32") -> np.ndarray:
         """weight * expert(x) for the expert whose blob (uint8, C-contiguous) is `blob`: the
         same compiled call, so summing these in expert-id order equals one call over all."""
         return routed_experts(x, blob.reshape(1, -1), self.layout, _ONE_SLOT,
-                              np.full(1, weight, np.float32), self.half, self.cshift, nthreads)
+                              np.full(1, weight, np.float32), self.half, self.cshift, nthreads,
+                              marker(activations))
 
 
 @dataclass(frozen=True)
@@ -95,10 +99,11 @@ class StackedExperts:
             return None
         return cls(memory.reshape(-1)[: slots * stride].reshape(slots, stride), kernel)
 
-    def __call__(self, x: np.ndarray, slots: np.ndarray, weights: np.ndarray, nthreads: int) -> np.ndarray:
+    def __call__(self, x: np.ndarray, slots: np.ndarray, weights: np.ndarray, nthreads: int,
+                 activations: str = "f32") -> np.ndarray:
         """sum_k weights[k] * expert_{slots[k]}(x) for one token x [D]; `slots` in ascending
         expert-id order."""
-        return self.kernel(x, self.memory, slots, weights, nthreads)
+        return self.kernel(x, self.memory, slots, weights, nthreads, activations)
 
 
 @njit(cache=True)
@@ -113,12 +118,12 @@ def _weight(memory, s, layout, p, half):
 
 
 @njit(parallel=True, cache=True)
-def routed_experts(x, memory, layout, slots, weights, half, cshift, nthreads):
+def routed_experts(x, memory, layout, slots, weights, half, cshift, nthreads, act):
     K = slots.shape[0]
     I = layout[0, 2]
     D = layout[2, 2]
     coef = np.float32(-8.0)
-    xs = _group_sums(x, 2 * half)
+    xs = prepare(x, half, act)  # exact: group sums of x; int8: x quantized once for all experts
     g = np.empty((K, I), np.float32)
     u = np.empty((K, I), np.float32)
     # Gate and up rows of every expert: one list of (expert, 8-row block) items.
@@ -131,18 +136,17 @@ def routed_experts(x, memory, layout, slots, weights, half, cshift, nthreads):
             k = it // nblk
             r = 8 * (it - k * nblk)
             gq, gs = _weight(memory, slots[k], layout, 0, half)
-            _int4_rows8(gq, gs, gs, coef, half, cshift, x, xs, r, d)
+            rows8_into(gq, gs, gs, coef, half, cshift, x, xs, r, d, act)
             for j in range(8):
                 g[k, r + j] = d[j]
             uq, us = _weight(memory, slots[k], layout, 1, half)
-            _int4_rows8(uq, us, us, coef, half, cshift, x, xs, r, d)
+            rows8_into(uq, us, us, coef, half, cshift, x, xs, r, d, act)
             for j in range(8):
                 u[k, r + j] = d[j]
-    act = np.empty((K, I), np.float32)
-    acts = np.empty((K, I // (2 * half)), np.float32)
+    a = np.empty((K, I), np.float32)
     for k in range(K):
-        _silu_gate(g[k], u[k], act[k])
-        acts[k] = _group_sums(act[k], 2 * half)
+        _silu_gate(g[k], u[k], a[k])
+    ap = prepare_rows(a, half, act)
     # Down rows: each thread owns a run of output rows and adds the experts' contributions to
     # them one expert after another, in ascending expert id (a product, then a sum: this
     # function is compiled without fastmath, so no FMA). Expert-major order streams each
@@ -155,9 +159,10 @@ def routed_experts(x, memory, layout, slots, weights, half, cshift, nthreads):
         for k in range(K):
             dq, ds = _weight(memory, slots[k], layout, 2, half)
             w = weights[k]
+            apk = row_of(ap, k, act)
             for blk in range(t * per, min(nblk, (t + 1) * per)):
                 r = 8 * blk
-                _int4_rows8(dq, ds, ds, coef, half, cshift, act[k], acts[k], r, d)
+                rows8_into(dq, ds, ds, coef, half, cshift, a[k], apk, r, d, act)
                 for j in range(8):
                     out[r + j] += d[j] * w
     return out

@@ -8,6 +8,7 @@ dim, N cached positions, E experts, K top-k.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, fields
 
@@ -18,8 +19,9 @@ from numba import get_num_threads
 from colibri.errors import ColibriError
 from colibri.kernels import decode, embedding, matmul, matvec, ops
 from colibri.kernels.attention import causal_attention
+from colibri.kernels import idot
 from colibri.kernels.cpu import int4_weight
-from colibri.kernels.quant import QTensor
+from colibri.kernels.quant import INT4_SCHEMES, QTensor
 from colibri.profile import PHASES, clock
 
 # ----------------------------------------------------------------------------- config
@@ -111,8 +113,11 @@ def fuse_rows(*ts: QTensor) -> QTensor | None:
 
 
 def linear(x: np.ndarray, w: QTensor, bias: np.ndarray | None = None) -> np.ndarray:
-    """x [L, in] -> [L, out]. Decode (L == 1) takes the matvec kernel, prefill the matmul one."""
-    if x.shape[0] == 1:
+    """x [L, in] -> [L, out]. Decode (L == 1) takes the matvec kernel, prefill the matmul one;
+    int4 weights under `--activations int8` take the integer-dot kernels (kernels/idot.py)."""
+    if w.scheme in INT4_SCHEMES and idot.current() == "int8":
+        y = idot.matvec_q(w, x[0])[None, :] if x.shape[0] == 1 else idot.matmul_q(w, x)
+    elif x.shape[0] == 1:
         y = matvec(w, x[0])[None, :]
     else:
         y = matmul(w, x)
@@ -331,7 +336,7 @@ def swiglu_expert(x: np.ndarray, e: dict[str, QTensor]) -> np.ndarray:
     if x.shape[0] == 1:  # decode: one compiled call when the weights are int4 (same math)
         ws = [int4_weight(e[p]) for p in ("gate_proj", "up_proj", "down_proj")]
         if all(w is not None for w in ws):
-            return decode.swiglu(x[0], *ws, get_num_threads())[None, :]
+            return decode.swiglu(x[0], *ws, get_num_threads(), idot.marker(idot.current()))[None, :]
     return linear(ops.silu_gate(linear(x, e["gate_proj"]), linear(x, e["up_proj"])), e["down_proj"])
 
 
@@ -452,7 +457,7 @@ def _decode_fused(x, weights, ids, experts, prefix: str, kernel) -> np.ndarray:
     ready = experts.stacked(prefix, ids)
     if ready is not None:
         view, slots = ready
-        return view(xv, slots, w, nthreads)[None, :]
+        return view(xv, slots, w, nthreads, idot.current())[None, :]
     return _expert_by_expert([row], experts, prefix, kernel, nthreads)[0]
 
 
@@ -481,10 +486,11 @@ def _expert_by_expert(rows: list[tuple], experts, prefix: str, kernel, nthreads:
     weight_of = [dict(zip(ids, w)) for _, ids, w in rows]
     union = sorted({e for chosen in weight_of for e in chosen})
     parts: list[dict] = [{} for _ in rows]
+    mode = idot.current()
     for e, blob in experts.iter_experts(prefix, union, blobs=True):
         for (xv, _, _), chosen, part in zip(rows, weight_of, parts):
             if e in chosen:
-                part[e] = kernel.one(xv, blob, chosen[e], nthreads)
+                part[e] = kernel.one(xv, blob, chosen[e], nthreads, mode)
     outs = []
     for (xv, _, _), part in zip(rows, parts):
         out = np.zeros(xv.shape[0], np.float32)
@@ -528,7 +534,7 @@ class DecoderLayer:
             x = decode.attention_block(x, self.input_norm, eps, qkv, qkv_bias, o, o_bias,
                                        np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32),
                                        rot, cache.k[layer], cache.v[layer], pos0, h, kv, dh, scale, nthreads,
-                                       *norms)
+                                       *norms, idot.marker(idot.current()))
         else:
             x = x + self.attn(rms_norm(x, self.input_norm, self.eps), cache, layer, pos0, cos, sin)
         return x
@@ -545,7 +551,7 @@ class DecoderLayer:
         """One token's feed-forward block: one compiled call for a fused dense MLP."""
         _, mlp_args = self._fused if self._fused is not None else self._build_fused()
         if mlp_args is not None:
-            return decode.mlp_block(x, self.post_norm, *mlp_args, get_num_threads())
+            return decode.mlp_block(x, self.post_norm, *mlp_args, get_num_threads(), idot.marker(idot.current()))
         return x + self.mlp(rms_norm(x, self.post_norm, self.eps))
 
     def _build_fused(self):
@@ -573,8 +579,20 @@ class DecoderLayer:
         return self._fused
 
 
+def _in_activation_mode(method):
+    """Run a forward method with the model's activation mode set for every kernel under it
+    (linear() and the fused blocks read it: colibri.kernels.idot.current())."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with idot.activations(self.activations):
+            return method(self, *args, **kwargs)
+    return run
+
+
 class DecoderModel:
     """Embedding -> decoder layers -> final norm -> lm_head. Families build the layers."""
+
+    activations = "f32"  # or "int8" (EngineConfig.activations): int4 matrices' activations
 
     def __init__(self, args: ModelArgs, w, layers: list, rope: Rope):
         self.args = args
@@ -589,6 +607,7 @@ class DecoderModel:
         a = self.args
         return KVCache(len(self.layers), a.num_key_value_heads, a.head_dim, max_tokens)
 
+    @_in_activation_mode
     def forward(self, ids: np.ndarray, cache: KVCache, all_logits: bool = False) -> np.ndarray:
         """Run tokens `ids` [L] after the cache's current contents; returns logits [L or 1, V]."""
         ids = np.asarray(ids, dtype=np.int64)
@@ -612,6 +631,7 @@ class DecoderModel:
             PHASES.add("head", -1, t0)
         return logits
 
+    @_in_activation_mode
     def forward_rows(self, ids, caches: list) -> np.ndarray:
         """One token per row, row r continuing caches[r]; returns logits [B, V]. Rows may share
         a cache: they are then consecutive positions of one sequence, in row order (drafted

@@ -50,6 +50,7 @@ class ServeOptions:
     prefill_chunk: int = 512          # prompt tokens per forward pass (memory bound, cancellation point)
     speculative: str = "off"          # draft tokens and check them in one pass: off | ngram | auto
     draft_tokens: int = 6             # drafts per pass
+    activations: str = "f32"          # int4 matrices' activations: f32 (exact) | int8
     max_batch: int = 1                # generations at once, sharing forward passes (each needs a KV slot)
 
 
@@ -165,7 +166,8 @@ def run(o: ServeOptions) -> None:
         kv_slots = max(o.kv_slots, o.max_batch)
         engine = Engine.load(o.model, progress=True, kv_slots=kv_slots, max_context=o.max_context,
                              ram_gb=o.ram_gb, threads=o.threads, prefill_chunk=o.prefill_chunk,
-                             speculative=o.speculative, draft_tokens=o.draft_tokens)
+                             speculative=o.speculative, draft_tokens=o.draft_tokens,
+                             activations=o.activations)
         state_dir = None
         if o.persist:
             state_dir = Path(o.state_dir) if o.state_dir else default_state_dir(engine)

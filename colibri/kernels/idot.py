@@ -1,0 +1,505 @@
+"""int4 weights times int8 activations in integer arithmetic: the opt-in `--activations int8`
+path (EngineConfig.activations). The exact path (cpu.py, gemm.py) stays the default.
+
+Why: on a machine whose cores are slower than its memory, the exact int4 matvec is compute
+bound: every 32 weights cost a widening, two int->float conversions and three float
+multiply-adds per row (README, Measured: 50-65% of the read bandwidth at real MoE shapes).
+Quantizing the activations once per call to int8 (one scale per weight group, as llama.cpp's
+Q8 activations do) turns each 64 weight bytes of a row into two integer dot instructions
+(AVX-512 VNNI `vpdpbusd`: unsigned nibble x signed int8, four products summed per 32-bit lane),
+one int->float conversion and one multiply-add.
+
+The arithmetic, per group g of a row: dot(w_g, x_g) ~ s_w[g] * s_x[g] * isum_g + offset term,
+- symmetric int4 (int4_g64, q4_0; w = (nib - 8) * s): isum_g = sum(nib * xq) - 8 * sum(xq), both
+  integer; the second sum does not depend on the row, so each lane's integer accumulator starts
+  at -8 * (its share of sum(xq)) and there is no offset term at all;
+- q4_1 (w = nib * d + m): isum_g = sum(nib * xq), plus m[g] * s_x[g] * sum(xq_g), added per lane.
+So the result is the exact dot product of the weights with the int8-rounded activations, up to
+float32 rounding: what this path costs in fidelity is the rounding of x to 8 bits only
+(README, Quality: KL divergence against the exact path).
+
+Same bits wherever a row is computed: integer sums are exact, so the VNNI instructions and the
+generic LLVM IR used on CPUs without them give the same 32-bit lane sums; the float part is
+plain IR without fast-math flags (LLVM may not reorder it), identical in every caller, and the
+lane sums are reduced in a fixed tree. A row's value therefore depends only on its data and the
+activations, never on the thread split, the batch, the caller (matvec, matmul, the fused MoE
+kernel) or the expert's placement; matmul's row l equals matvec of x[l] bit for bit
+(tests/kernels/test_idot.py).
+
+Layout: the weights' int4 byte k of a group holds element k (low nibble) and element k + half
+(high nibble). The activations are quantized into two byte streams aligned with the weight
+bytes, xlo[g*half + k] = xq[g*group + k] and xhi[g*half + k] = xq[g*group + half + k], so a
+64-byte load of a weight row pairs with one 64-byte load of each. Rows are walked 64 bytes at a
+time, then 16 at a time for the rest (a row is a whole number of 16-byte groups or half-groups).
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import numpy as np
+from llvmlite import ir
+from numba import get_num_threads, njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+from .cpu import _activations, _group_sums, _int4_rows8, _matvec_int4, int4_weight
+from .quant import QTensor
+
+ACTIVATIONS = ("f32", "int8")
+
+_mode: ContextVar[str] = ContextVar("colibri_activations", default="f32")
+
+
+def current() -> str:
+    """The activation mode of the model running on this thread ("f32" unless set)."""
+    return _mode.get()
+
+
+@contextmanager
+def activations(mode: str):
+    """Run the block's int4 matrix products with `mode` activations (DecoderModel.forward sets
+    this from EngineConfig.activations, so every caller of the model is covered)."""
+    if mode not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {mode!r}")
+    token = _mode.set(mode)
+    try:
+        yield
+    finally:
+        _mode.reset(token)
+
+
+def _has_vnni() -> bool:
+    """AVX-512 VNNI on the CPU numba compiles for (not when the target CPU is overridden, e.g.
+    NUMBA_CPU_NAME=generic for a portable cache). COLIBRI_IDOT=generic forces the portable IR
+    (the tests compare the two)."""
+    from numba.core import config
+
+    if os.environ.get("COLIBRI_IDOT") == "generic" or config.CPU_NAME or config.CPU_FEATURES:
+        return False
+    import llvmlite.binding as llvm
+
+    f = llvm.get_host_cpu_features()
+    return all(f.get(k, False) for k in ("avx512vnni", "avx512vl", "avx512bw"))
+
+
+VNNI = _has_vnni()
+
+_F32 = ir.FloatType()
+_I8 = ir.IntType(8)
+_I32 = ir.IntType(32)
+_I64 = ir.IntType(64)
+
+
+def _i32(v: int) -> ir.Constant:
+    return ir.Constant(_I32, v)
+
+
+def _i64(v: int) -> ir.Constant:
+    return ir.Constant(_I64, v)
+
+
+def _vec(t, n):
+    return ir.VectorType(t, n)
+
+
+def _dot_u8s8(builder, acc, a, b, lanes: int):
+    """acc[i] + sum_{j<4} a[4i+j] * b[4i+j] (a unsigned, b signed bytes; a <4*lanes x i8>)."""
+    if VNNI:
+        v = _vec(_I32, lanes)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v, [v, v, v]),
+                                            f"llvm.x86.avx512.vpdpbusd.{32 * lanes}")
+        return builder.call(fn, [acc, builder.bitcast(a, v), builder.bitcast(b, v)])
+    wide = _vec(_I32, 4 * lanes)
+    p = builder.mul(builder.zext(a, wide), builder.sext(b, wide))
+    for j in range(4):
+        part = builder.shuffle_vector(p, p, ir.Constant(_vec(_I32, lanes), [4 * i + j for i in range(lanes)]))
+        acc = builder.add(acc, part)
+    return acc
+
+
+def _hsum(builder, v):
+    """Sum of a float vector's lanes by halving (fixed order)."""
+    n = v.type.count
+    while n > 1:
+        n //= 2
+        lo = builder.shuffle_vector(v, v, ir.Constant(_vec(_I32, n), list(range(n))))
+        hi = builder.shuffle_vector(v, v, ir.Constant(_vec(_I32, n), list(range(n, 2 * n))))
+        v = builder.fadd(lo, hi)
+    return builder.extract_element(v, _i32(0))
+
+
+def _idot_codegen(nrows: int, half: int, mins: bool):
+    """Codegen of (q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, out) -> None: out[0:nrows] =
+    rows r..r+nrows-1 of the int4 x int8 product; the same bytes of rows rn.. are prefetched.
+    half: bytes per weight group (16 or 32), a constant so the lane -> group shuffles are.
+    mins: q4_1 (offs holds the mins); else symmetric, offs unused.
+    Per-x arrays (quantize_into): xlo/xhi int8 [n/2]; per 4-byte lane: negc int32 (-8 * the
+    lane's sum of xq), xsl float32 (s_x * that sum), sxl float32 (s_x of the lane's group)."""
+    def codegen(context, builder, sig, args):
+        arrays = [context.make_array(t)(context, builder, a) if isinstance(t, types.Array) else None
+                  for t, a in zip(sig.args, args)]
+        qa, sa, ma = arrays[0], arrays[1], arrays[2]
+        r, rn = args[3], args[4]
+        xlo, xhi, negc, xsl, sxl, oa = (arrays[i] for i in (5, 6, 7, 8, 9, 10))
+        qstride = cgutils.unpack_tuple(builder, qa.strides, 2)[0]
+        ngroups = cgutils.unpack_tuple(builder, sa.shape, 2)[1]
+        nbytes = builder.mul(ngroups, _i64(half))
+
+        def ptr(a, ty):
+            return builder.bitcast(a.data, ty.as_pointer())
+
+        qbase, sbase, mbase = ptr(qa, _I8), ptr(sa, _F32), ptr(ma, _F32)
+        xlob, xhib, ncb, xslb, sxlb = ptr(xlo, _I8), ptr(xhi, _I8), ptr(negc, _I32), ptr(xsl, _F32), ptr(sxl, _F32)
+
+        def row(base, rr, j, stride):
+            return builder.gep(base, [builder.mul(builder.add(rr, _i64(j)), stride)])
+
+        qrows = [row(qbase, r, j, qstride) for j in range(nrows)]
+        nrows_q = [row(qbase, rn, j, qstride) for j in range(nrows)]
+        srows = [row(sbase, r, j, ngroups) for j in range(nrows)]
+        mrows = [row(mbase, r, j, ngroups) for j in range(nrows)]
+        pf = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0")
+        fma_fns = {}
+
+        def fma(a, b, c):
+            t = a.type
+            if t not in fma_fns:
+                fma_fns[t] = cgutils.get_or_insert_function(builder.module, ir.FunctionType(t, [t, t, t]),
+                                                            f"llvm.fmuladd.v{t.count}f32")
+            return builder.call(fma_fns[t], [a, b, c])
+
+        def load(base, index, ty):
+            return builder.load(builder.bitcast(builder.gep(base, [index]), ty.as_pointer()), align=1)
+
+        def group_lanes(base, b, lanes):
+            """The weight-group values of `base` (a row of scales or mins) for each 4-byte lane
+            of the chunk at byte b: a lane of byte 4i is in group (b + 4i) / half."""
+            g0 = builder.udiv(b, _i64(half))
+            per = half // 4  # lanes per group
+            if lanes <= per:  # the chunk lies inside one group
+                v = builder.load(builder.gep(base, [g0]))
+                return _splat(builder, v, lanes)
+            ng = lanes // per
+            vals = load(base, g0, _vec(_F32, ng))
+            return builder.shuffle_vector(vals, vals, ir.Constant(_vec(_I32, lanes), [i // per for i in range(lanes)]))
+
+        def chunk_loop(start, stop, width, accs):
+            lanes = width // 4
+            vb, vi, vf = _vec(_I8, width), _vec(_I32, lanes), _vec(_F32, lanes)
+            with cgutils.for_range_slice(builder, start, stop, _i64(1)) as (i, _):
+                b = builder.mul(i, _i64(width))
+                lane0 = builder.udiv(b, _i64(4))
+                xl, xh = load(xlob, b, vb), load(xhib, b, vb)
+                sx = load(sxlb, lane0, vf)
+                init = ir.Constant(vi, [0] * lanes) if mins else load(ncb, lane0, vi)
+                if mins:
+                    xs = load(xslb, lane0, vf)
+                for j in range(nrows):
+                    builder.call(pf, [builder.gep(nrows_q[j], [b]), _i32(0), _i32(3), _i32(1)])
+                    w = load(qrows[j], b, vb)
+                    lo = builder.and_(w, ir.Constant(vb, [15] * width))
+                    hi = builder.lshr(w, ir.Constant(vb, [4] * width))
+                    iacc = _dot_u8s8(builder, init, lo, xl, lanes)
+                    iacc = _dot_u8s8(builder, iacc, hi, xh, lanes)
+                    scale = builder.fmul(group_lanes(srows[j], b, lanes), sx)
+                    acc = fma(builder.sitofp(iacc, vf), scale, builder.load(accs[j]))
+                    if mins:
+                        acc = fma(group_lanes(mrows[j], b, lanes), xs, acc)
+                    builder.store(acc, accs[j])
+
+        def zeros(lanes):
+            return [cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, lanes), [0.0] * lanes))
+                    for _ in range(nrows)]
+
+        acc64, acc16 = zeros(16), zeros(4)
+        n64 = builder.udiv(nbytes, _i64(64))
+        chunk_loop(_i64(0), n64, 64, acc64)
+        chunk_loop(builder.mul(n64, _i64(4)), builder.udiv(nbytes, _i64(16)), 16, acc16)
+        obase = ptr(oa, _F32)
+        for j in range(nrows):
+            total = builder.fadd(_hsum(builder, builder.load(acc64[j])), _hsum(builder, builder.load(acc16[j])))
+            builder.store(total, builder.gep(obase, [_i64(j)]))
+        return context.get_dummy_value()
+    return codegen
+
+
+def _splat(builder, value, lanes):
+    vty = _vec(value.type, lanes)
+    v = builder.insert_element(ir.Constant(vty, ir.Undefined), value, _i32(0))
+    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(_vec(_I32, lanes), [0] * lanes))
+
+
+def _make_intrinsic(nrows: int, half: int, mins: bool):
+    def typer(typingctx, q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, out):
+        sig = types.void(q, scales, offs, types.intp, types.intp, xlo, xhi, negc, xsl, sxl, out)
+        return sig, _idot_codegen(nrows, half, mins)
+    typer.__name__ = f"_idot{nrows}_h{half}{'_mins' if mins else ''}"
+    return intrinsic(typer)
+
+
+_idot8_h16, _idot8_h32 = _make_intrinsic(8, 16, False), _make_intrinsic(8, 32, False)
+_idot8_h16m, _idot8_h32m = _make_intrinsic(8, 16, True), _make_intrinsic(8, 32, True)
+_idot1_h16, _idot1_h32 = _make_intrinsic(1, 16, False), _make_intrinsic(1, 32, False)
+_idot1_h16m, _idot1_h32m = _make_intrinsic(1, 16, True), _make_intrinsic(1, 32, True)
+
+
+# --- activations: quantized once per call, shared by every row --------------------------
+
+
+@njit(cache=True)
+def quantize_into(x, half, xlo, xhi, negc, xsl, sxl):
+    """x float32 [n] -> the int8 streams and per-lane sums described in the module docstring.
+    Per group of 2*half: s = max|x| / 127, xq = round(x / s). A non-finite x makes its group's
+    scale NaN, so the product is NaN and the engine's non-finite guard sees it."""
+    group = 2 * half
+    for g in range(x.shape[0] // group):
+        x0 = g * group
+        amax = np.float32(0.0)
+        finite = True
+        for k in range(group):
+            v = x[x0 + k]
+            if not np.isfinite(v):
+                finite = False
+            amax = max(amax, abs(v))
+        s = amax / np.float32(127.0) if finite else np.float32(np.nan)
+        inv = np.float32(127.0) / amax if finite and amax > 0 else np.float32(0.0)
+        for k in range(half):
+            xlo[g * half + k] = np.int8(np.round(x[x0 + k] * inv)) if finite else np.int8(0)
+            xhi[g * half + k] = np.int8(np.round(x[x0 + half + k] * inv)) if finite else np.int8(0)
+        for lane in range(g * half // 4, (g + 1) * half // 4):
+            t = np.int32(0)
+            for j in range(4):
+                t += np.int32(xlo[4 * lane + j]) + np.int32(xhi[4 * lane + j])
+            negc[lane] = np.int32(-8) * t
+            xsl[lane] = s * np.float32(t)
+            sxl[lane] = s
+
+
+@njit(cache=True)
+def quantize(x, half):
+    """One activation vector [n] -> (xlo, xhi, negc, xsl, sxl)."""
+    n = x.shape[0]
+    xlo, xhi = np.empty(n // 2, np.int8), np.empty(n // 2, np.int8)
+    negc, xsl, sxl = np.empty(n // 8, np.int32), np.empty(n // 8, np.float32), np.empty(n // 8, np.float32)
+    quantize_into(x, half, xlo, xhi, negc, xsl, sxl)
+    return xlo, xhi, negc, xsl, sxl
+
+
+@njit(cache=True)
+def quantize_rows(x, half):
+    """Activation rows [L, n] -> the same five arrays with a leading L axis."""
+    L, n = x.shape
+    xlo, xhi = np.empty((L, n // 2), np.int8), np.empty((L, n // 2), np.int8)
+    negc = np.empty((L, n // 8), np.int32)
+    xsl, sxl = np.empty((L, n // 8), np.float32), np.empty((L, n // 8), np.float32)
+    for r in range(L):
+        quantize_into(x[r], half, xlo[r], xhi[r], negc[r], xsl[r], sxl[r])
+    return xlo, xhi, negc, xsl, sxl
+
+
+# --- rows -------------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def rows8(q, scales, offs, coef, half, xa, r, d):
+    """d[0:8] = rows r..r+7 of int4 weights (cpu.int4_weight's q, scales, offs, coef, half)
+    times quantized activations xa; the next block's rows are prefetched."""
+    xlo, xhi, negc, xsl, sxl = xa
+    rn = r + 8 if r + 16 <= q.shape[0] else r
+    if coef == np.float32(1.0):  # q4_1: offs are the mins
+        if half == 16:
+            _idot8_h16m(q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, d)
+        else:
+            _idot8_h32m(q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, d)
+    elif half == 16:
+        _idot8_h16(q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, d)
+    else:
+        _idot8_h32(q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, d)
+
+
+@njit(cache=True)
+def row1(q, scales, offs, coef, half, xa, r, d):
+    """d[0] = row r alone (the rows past the last whole block of eight)."""
+    xlo, xhi, negc, xsl, sxl = xa
+    if coef == np.float32(1.0):
+        if half == 16:
+            _idot1_h16m(q, scales, offs, r, r, xlo, xhi, negc, xsl, sxl, d)
+        else:
+            _idot1_h32m(q, scales, offs, r, r, xlo, xhi, negc, xsl, sxl, d)
+    elif half == 16:
+        _idot1_h16(q, scales, offs, r, r, xlo, xhi, negc, xsl, sxl, d)
+    else:
+        _idot1_h32(q, scales, offs, r, r, xlo, xhi, negc, xsl, sxl, d)
+
+
+@njit(cache=True)
+def _rows_into(q, scales, offs, coef, half, xa, y, t, nthreads):
+    """Thread t's contiguous run of 8-row blocks of y = W @ x; thread 0 also takes the rows
+    past the last block."""
+    out = q.shape[0]
+    nblk = out // 8
+    per = (nblk + nthreads - 1) // nthreads
+    d = np.empty(8, np.float32)
+    for blk in range(t * per, min(nblk, (t + 1) * per)):
+        r = 8 * blk
+        rows8(q, scales, offs, coef, half, xa, r, d)
+        for j in range(8):
+            y[r + j] = d[j]
+    if t == 0:
+        for r in range(8 * nblk, out):
+            row1(q, scales, offs, coef, half, xa, r, d)
+            y[r] = d[0]
+
+
+@njit(parallel=True, cache=True)
+def matvec_prepared(q, scales, offs, coef, half, xa, y, nthreads):
+    """y = W @ x for activations already quantized (xa = quantize(x, half))."""
+    for t in prange(nthreads):
+        _rows_into(q, scales, offs, coef, half, xa, y, t, nthreads)
+
+
+@njit(cache=True)
+def matvec(q, scales, offs, coef, half, x, y, nthreads):
+    """y = W @ x, x float32 [n] quantized here (the weight tuple of cpu.int4_weight)."""
+    matvec_prepared(q, scales, offs, coef, half, quantize(x, half), y, nthreads)
+
+
+@njit(parallel=True, cache=True)
+def matmul(q, scales, offs, coef, half, x, y, nthreads):
+    """y [L, out] = x [L, n] @ W.T: each weight block of 8 rows stays in L1 while every
+    activation row passes over it; row l of y equals matvec(x[l]) bit for bit."""
+    xlo, xhi, negc, xsl, sxl = quantize_rows(x, half)
+    out = q.shape[0]
+    nblk = (out + 7) // 8
+    per = (nblk + nthreads - 1) // nthreads
+    for t in prange(nthreads):
+        d = np.empty(8, np.float32)
+        for blk in range(t * per, min(nblk, (t + 1) * per)):
+            r = 8 * blk
+            for lrow in range(x.shape[0]):
+                xa = (xlo[lrow], xhi[lrow], negc[lrow], xsl[lrow], sxl[lrow])
+                if r + 8 <= out:
+                    rows8(q, scales, offs, coef, half, xa, r, d)
+                    for j in range(8):
+                        y[lrow, r + j] = d[j]
+                else:
+                    for rr in range(r, out):
+                        row1(q, scales, offs, coef, half, xa, rr, d)
+                        y[lrow, rr] = d[0]
+
+
+# --- the activation mode inside compiled blocks ------------------------------------------
+# The fused decode blocks (decode.py) and the fused MoE kernel (moe.py) take the mode as an
+# argument whose numba TYPE selects the code (marker()): each mode compiles only its own path,
+# so the default exact path's first-start compile is what it was.
+
+
+def marker(mode: str):
+    """The compiled blocks' `act` argument for `mode`: float32 for the exact path, int8 for
+    int8 activations (only the type matters)."""
+    return np.int8(0) if mode == "int8" else np.float32(0.0)
+
+
+def matvec_into(w, x, y, nthreads, act):
+    """y = W @ x for the weight tuple w (cpu.int4_weight) in act's mode (compiled only)."""
+    raise NotImplementedError("called from compiled code only")
+
+
+def prepare(x, half, act):
+    """What the row code needs of x: its group sums (exact) or its int8 form (compiled only)."""
+    raise NotImplementedError("called from compiled code only")
+
+
+def prepare_rows(x, half, act):
+    """prepare() of each row of x [K, n], as arrays with a leading K axis (compiled only)."""
+    raise NotImplementedError("called from compiled code only")
+
+
+def row_of(xp, k, act):
+    """Row k of prepare_rows' result, as prepare() would give it (compiled only)."""
+    raise NotImplementedError("called from compiled code only")
+
+
+def rows8_into(q, scales, offs, coef, half, cshift, x, xp, r, d, act):
+    """d[0:8] = rows r..r+7 of W @ x, xp = prepare(x, half, act) (compiled only)."""
+    raise NotImplementedError("called from compiled code only")
+
+
+def _int8(act) -> bool:
+    return isinstance(act, types.Integer)
+
+
+@overload(matvec_into)
+def _matvec_into(w, x, y, nthreads, act):
+    if _int8(act):
+        def int8(w, x, y, nthreads, act):
+            q, scales, offs, coef, half, _ = w
+            matvec(q, scales, offs, coef, half, x, y, nthreads)
+        return int8
+
+    def exact(w, x, y, nthreads, act):
+        q, scales, offs, coef, half, cshift = w
+        _matvec_int4(q, scales, offs, coef, half, cshift, x, y, nthreads)
+    return exact
+
+
+@overload(prepare)
+def _prepare(x, half, act):
+    if _int8(act):
+        return lambda x, half, act: quantize(x, half)
+    return lambda x, half, act: _group_sums(x, 2 * half)
+
+
+@overload(prepare_rows)
+def _prepare_rows(x, half, act):
+    if _int8(act):
+        return lambda x, half, act: quantize_rows(x, half)
+
+    def exact(x, half, act):
+        xs = np.empty((x.shape[0], x.shape[1] // (2 * half)), np.float32)
+        for k in range(x.shape[0]):
+            xs[k] = _group_sums(x[k], 2 * half)
+        return xs
+    return exact
+
+
+@overload(row_of)
+def _row_of(xp, k, act):
+    if _int8(act):
+        return lambda xp, k, act: (xp[0][k], xp[1][k], xp[2][k], xp[3][k], xp[4][k])
+    return lambda xp, k, act: xp[k]
+
+
+@overload(rows8_into)
+def _rows8_into(q, scales, offs, coef, half, cshift, x, xp, r, d, act):
+    if _int8(act):
+        return lambda q, scales, offs, coef, half, cshift, x, xp, r, d, act: rows8(q, scales, offs, coef, half, xp, r, d)
+    return lambda q, scales, offs, coef, half, cshift, x, xp, r, d, act: _int4_rows8(
+        q, scales, offs, coef, half, cshift, x, xp, r, d)
+
+
+# --- QTensor entry points (the model's linear() calls these in int8 mode) ----------------
+
+
+def matvec_q(t: QTensor, x: np.ndarray) -> np.ndarray:
+    """dequantize(t) @ x with x rounded to int8 per group; t an int4 scheme."""
+    q, scales, offs, coef, half, _ = int4_weight(t)
+    x = _activations(x, 1, t.shape[1], "matvec")
+    y = np.empty(t.shape[0], np.float32)
+    if y.size:
+        matvec(q, scales, offs, coef, half, x, y, get_num_threads())
+    return y
+
+
+def matmul_q(t: QTensor, x: np.ndarray) -> np.ndarray:
+    """x @ dequantize(t).T with each row of x rounded to int8 per group; row l equals
+    matvec_q(t, x[l]) bit for bit."""
+    q, scales, offs, coef, half, _ = int4_weight(t)
+    x = _activations(x, 2, t.shape[1], "matmul")
+    y = np.empty((x.shape[0], t.shape[0]), np.float32)
+    if y.size:
+        matmul(q, scales, offs, coef, half, x, y, get_num_threads())
+    return y
