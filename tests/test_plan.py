@@ -369,6 +369,8 @@ def test_deepseek_v3_on_the_named_machines(deepseek_v3_config):
     # nothing is read from disk after warm-up, and the bound moves to compute.
     assert server["tiers"]["disk"]["experts_disk_only"] == 0 and server["projection"]["hit_rate"] == [1.0, 1.0]
     assert server["bottleneck"] == "compute"
+    assert any("--activations int8" in w["message"] for w in server["warnings"])
+    assert not any("--activations int8" in w["message"] for w in desktop["warnings"])
     # 64 GiB caches ~1 expert in 8 per layer: disk-bound, well under 1 tok/s.
     assert desktop["bottleneck"] == "disk" and desktop["projection"]["hit_rate"][0] < 0.2
     assert desktop["projection"]["tok_s"][1] < 1

@@ -148,6 +148,11 @@ def build_plan(model: ModelFacts, machine: Machine, ram_gb: float | None = None,
                         "most expert uses will read from disk")
     if fits and layers and disk_only == 0:
         warn("info", "every expert fits in memory: the disk leaves the decode path after warm-up")
+    if fits and bottleneck == "compute":
+        warn("info", "compute-bound: `--activations int8` does the int4 matrix products in integer arithmetic "
+                     "(measured 1.13-1.24x faster decode on a 2-core AVX-512 VNNI machine, README: int8 "
+                     "activations), at a small fidelity cost (SmolLM2: KL 1.8e-3 against the exact path, "
+                     "perplexity +0.2%) and slower prefill; it changes tokens, so it stays opt-in")
     if not layers:
         warn("info", "a dense model (no routed experts): nothing streams; it runs from memory")
     if model.kind == "hf":
