@@ -84,7 +84,7 @@ def child_colibri(a) -> dict:
 
     e = Engine.load(a.model, ram_gb=a.ram_gb, stream_experts=True, expert_io=a.expert_io,
                     prefetch=a.prefetch, hot_set=not a.no_hot_set, max_context=a.tokens + 16,
-                    read_threads=a.read_threads)
+                    read_threads=a.read_threads, activations=a.activations)
     seq = token_sequence(a.tokens, a.seq_seed)
 
     def run_pass():
@@ -171,6 +171,10 @@ def main() -> None:
     ap.add_argument("--child-timeout", type=float, default=420, help="seconds one engine run may take")
     ap.add_argument("--ab", action="store_true", help="colibri only: prefetch and hot set each on/off")
     ap.add_argument("--seq-seed", type=int, default=0, help="seed of the forced token sequence")
+    ap.add_argument("--activations", default="f32", help="colibri: f32 (exact) or int8")
+    ap.add_argument("--int8", action="store_true", help="also colibri with --activations int8")
+    ap.add_argument("--no-llama-default", action="store_true",
+                    help="skip llama.cpp's default setting (its repack does not fit small limits)")
     ap.add_argument("--child", choices=["colibri", "llama", "llama-mmap"])
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
@@ -199,14 +203,16 @@ def main() -> None:
     common += ["--seq-seed", str(a.seq_seed), "--read-threads", str(a.read_threads)]
     # (label, child kind, python, extra args)
     engines = [("colibri", "colibri", sys.executable, [])]
+    if a.int8:
+        engines.append(("colibri int8 activations", "colibri", sys.executable, ["--activations", "int8"]))
     if a.ab:  # placement A/B: each policy switched alone
         engines = [("colibri hot set (default)", "colibri", sys.executable, []),
                    ("colibri hot+prefetch", "colibri", sys.executable, ["--prefetch"]),
                    ("colibri prefetch only", "colibri", sys.executable, ["--prefetch", "--no-hot-set"]),
                    ("colibri neither", "colibri", sys.executable, ["--no-hot-set"])]
     elif a.gguf and a.llama_python:
-        engines += [("llama.cpp", "llama", a.llama_python, []),
-                    ("llama.cpp mmap-only", "llama-mmap", a.llama_python, [])]
+        engines += [("llama.cpp", "llama", a.llama_python, [])] * (not a.no_llama_default)
+        engines += [("llama.cpp mmap-only", "llama-mmap", a.llama_python, [])]
         common += ["--gguf", str(a.gguf)]
     rows = []
     for rep in range(a.repeats):
