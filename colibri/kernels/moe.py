@@ -22,6 +22,11 @@ in one call equal the same experts one call each, summed in that order, bit for 
 compiled with fastmath, and LLVM may reassociate or contract it differently in each caller it
 is inlined into; CI once saw 1-ulp differences between this kernel and the matvec kernel on a
 machine where they had agreed before.
+
+`act` (colibri.kernels.idot.marker) picks the row code by its type: the exact rows above, or
+int4 x int8 integer dots (`--activations int8`), x quantized once for all K experts' gate and
+up rows and each expert's activation once for its down rows. Each mode is its own compiled
+specialization, and every expert of a mode goes through it, so the rule above holds per mode.
 """
 from __future__ import annotations
 

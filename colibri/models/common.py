@@ -17,9 +17,8 @@ import numpy as np
 from numba import get_num_threads
 
 from colibri.errors import ColibriError
-from colibri.kernels import decode, embedding, matmul, matvec, ops
+from colibri.kernels import decode, embedding, idot, matmul, matvec, ops
 from colibri.kernels.attention import causal_attention
-from colibri.kernels import idot
 from colibri.kernels.cpu import int4_weight
 from colibri.kernels.quant import INT4_SCHEMES, QTensor
 from colibri.profile import PHASES, clock
