@@ -130,19 +130,28 @@ def _hsum(builder, v):
     return builder.extract_element(v, _i32(0))
 
 
-def _idot_codegen(nrows: int, half: int, mins: bool):
+def _idot_codegen(nrows: int, half: int, mins: bool, ncols: int | None = None):
     """Codegen of (q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, out) -> None: out[0:nrows] =
     rows r..r+nrows-1 of the int4 x int8 product; the same bytes of rows rn.. are prefetched.
     half: bytes per weight group (16 or 32), a constant so the lane -> group shuffles are.
     mins: q4_1 (offs holds the mins); else symmetric, offs unused.
     Per-x arrays (quantize_into): xlo/xhi int8 [n/2]; per 4-byte lane: negc int32 (-8 * the
-    lane's sum of xq), xsl float32 (s_x * that sum), sxl float32 (s_x of the lane's group)."""
+    lane's sum of xq), xsl float32 (s_x * that sum), sxl float32 (s_x of the lane's group).
+
+    ncols (prefill's tile): the x arrays are [L, ...] (quantize_rows), an argument l0 follows
+    sxl, and out is y [L, out_features]: y[l0 + i, r + j] for i < ncols, j < nrows. Each weight
+    chunk is loaded and unpacked once for the ncols activation rows; every (row, activation row)
+    pair runs the same operations in the same order as the one-row form, so the same bits."""
+    tile = ncols is not None
+    nc = ncols or 1
+
     def codegen(context, builder, sig, args):
         arrays = [context.make_array(t)(context, builder, a) if isinstance(t, types.Array) else None
                   for t, a in zip(sig.args, args)]
         qa, sa, ma = arrays[0], arrays[1], arrays[2]
         r, rn = args[3], args[4]
-        xlo, xhi, negc, xsl, sxl, oa = (arrays[i] for i in (5, 6, 7, 8, 9, 10))
+        xlo, xhi, negc, xsl, sxl = (arrays[i] for i in (5, 6, 7, 8, 9))
+        l0, oa = (args[10], arrays[11]) if tile else (None, arrays[10])
         qstride = cgutils.unpack_tuple(builder, qa.strides, 2)[0]
         ngroups = cgutils.unpack_tuple(builder, sa.shape, 2)[1]
         nbytes = builder.mul(ngroups, _i64(half))
@@ -150,8 +159,20 @@ def _idot_codegen(nrows: int, half: int, mins: bool):
         def ptr(a, ty):
             return builder.bitcast(a.data, ty.as_pointer())
 
+        def xrow(a, ty, i):
+            """Activation row i's data: the array itself, or row l0 + i of a 2-D one."""
+            if not tile:
+                return ptr(a, ty)
+            stride = cgutils.unpack_tuple(builder, a.strides, 2)[0]
+            base = builder.gep(ptr(a, _I8), [builder.mul(builder.add(l0, _i64(i)), stride)])
+            return builder.bitcast(base, ty.as_pointer())
+
         qbase, sbase, mbase = ptr(qa, _I8), ptr(sa, _F32), ptr(ma, _F32)
-        xlob, xhib, ncb, xslb, sxlb = ptr(xlo, _I8), ptr(xhi, _I8), ptr(negc, _I32), ptr(xsl, _F32), ptr(sxl, _F32)
+        xlob = [xrow(xlo, _I8, i) for i in range(nc)]
+        xhib = [xrow(xhi, _I8, i) for i in range(nc)]
+        ncb = [xrow(negc, _I32, i) for i in range(nc)]
+        xslb = [xrow(xsl, _F32, i) for i in range(nc)]
+        sxlb = [xrow(sxl, _F32, i) for i in range(nc)]
 
         def row(base, rr, j, stride):
             return builder.gep(base, [builder.mul(builder.add(rr, _i64(j)), stride)])
@@ -180,8 +201,7 @@ def _idot_codegen(nrows: int, half: int, mins: bool):
             g0 = builder.udiv(b, _i64(half))
             per = half // 4  # lanes per group
             if lanes <= per:  # the chunk lies inside one group
-                v = builder.load(builder.gep(base, [g0]))
-                return _splat(builder, v, lanes)
+                return _splat(builder, builder.load(builder.gep(base, [g0])), lanes)
             ng = lanes // per
             vals = load(base, g0, _vec(_F32, ng))
             return builder.shuffle_vector(vals, vals, ir.Constant(_vec(_I32, lanes), [i // per for i in range(lanes)]))
@@ -192,36 +212,45 @@ def _idot_codegen(nrows: int, half: int, mins: bool):
             with cgutils.for_range_slice(builder, start, stop, _i64(1)) as (i, _):
                 b = builder.mul(i, _i64(width))
                 lane0 = builder.udiv(b, _i64(4))
-                xl, xh = load(xlob, b, vb), load(xhib, b, vb)
-                sx = load(sxlb, lane0, vf)
-                init = ir.Constant(vi, [0] * lanes) if mins else load(ncb, lane0, vi)
-                if mins:
-                    xs = load(xslb, lane0, vf)
+                xl = [load(xlob[c], b, vb) for c in range(nc)]
+                xh = [load(xhib[c], b, vb) for c in range(nc)]
+                sx = [load(sxlb[c], lane0, vf) for c in range(nc)]
+                init = [ir.Constant(vi, [0] * lanes) if mins else load(ncb[c], lane0, vi) for c in range(nc)]
+                xs = [load(xslb[c], lane0, vf) for c in range(nc)] if mins else None
                 for j in range(nrows):
                     builder.call(pf, [builder.gep(nrows_q[j], [b]), _i32(0), _i32(3), _i32(1)])
                     w = load(qrows[j], b, vb)
                     lo = builder.and_(w, ir.Constant(vb, [15] * width))
                     hi = builder.lshr(w, ir.Constant(vb, [4] * width))
-                    iacc = _dot_u8s8(builder, init, lo, xl, lanes)
-                    iacc = _dot_u8s8(builder, iacc, hi, xh, lanes)
-                    scale = builder.fmul(group_lanes(srows[j], b, lanes), sx)
-                    acc = fma(builder.sitofp(iacc, vf), scale, builder.load(accs[j]))
-                    if mins:
-                        acc = fma(group_lanes(mrows[j], b, lanes), xs, acc)
-                    builder.store(acc, accs[j])
+                    sw = group_lanes(srows[j], b, lanes)
+                    m = group_lanes(mrows[j], b, lanes) if mins else None
+                    for c in range(nc):
+                        iacc = _dot_u8s8(builder, init[c], lo, xl[c], lanes)
+                        iacc = _dot_u8s8(builder, iacc, hi, xh[c], lanes)
+                        scale = builder.fmul(sw, sx[c])
+                        acc = fma(builder.sitofp(iacc, vf), scale, builder.load(accs[j][c]))
+                        if mins:
+                            acc = fma(m, xs[c], acc)
+                        builder.store(acc, accs[j][c])
 
         def zeros(lanes):
-            return [cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, lanes), [0.0] * lanes))
-                    for _ in range(nrows)]
+            return [[cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, lanes), [0.0] * lanes))
+                     for _ in range(nc)] for _ in range(nrows)]
 
         acc64, acc16 = zeros(16), zeros(4)
         n64 = builder.udiv(nbytes, _i64(64))
         chunk_loop(_i64(0), n64, 64, acc64)
         chunk_loop(builder.mul(n64, _i64(4)), builder.udiv(nbytes, _i64(16)), 16, acc16)
-        obase = ptr(oa, _F32)
         for j in range(nrows):
-            total = builder.fadd(_hsum(builder, builder.load(acc64[j])), _hsum(builder, builder.load(acc16[j])))
-            builder.store(total, builder.gep(obase, [_i64(j)]))
+            for c in range(nc):
+                total = builder.fadd(_hsum(builder, builder.load(acc64[j][c])),
+                                     _hsum(builder, builder.load(acc16[j][c])))
+                if tile:
+                    base = xrow(oa, _F32, c)
+                    dst = builder.gep(base, [builder.add(r, _i64(j))])
+                else:
+                    dst = builder.gep(ptr(oa, _F32), [_i64(j)])
+                builder.store(total, dst)
         return context.get_dummy_value()
     return codegen
 
@@ -244,6 +273,20 @@ _idot8_h16, _idot8_h32 = _make_intrinsic(8, 16, False), _make_intrinsic(8, 32, F
 _idot8_h16m, _idot8_h32m = _make_intrinsic(8, 16, True), _make_intrinsic(8, 32, True)
 _idot1_h16, _idot1_h32 = _make_intrinsic(1, 16, False), _make_intrinsic(1, 32, False)
 _idot1_h16m, _idot1_h32m = _make_intrinsic(1, 16, True), _make_intrinsic(1, 32, True)
+
+TILE_ROWS, TILE_COLS = 4, 4  # prefill: weight rows x activation rows per tile
+
+
+def _make_tile(half: int, mins: bool):
+    def typer(typingctx, q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, l0, y):
+        sig = types.void(q, scales, offs, types.intp, types.intp, xlo, xhi, negc, xsl, sxl, types.intp, y)
+        return sig, _idot_codegen(TILE_ROWS, half, mins, TILE_COLS)
+    typer.__name__ = f"_idot_tile_h{half}{'_mins' if mins else ''}"
+    return intrinsic(typer)
+
+
+_tile_h16, _tile_h32, _tile_h16m, _tile_h32m = (_make_tile(16, False), _make_tile(32, False),
+                                                _make_tile(16, True), _make_tile(32, True))
 
 
 # --- activations: quantized once per call, shared by every row --------------------------
@@ -367,28 +410,46 @@ def matvec(q, scales, offs, coef, half, x, y, nthreads):
     matvec_prepared(q, scales, offs, coef, half, quantize(x, half), y, nthreads)
 
 
+@njit(cache=True)
+def _tile(q, scales, offs, coef, half, xq, r, l0, y):
+    """y[l0:l0+4, r:r+4] through the tile kernel (all four rows and activation rows exist)."""
+    xlo, xhi, negc, xsl, sxl = xq
+    if coef == np.float32(1.0):
+        if half == 16:
+            _tile_h16m(q, scales, offs, r, r, xlo, xhi, negc, xsl, sxl, l0, y)
+        else:
+            _tile_h32m(q, scales, offs, r, r, xlo, xhi, negc, xsl, sxl, l0, y)
+    elif half == 16:
+        _tile_h16(q, scales, offs, r, r, xlo, xhi, negc, xsl, sxl, l0, y)
+    else:
+        _tile_h32(q, scales, offs, r, r, xlo, xhi, negc, xsl, sxl, l0, y)
+
+
 @njit(parallel=True, cache=True)
 def matmul(q, scales, offs, coef, half, x, y, nthreads):
-    """y [L, out] = x [L, n] @ W.T: each weight block of 8 rows stays in L1 while every
-    activation row passes over it; row l of y equals matvec(x[l]) bit for bit."""
-    xlo, xhi, negc, xsl, sxl = quantize_rows(x, half)
-    out = q.shape[0]
-    nblk = (out + 7) // 8
+    """y [L, out] = x [L, n] @ W.T: tiles of 4 weight rows x 4 activation rows, each weight
+    chunk unpacked once per tile; the rows and activation rows past the last whole tile one at
+    a time. Row l of y equals matvec(x[l]) bit for bit (the same operations per pair)."""
+    xq = quantize_rows(x, half)
+    xlo, xhi, negc, xsl, sxl = xq
+    out, L = q.shape[0], x.shape[0]
+    nblk = (out + TILE_ROWS - 1) // TILE_ROWS
     per = (nblk + nthreads - 1) // nthreads
     for t in prange(nthreads):
         d = np.empty(8, np.float32)
         for blk in range(t * per, min(nblk, (t + 1) * per)):
-            r = 8 * blk
-            for lrow in range(x.shape[0]):
+            r = TILE_ROWS * blk
+            whole = r + TILE_ROWS <= out
+            l0 = 0
+            if whole:
+                while l0 + TILE_COLS <= L:
+                    _tile(q, scales, offs, coef, half, xq, r, l0, y)
+                    l0 += TILE_COLS
+            for lrow in range(l0, L):
                 xa = (xlo[lrow], xhi[lrow], negc[lrow], xsl[lrow], sxl[lrow])
-                if r + 8 <= out:
-                    rows8(q, scales, offs, coef, half, xa, r, d)
-                    for j in range(8):
-                        y[lrow, r + j] = d[j]
-                else:
-                    for rr in range(r, out):
-                        row1(q, scales, offs, coef, half, xa, rr, d)
-                        y[lrow, rr] = d[0]
+                for rr in range(r, min(r + TILE_ROWS, out)):
+                    row1(q, scales, offs, coef, half, xa, rr, d)
+                    y[lrow, rr] = d[0]
 
 
 # --- the activation mode inside compiled blocks ------------------------------------------
