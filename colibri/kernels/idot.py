@@ -261,32 +261,51 @@ def _splat(builder, value, lanes):
     return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(_vec(_I32, lanes), [0] * lanes))
 
 
-def _make_intrinsic(nrows: int, half: int, mins: bool):
-    def typer(typingctx, q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, out):
-        sig = types.void(q, scales, offs, types.intp, types.intp, xlo, xhi, negc, xsl, sxl, out)
-        return sig, _idot_codegen(nrows, half, mins)
-    typer.__name__ = f"_idot{nrows}_h{half}{'_mins' if mins else ''}"
-    return intrinsic(typer)
+def _variants_codegen(nrows: int, ncols: int | None = None):
+    """Codegen of one intrinsic taking the weights' (coef, half) last: it branches, once per
+    call, to the body for symmetric or q4_1 weights and 16- or 32-byte groups (the bodies need
+    them as constants)."""
+    bodies = {(h, m): _idot_codegen(nrows, h, m, ncols) for h in (16, 32) for m in (False, True)}
+
+    def codegen(context, builder, sig, args):
+        inner_sig, inner = types.void(*sig.args[:-2]), args[:-2]
+        coef, half = args[-2], args[-1]
+        q4_1 = builder.fcmp_ordered("==", coef, ir.Constant(coef.type, 1.0))  # symmetric: -8
+        h16 = builder.icmp_signed("==", half, ir.Constant(half.type, 16))
+        with builder.if_else(h16) as (then16, then32):
+            for h, block in ((16, then16), (32, then32)):
+                with block:
+                    with builder.if_else(q4_1) as (with_mins, symmetric):
+                        for m, inner_block in ((True, with_mins), (False, symmetric)):
+                            with inner_block:
+                                bodies[h, m](context, builder, inner_sig, inner)
+        return context.get_dummy_value()
+    return codegen
 
 
-_idot8_h16, _idot8_h32 = _make_intrinsic(8, 16, False), _make_intrinsic(8, 32, False)
-_idot8_h16m, _idot8_h32m = _make_intrinsic(8, 16, True), _make_intrinsic(8, 32, True)
-_idot1_h16, _idot1_h32 = _make_intrinsic(1, 16, False), _make_intrinsic(1, 32, False)
-_idot1_h16m, _idot1_h32m = _make_intrinsic(1, 16, True), _make_intrinsic(1, 32, True)
+@intrinsic
+def _idot8(typingctx, q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, out, coef, half):
+    """out[0:8] = rows r..r+7 (see _idot_codegen)."""
+    sig = types.void(q, scales, offs, types.intp, types.intp, xlo, xhi, negc, xsl, sxl, out, coef, types.intp)
+    return sig, _variants_codegen(8)
+
+
+@intrinsic
+def _idot1(typingctx, q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, out, coef, half):
+    """out[0] = row r."""
+    sig = types.void(q, scales, offs, types.intp, types.intp, xlo, xhi, negc, xsl, sxl, out, coef, types.intp)
+    return sig, _variants_codegen(1)
+
 
 TILE_ROWS, TILE_COLS = 4, 4  # prefill: weight rows x activation rows per tile
 
 
-def _make_tile(half: int, mins: bool):
-    def typer(typingctx, q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, l0, y):
-        sig = types.void(q, scales, offs, types.intp, types.intp, xlo, xhi, negc, xsl, sxl, types.intp, y)
-        return sig, _idot_codegen(TILE_ROWS, half, mins, TILE_COLS)
-    typer.__name__ = f"_idot_tile_h{half}{'_mins' if mins else ''}"
-    return intrinsic(typer)
-
-
-_tile_h16, _tile_h32, _tile_h16m, _tile_h32m = (_make_tile(16, False), _make_tile(32, False),
-                                                _make_tile(16, True), _make_tile(32, True))
+@intrinsic
+def _idot_tile(typingctx, q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, l0, y, coef, half):
+    """y[l0 + i, r + j] for i < TILE_COLS, j < TILE_ROWS (see _idot_codegen's ncols)."""
+    sig = types.void(q, scales, offs, types.intp, types.intp, xlo, xhi, negc, xsl, sxl, types.intp, y, coef,
+                     types.intp)
+    return sig, _variants_codegen(TILE_ROWS, TILE_COLS)
 
 
 # --- activations: quantized once per call, shared by every row --------------------------
@@ -352,30 +371,14 @@ def rows8(q, scales, offs, coef, half, xa, r, d):
     times quantized activations xa; the next block's rows are prefetched."""
     xlo, xhi, negc, xsl, sxl = xa
     rn = r + 8 if r + 16 <= q.shape[0] else r
-    if coef == np.float32(1.0):  # q4_1: offs are the mins
-        if half == 16:
-            _idot8_h16m(q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, d)
-        else:
-            _idot8_h32m(q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, d)
-    elif half == 16:
-        _idot8_h16(q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, d)
-    else:
-        _idot8_h32(q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, d)
+    _idot8(q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, d, coef, half)
 
 
 @njit(cache=True)
 def row1(q, scales, offs, coef, half, xa, r, d):
     """d[0] = row r alone (the rows past the last whole block of eight)."""
     xlo, xhi, negc, xsl, sxl = xa
-    if coef == np.float32(1.0):
-        if half == 16:
-            _idot1_h16m(q, scales, offs, r, r, xlo, xhi, negc, xsl, sxl, d)
-        else:
-            _idot1_h32m(q, scales, offs, r, r, xlo, xhi, negc, xsl, sxl, d)
-    elif half == 16:
-        _idot1_h16(q, scales, offs, r, r, xlo, xhi, negc, xsl, sxl, d)
-    else:
-        _idot1_h32(q, scales, offs, r, r, xlo, xhi, negc, xsl, sxl, d)
+    _idot1(q, scales, offs, r, r, xlo, xhi, negc, xsl, sxl, d, coef, half)
 
 
 @njit(cache=True)
@@ -410,28 +413,12 @@ def matvec(q, scales, offs, coef, half, x, y, nthreads):
     matvec_prepared(q, scales, offs, coef, half, quantize(x, half), y, nthreads)
 
 
-@njit(cache=True)
-def _tile(q, scales, offs, coef, half, xq, r, l0, y):
-    """y[l0:l0+4, r:r+4] through the tile kernel (all four rows and activation rows exist)."""
-    xlo, xhi, negc, xsl, sxl = xq
-    if coef == np.float32(1.0):
-        if half == 16:
-            _tile_h16m(q, scales, offs, r, r, xlo, xhi, negc, xsl, sxl, l0, y)
-        else:
-            _tile_h32m(q, scales, offs, r, r, xlo, xhi, negc, xsl, sxl, l0, y)
-    elif half == 16:
-        _tile_h16(q, scales, offs, r, r, xlo, xhi, negc, xsl, sxl, l0, y)
-    else:
-        _tile_h32(q, scales, offs, r, r, xlo, xhi, negc, xsl, sxl, l0, y)
-
-
 @njit(parallel=True, cache=True)
 def matmul(q, scales, offs, coef, half, x, y, nthreads):
     """y [L, out] = x [L, n] @ W.T: tiles of 4 weight rows x 4 activation rows, each weight
     chunk unpacked once per tile; the rows and activation rows past the last whole tile one at
     a time. Row l of y equals matvec(x[l]) bit for bit (the same operations per pair)."""
-    xq = quantize_rows(x, half)
-    xlo, xhi, negc, xsl, sxl = xq
+    xlo, xhi, negc, xsl, sxl = quantize_rows(x, half)
     out, L = q.shape[0], x.shape[0]
     nblk = (out + TILE_ROWS - 1) // TILE_ROWS
     per = (nblk + nthreads - 1) // nthreads
@@ -443,7 +430,7 @@ def matmul(q, scales, offs, coef, half, x, y, nthreads):
             l0 = 0
             if whole:
                 while l0 + TILE_COLS <= L:
-                    _tile(q, scales, offs, coef, half, xq, r, l0, y)
+                    _idot_tile(q, scales, offs, r, r, xlo, xhi, negc, xsl, sxl, l0, y, coef, half)
                     l0 += TILE_COLS
             for lrow in range(l0, L):
                 xa = (xlo[lrow], xhi[lrow], negc[lrow], xsl[lrow], sxl[lrow])
