@@ -43,6 +43,8 @@ from colibri.io.container import Container, ExpertLayout
 from colibri.kernels.moe import FusedExperts, StackedExperts
 
 IO_MODES = ("pread", "direct", "mmap")
+# An expert's place in ExpertStore.heat_map: pinned (hot set), cached (LRU), being read, on disk only.
+EXPERT_PLACES = {"p": "pinned", "c": "cached", "r": "reading", "-": "disk"}
 _ALIGN = 4096
 
 
@@ -475,9 +477,31 @@ class ExpertStore:
                       "disk": [e for e in range(l.layout.num_experts) if e not in in_ram]}
         return out
 
+    def heat_map(self) -> dict[str, tuple[list[int], str]]:
+        """Per layer, for the dashboard (colibri/serve/telemetry.py): routing counts of this
+        process and each expert's place as one character (EXPERT_PLACES). Runs on the server's
+        thread while the compute thread moves experts: every copy below is one C call (list()
+        of a dict, ndarray.tolist()), during which no other Python thread runs, so none sees a
+        dict change midway."""
+        lru = list(self.slots.lru)
+        reading = [key for key, fut in list(self.slots.loading.items()) if not fut.done()]
+        places = {p: bytearray(b"-" * layer.layout.num_experts) for p, layer in self.layers.items()}
+        for prefix, e in lru:
+            places[prefix][e] = ord("c")
+        for p, layer in self.layers.items():
+            for e in list(layer.pinned):
+                places[p][e] = ord("p")
+        for prefix, e in reading:
+            places[prefix][e] = ord("r")
+        return {p: (layer.counts.tolist(), places[p].decode()) for p, layer in self.layers.items()}
+
     @property
     def bytes_resident(self) -> int:
         return sum(b.nbytes for b in self.slots.buffers) + sum(b.nbytes for b in self._staging)
+
+    @property
+    def bytes_budget(self) -> int:
+        return self.config.ram_bytes
 
     def close(self) -> None:
         self._readers.shutdown(wait=True)

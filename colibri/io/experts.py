@@ -47,6 +47,8 @@ class ResidentExperts:
         self._stacked: dict[str, StackedExperts | None] = {}
         self._blobs: dict[str, np.ndarray] = {}
         self.bytes_resident = 0
+        # Routing heat of this process (the dashboard's heat map), as ExpertStore keeps it.
+        self._counts = {p: np.zeros(l.num_experts, dtype=np.int64) for p, l in container.expert_layouts.items()}
         for prefix, layout in container.expert_layouts.items():
             store = arena(layout.num_experts * layout.blob_bytes)
             store = store.reshape(layout.num_experts, layout.blob_bytes)
@@ -79,6 +81,7 @@ class ResidentExperts:
     def iter_experts(self, prefix: str, ids: list[int], blobs: bool = False):
         """Yield (expert id, {projection: QTensor}), or (expert id, its uint8 blob) with `blobs`."""
         experts = self._blobs[prefix] if blobs else self.layers[prefix]
+        self._counts[prefix][ids] += 1
         for e in ids:
             yield e, experts[e]
 
@@ -95,7 +98,19 @@ class ResidentExperts:
         """(StackedExperts, slot of each id) for the fused decode kernel: every expert is in
         place, at slot = its id; None where the layer's format does not fit the kernel."""
         view = self._stacked.get(prefix)
-        return None if view is None else (view, np.asarray(ids, dtype=np.int64))
+        if view is None:
+            return None
+        slots = np.asarray(ids, dtype=np.int64)
+        self._counts[prefix][slots] += 1
+        return view, slots
+
+    def heat_map(self) -> dict[str, tuple[list[int], str]]:
+        """As ExpertStore.heat_map: every expert is resident for good ("p")."""
+        return {p: (c.tolist(), "p" * c.size) for p, c in self._counts.items()}
+
+    @property
+    def bytes_budget(self) -> int:
+        return self.bytes_resident
 
 
 GiB = 1 << 30

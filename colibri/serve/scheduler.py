@@ -89,6 +89,7 @@ class Stats:
     prompt_tokens: int = 0
     prompt_tokens_reused: int = 0
     completion_tokens: int = 0
+    tokens_streamed: int = 0  # counted as each token goes out, not at the end (the dashboard's live tok/s)
 
     @property
     def rejected(self) -> int:
@@ -168,6 +169,12 @@ class Scheduler:
     @property
     def running(self) -> int:
         return len(self.active)
+
+    @property
+    def busy_slots(self) -> frozenset[int]:
+        """The KV slots generations are running on now."""
+        with self._cv:
+            return frozenset(self._busy_slots)
 
     def begin_drain(self) -> None:
         with self._cv:
@@ -286,6 +293,9 @@ class Scheduler:
                     outcome = "cancelled"
                     break
                 self._emit(job, ev)
+                if ev.token_id is not None:
+                    with self._cv:
+                        self.stats.tokens_streamed += 1
             else:
                 result = engine.last
                 if result.finish_reason == "cancelled":

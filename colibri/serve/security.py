@@ -12,12 +12,14 @@ import uuid
 
 from colibri.errors import ColibriError
 from colibri.serve.errors import error_response
+from colibri.serve.web import is_public
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages/count_tokens", "/v1/messages",
-           "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize")
+           "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize", "/v1/telemetry/stream",
+           "/v1/telemetry", "/")
 
 
 def is_loopback(host: str) -> bool:
@@ -73,6 +75,8 @@ def route_label(path: str) -> str:
             return r
     if path.startswith("/v1/models/"):
         return "/v1/models/{id}"
+    if is_public(path):
+        return "/web/{file}"
     return "other"
 
 
@@ -136,7 +140,8 @@ def _hostname(host: str) -> str:
 
 class ApiKeyMiddleware:
     """`Authorization: Bearer KEY` (OpenAI clients) or `x-api-key: KEY` (Anthropic clients),
-    compared in constant time. /health stays reachable: it answers only "ok" to strangers."""
+    compared in constant time. /health stays reachable: it answers only "ok" to strangers; so
+    does the dashboard's page (it holds no secrets and asks for the key itself)."""
 
     def __init__(self, app, api_key: str | None):
         self.app = app
@@ -156,7 +161,7 @@ class ApiKeyMiddleware:
             return await self.app(scope, receive, send)
         ok = self.authenticated(scope)
         _state(scope)["authenticated"] = ok
-        if not ok and scope["path"] != "/health":
+        if not ok and scope["path"] != "/health" and not is_public(scope["path"]):
             resp = error_response(scope["path"], 401, "missing or wrong API key: send 'Authorization: Bearer KEY' "
                                   "or 'x-api-key: KEY'", code="invalid_api_key",
                                   headers={"www-authenticate": "Bearer"})
