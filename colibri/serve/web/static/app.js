@@ -464,6 +464,7 @@ function renderQueue(s, maxContext) {
 }
 
 function renderTelemetry(t) {
+  const t0 = performance.now();
   app.telemetry = t;
   renderTiers(t.tiers);
   renderBrain(t.experts);
@@ -472,6 +473,7 @@ function renderTelemetry(t) {
   drawChart($("chart-tok"), t.rates.series, 1, "#5fb3f9");
   drawChart($("chart-read"), t.rates.series, 2, "#f5b041");
   renderQueue(t.scheduler, t.model.max_context);
+  $("telemetry").dataset.renderMs = (performance.now() - t0).toFixed(2); // the page's own cost, for tests
 }
 
 function setConnection(live) {
