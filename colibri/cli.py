@@ -85,6 +85,31 @@ def activations_option(**kw):
                         "bottleneck, not exact; README: Quality).", **kw)
 
 
+def check_device(device: str) -> str:
+    if device not in ("cpu", "cuda", "auto"):
+        raise ColibriError(f"--device must be one of cpu, cuda, auto, not {device!r}")
+    return device
+
+
+def device_option(**kw):
+    """--device for every command that loads a model (EngineConfig.device)."""
+    return typer.Option("cpu", "--device", callback=check_device, help="Where the dense forward runs: cpu, cuda "
+                        "(weights and KV cache in GPU memory; dense llama-family models; needs a CUDA GPU and "
+                        "numba-cuda, the gpu extra) or auto (cuda when a GPU is there and covers the model).", **kw)
+
+
+def cluster_option(**kw):
+    """--cluster for every command that generates (colibri/cluster)."""
+    return typer.Option(None, "--cluster", help="Compute the routed experts on Ray workers: a Ray cluster's "
+                        "address, or `local` for a Ray instance on this machine bound to 127.0.0.1 (needs "
+                        "pip install 'colibri[cluster]').", **kw)
+
+
+def expert_workers_option(**kw):
+    return typer.Option(2, "--expert-workers", min=1, help="Ray workers holding the experts with --cluster, "
+                        "each owning a contiguous share of every MoE layer's experts.", **kw)
+
+
 def speculative_option(**kw):
     """--speculative for every command that generates."""
     return typer.Option("off", "--speculative", help="Draft tokens and check them in one pass: off, ngram "
@@ -136,7 +161,10 @@ def run(
     speculative: str = speculative_option(),
     draft_tokens: int = draft_tokens_option(),
     activations: str = activations_option(),
+    device: str = device_option(),
     stats: bool = typer.Option(False, "--stats", help="Print speed figures to stderr at the end."),
+    cluster: Optional[str] = cluster_option(),
+    expert_workers: int = expert_workers_option(),
 ):
     """Generate an answer to PROMPT, printed as it streams."""
     from colibri.engine import Engine
@@ -152,7 +180,7 @@ def run(
         ram_gb = engine_options(model, None, True).get("ram_gb")
     engine = Engine.load(model, progress=True, max_context=max_context, ram_gb=ram_gb, expert_io=expert_io,
                          prefetch=prefetch, threads=threads, speculative=speculative, draft_tokens=draft_tokens,
-                         activations=activations)
+                         activations=activations, cluster=cluster, expert_workers=expert_workers, device=device)
     fit_max_tokens(engine, prompt, max_tokens, raw=raw, system=system)
     for ev in engine.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, seed=seed, raw=raw, system=system):
@@ -213,6 +241,9 @@ def chat(
     speculative: str = speculative_option(),
     draft_tokens: int = draft_tokens_option(),
     activations: str = activations_option(),
+    device: str = device_option(),
+    cluster: Optional[str] = cluster_option(),
+    expert_workers: int = expert_workers_option(),
 ):
     """Talk with a model in the terminal (plain lines in, plain text out when not a terminal)."""
     from colibri.plan import engine_options
@@ -229,7 +260,9 @@ def chat(
     if threads is not None and not attach:
         options["threads"] = threads
     if not attach:
-        options.update(speculative=speculative, draft_tokens=draft_tokens, activations=activations)
+        options.update(speculative=speculative, draft_tokens=draft_tokens, activations=activations, device=device)
+    if cluster and not attach:
+        options.update(cluster=cluster, expert_workers=expert_workers)
     run_chat(model, attach=attach, system=system, max_tokens=max_tokens, stats=stats, sampling=sampling,
              engine_options=options)
 
@@ -357,6 +390,9 @@ def serve(
     speculative: str = speculative_option(envvar="COLI_SPECULATIVE"),
     draft_tokens: int = draft_tokens_option(envvar="COLI_DRAFT_TOKENS"),
     activations: str = activations_option(envvar="COLI_ACTIVATIONS"),
+    device: str = device_option(envvar="COLI_DEVICE"),
+    cluster: Optional[str] = cluster_option(envvar="COLI_CLUSTER"),
+    expert_workers: int = expert_workers_option(envvar="COLI_EXPERT_WORKERS"),
 ):
     """Serve the model over an OpenAI- and Anthropic-compatible HTTP API."""
     from colibri.serve.server import ServeOptions
@@ -379,7 +415,8 @@ def serve(
                             read_timeout=read_timeout,
                             drain_timeout=drain_timeout, log_level=log_level, ram_gb=ram_gb, threads=threads,
                             prefill_chunk=prefill_chunk, speculative=speculative, draft_tokens=draft_tokens,
-                            max_batch=max_batch, activations=activations))
+                            max_batch=max_batch, activations=activations, device=device, cluster=cluster,
+                            expert_workers=expert_workers))
 
 
 @app.command()
@@ -394,7 +431,10 @@ def bench(
     threads: Optional[int] = threads_option(),
     auto_tier: bool = typer.Option(False, "--auto-tier", help="Apply `colibri plan` where --ram-gb is not given."),
     activations: str = activations_option(),
+    device: str = device_option(),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    cluster: Optional[str] = cluster_option(),
+    expert_workers: int = expert_workers_option(),
 ):
     """Cold and warm decode tok/s, prefill, TTFT, expert hit rate, GB read per token, peak RSS,
     and where each decoded token's time goes (attention, dense MLP, routing, routed experts,
@@ -413,7 +453,8 @@ def bench(
 
         ram_gb = engine_options(model, None, True).get("ram_gb")
     report = run_bench(model, tokens=tokens, prompt_tokens=prompt_tokens, ram_gb=ram_gb, expert_io=expert_io, prefetch=prefetch,
-                       hot_set=hot_set, threads=threads, activations=activations)
+                       hot_set=hot_set, threads=threads, activations=activations, cluster=cluster,
+                       expert_workers=expert_workers, device=device)
     if as_json:
         print(json.dumps(report, indent=1))
     else:
@@ -434,6 +475,7 @@ def perplexity(
     ram_gb: Optional[float] = typer.Option(None, "--ram-gb", help="RAM budget for weights (dense + cached experts)."),
     threads: Optional[int] = threads_option(),
     activations: str = activations_option(),
+    device: str = device_option(),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ):
     """Perplexity of the model over TEXT_FILE with a sliding window (README: Quality), and the KL
@@ -451,7 +493,7 @@ def perplexity(
     model = model_dir(model)
     need_tokenizer(model)
     engine = Engine.load(model, progress=not as_json, ram_gb=ram_gb, threads=threads, max_context=ctx,
-                         activations=activations)
+                         activations=activations, device=device)
     trained = engine.container.config.get("max_position_embeddings")
     if trained and ctx > int(trained):
         raise ColibriError(f"--ctx {ctx} is longer than the context {engine.model_id} was trained for ({trained})")

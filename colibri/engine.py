@@ -57,6 +57,16 @@ class EngineConfig:
     # int8 per weight group and dotted in integer arithmetic: faster where the CPU is the
     # bottleneck, at the fidelity cost the README measures; colibri/kernels/idot.py).
     activations: str = "f32"
+    # Where the dense forward runs: "cpu", "cuda" (weights and KV cache in GPU memory,
+    # colibri/models/device.py; an error without a GPU or for a model it does not cover) or
+    # "auto" (cuda when a GPU is there and covers the model, else cpu).
+    device: str = "cpu"
+    # Routed experts on Ray actors (colibri/cluster): a Ray address, or "local" for a Ray
+    # instance on this machine bound to 127.0.0.1; None: in this process.
+    cluster: str | None = None
+    expert_workers: int = 2             # Ray actors holding the experts (--cluster)
+    expert_placement: str = "contiguous"  # contiguous | balanced (by routing history)
+    worker_ram_gb: float | None = None  # each worker's expert budget; None: its whole shard, resident
 
 
 DEFAULT_MAX_CONTEXT = 8192
@@ -207,6 +217,10 @@ class Engine:
             raise TypeError(f"unknown Engine option(s): {', '.join(sorted(unknown))}")
         config = EngineConfig(**{k: v for k, v in options.items() if v is not None})
         _check_activations(config.activations)
+        if config.device != "cpu":
+            from colibri.models.device import check
+
+            check(config.device)
         # numpy's BLAS (OpenBLAS) serves prefill attention and MLA; its threads keep spinning
         # for a while after each call, and on the cores the numba kernels run on they took about
         # half the CPU (bench/decode_vs_peers.py: SmolLM2 prefill 351 -> 630 tok/s with one thread).
@@ -222,7 +236,15 @@ class Engine:
         show = None  # a display for the reads that take over a second (experts, hot set, dense weights)
         if progress:
             from colibri.progress import ByteProgress as show
-        experts = open_experts(container, config, show=show, history_file=history_path(container.dir))
+        if config.cluster:  # routed experts on Ray workers; the head keeps the dense weights
+            import sys
+
+            from colibri.cluster import open_cluster_experts
+
+            experts = open_cluster_experts(container, config, history_file=history_path(container.dir),
+                                           out=sys.stderr if progress else None)
+        else:
+            experts = open_experts(container, config, show=show, history_file=history_path(container.dir))
         with shown(show, f"reading the dense weights of {container.dir.name}", container.dense_bytes) as reading:
             container.on_read = reading.add if reading else None
             try:
@@ -230,6 +252,10 @@ class Engine:
             finally:
                 container.on_read = None
         model.prefetch = isinstance(experts, ExpertStore) and config.prefetch
+        if config.device != "cpu":
+            from colibri.models.device import place
+
+            model = place(model, config.device)
         model.activations = config.activations  # before the warm-up compiles its kernels
         if progress:  # in a thread of its own: see run_apart (the server generates on another thread)
             run_apart(compile_kernels, model, model_dir=container.dir)
@@ -516,6 +542,8 @@ class Engine:
 
     # ------------------------------------------------------------------ telemetry
     def _store_stats(self) -> dict | None:
+        if hasattr(self.experts, "store_stats"):  # --cluster: the workers' stores, summed
+            return self.experts.store_stats()
         return self.experts.stats.as_dict() if isinstance(self.experts, ExpertStore) else None
 
     @property

@@ -477,6 +477,12 @@ class ExpertStore:
                       "disk": [e for e in range(l.layout.num_experts) if e not in in_ram]}
         return out
 
+    def reset_counters(self) -> None:
+        """Forget hits, reads and this process's routing counts (what a warm-up left)."""
+        self.stats = StoreStats()
+        for layer in self.layers.values():
+            layer.counts[:] = 0
+
     def heat_map(self) -> dict[str, tuple[list[int], str]]:
         """Per layer, for the dashboard (colibri/serve/telemetry.py): routing counts of this
         process and each expert's place as one character (EXPERT_PLACES). Runs on the server's

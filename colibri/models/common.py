@@ -426,6 +426,9 @@ def layer_index(prefix: str) -> int:
 def run_experts(x: np.ndarray, weights: np.ndarray, ids: np.ndarray, experts, prefix: str) -> np.ndarray:
     """Sum of routed expert outputs. Tokens are grouped by expert, so in prefill every selected
     expert is fetched once and applied to all its tokens as one matrix x matrix product."""
+    compute = getattr(experts, "compute", None)
+    if compute is not None:  # experts computed elsewhere (colibri/cluster): the layer's work in one call
+        return compute(prefix, x, weights, ids, one_token_rows=x.shape[0] == 1)
     if x.shape[0] == 1:
         kernel = experts.fused(prefix)
         if kernel is not None:
@@ -464,6 +467,11 @@ def run_experts_rows(hs: list[np.ndarray], routes: list, experts, prefix: str) -
     """run_experts(h, weights, ids) for each one-token row, the same bits, with each expert of
     the rows' union fetched once (_expert_by_expert, as _decode_fused's own fallback). Without
     the fused kernel (a blob format it does not cover), row by row."""
+    compute = getattr(experts, "compute", None)
+    if compute is not None and len(hs) > 1:  # colibri/cluster: all rows in one call, each its own token
+        out = compute(prefix, np.concatenate(hs), np.concatenate([w for w, _ in routes]),
+                      np.concatenate([ids for _, ids in routes]), one_token_rows=True)
+        return [out[r:r + 1] for r in range(len(hs))]
     kernel = experts.fused(prefix)
     if kernel is None or len(hs) == 1:
         return [run_experts(h, w, ids, experts, prefix) for h, (w, ids) in zip(hs, routes)]

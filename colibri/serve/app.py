@@ -79,7 +79,9 @@ def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig, metric
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+        # In a thread: the collectors read the expert store's figures, which with --cluster are
+        # remote calls to the workers.
+        return Response(await anyio.to_thread.run_sync(metrics.render), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def list_models():

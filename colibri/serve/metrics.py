@@ -84,6 +84,10 @@ class _StateCollector:
                                       value=stats["bytes_read"])
             asked = stats["hits"] + stats["misses"]
             ratio = stats["hits"] / asked if asked else 1.0
+            if "worker_faults" in stats:  # --cluster (colibri/cluster/head.py)
+                yield CounterMetricFamily("colibri_expert_worker_faults", "Expert workers found dead or silent: "
+                                          "the head computed their experts, each was restarted",
+                                          value=stats["worker_faults"])
         else:
             ratio = 1.0
         yield GaugeMetricFamily("colibri_expert_hit_ratio", "Share of expert lookups served from RAM", value=ratio)

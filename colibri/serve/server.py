@@ -52,6 +52,9 @@ class ServeOptions:
     draft_tokens: int = 6             # drafts per pass
     activations: str = "f32"          # int4 matrices' activations: f32 (exact) | int8
     max_batch: int = 1                # generations at once, sharing forward passes (each needs a KV slot)
+    device: str = "cpu"               # where the dense forward runs: cpu | cuda | auto
+    cluster: str | None = None        # routed experts on Ray workers: a Ray address or "local"
+    expert_workers: int = 2           # Ray actors holding the experts (with cluster)
 
 
 def check(o: ServeOptions) -> None:
@@ -167,7 +170,8 @@ def run(o: ServeOptions) -> None:
         engine = Engine.load(o.model, progress=True, kv_slots=kv_slots, max_context=o.max_context,
                              ram_gb=o.ram_gb, threads=o.threads, prefill_chunk=o.prefill_chunk,
                              speculative=o.speculative, draft_tokens=o.draft_tokens,
-                             activations=o.activations)
+                             activations=o.activations, device=o.device, cluster=o.cluster,
+                             expert_workers=o.expert_workers)
         state_dir = None
         if o.persist:
             state_dir = Path(o.state_dir) if o.state_dir else default_state_dir(engine)

@@ -16,6 +16,7 @@ import asyncio
 import time
 from collections import deque
 
+import anyio
 from fastapi import APIRouter, Request
 from starlette.responses import StreamingResponse
 
@@ -84,6 +85,8 @@ def tiers(engine) -> list[dict]:
     rather than hiding it, so a GPU machine's user sees the tier unused."""
     container, experts = engine.container, engine.experts
     dense, expert_total = container.dense_bytes, container.expert_bytes
+    # ExpertStore / ResidentExperts: this process's RAM; ClusterExperts: its workers' (the same
+    # machine's RAM with --cluster local).
     in_ram = int(getattr(experts, "bytes_resident", 0) or 0)
     budget = int(getattr(experts, "bytes_budget", in_ram) or 0)
     return [
@@ -106,6 +109,8 @@ def expert_cache(engine, with_map: bool = True) -> dict | None:
         stats = {"hits": None, "misses": 0, "hit_rate": 1.0, "bytes_read": 0, "reads": 0, "wait_s": 0.0}
     out = {"places": EXPERT_PLACES, **{k: stats.get(k) for k in ("hits", "misses", "hit_rate", "bytes_read",
                                                                    "reads", "wait_s")}}
+    if out["hits"] is not None and out["hits"] + out["misses"] == 0:
+        out["hit_rate"] = None  # nothing asked yet: no rate to show
     if with_map:
         layers = heat_map()
         out["layers"] = [{"prefix": p, "counts": counts, "places": places} for p, (counts, places) in layers.items()]
@@ -123,7 +128,9 @@ def telemetry_of(request: Request) -> Telemetry:
 
 @router.get("/v1/telemetry")
 async def telemetry(request: Request, experts: bool = True):
-    return telemetry_of(request).snapshot(experts=experts)
+    # In a thread: with --cluster the heat map and the store figures are remote calls to the
+    # expert workers, which must not hold up the event loop.
+    return await anyio.to_thread.run_sync(lambda: telemetry_of(request).snapshot(experts=experts))
 
 
 @router.get("/v1/telemetry/stream")
@@ -137,7 +144,7 @@ async def telemetry_stream(request: Request, period: float = STREAM_PERIOD_S):
         # A client that leaves is noticed at the next send (Starlette then ends this generator),
         # so an abandoned page holds nothing for longer than one period.
         while not scheduler.draining:
-            yield sse(t.snapshot(), event="telemetry")
+            yield sse(await anyio.to_thread.run_sync(t.snapshot), event="telemetry")
             await asyncio.sleep(period)
 
     return StreamingResponse(frames(), media_type="text/event-stream", headers={"cache-control": "no-cache"})

@@ -1,0 +1,222 @@
+"""The dense decoder on a CUDA device (EngineConfig.device): the weights and the KV cache live
+in device memory, a forward pass sends token ids' embedding rows in and takes logits out, and
+every step in between is a colibri.kernels.cuda kernel. Same math and order as
+common.DecoderModel.forward (which stays the CPU path): RMSNorm, fused q/k/v, RoPE, the cache,
+causal GQA attention, o_proj, SwiGLU MLP, final norm, lm_head.
+
+Covered: models whose layers are common.Attention (plain GQA, optional q/k/v/o biases) and
+common.MLP with fused gate/up (the llama family). Anything else stays on the CPU: place() says
+so ("cuda") or keeps the CPU model ("auto").
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from colibri.errors import ColibriError
+from colibri.kernels import embedding
+from colibri.models import common
+
+DEVICES = ("cpu", "cuda", "auto")
+
+
+def unsupported(model) -> str | None:
+    """Why `model` cannot run on the device, or None when it can."""
+    if type(model) is not common.DecoderModel:
+        return f"{type(model).__name__} models"
+    for layer in model.layers:
+        a, m = layer.attn, layer.mlp
+        if type(a) is not common.Attention or a.qkv is None or a.qk_norm or a.clip_qkv is not None:
+            return "attention other than plain grouped-query attention with fused q/k/v"
+        if type(m) is not common.MLP or m.gate_up is None:
+            return "feed-forward blocks other than a dense SwiGLU MLP with fused gate/up (MoE layers)"
+    return None
+
+
+def check(device: str) -> None:
+    """Fail early (before any weight is read) on a bad --device, or on cuda without a GPU."""
+    if device not in DEVICES:
+        raise ColibriError(f"--device must be one of {', '.join(DEVICES)}, not {device!r}")
+    if device == "cuda":
+        from colibri.kernels import cuda
+
+        cuda.require()
+
+
+def place(model, device: str):
+    """The model to run for EngineConfig.device: `model` itself on the CPU, or a DeviceModel
+    wrapping it. "auto" picks a real GPU when one is present and covers the model."""
+    check(device)
+    if device == "cpu":
+        return model
+    from colibri.kernels import cuda
+
+    if device == "auto":
+        if cuda.simulated() or not cuda.available() or unsupported(model) is not None:
+            return model
+        return DeviceModel(model)
+    why = unsupported(model)
+    if why is not None:
+        raise ColibriError(f"--device cuda does not run {why} yet; use --device cpu")
+    return DeviceModel(model)
+
+
+class DeviceKVCache:
+    """KVCache's interface with K and V per layer in device memory, [KV, capacity, Dh], grown
+    by doubling up to max_tokens (the CPU cache's policy)."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_tokens: int):
+        from colibri.kernels import cuda
+
+        self._cuda = cuda
+        self.max_tokens = max_tokens
+        self.length = 0
+        self._shape = (num_kv_heads, head_dim)
+        cap = min(max_tokens, 256)
+        self.k_dev = [cuda.empty((num_kv_heads, cap, head_dim)) for _ in range(num_layers)]
+        self.v_dev = [cuda.empty((num_kv_heads, cap, head_dim)) for _ in range(num_layers)]
+
+    @property
+    def capacity(self) -> int:
+        return self.k_dev[0].shape[1]
+
+    def reserve(self, n: int) -> None:
+        if n > self.max_tokens:
+            raise ColibriError(f"context full: {n} tokens needed, the context holds {self.max_tokens}")
+        if n <= self.capacity:
+            return
+        cap = min(self.max_tokens, max(n, 2 * self.capacity))
+        kvh, dh = self._shape
+        for store in (self.k_dev, self.v_dev):
+            for i, a in enumerate(store):
+                grown = self._cuda.empty((kvh, cap, dh))
+                self._cuda.copy_positions(grown, a, self.length)
+                store[i] = grown
+
+    def truncate(self, n: int) -> None:
+        self.length = min(self.length, n)
+
+    @property
+    def bytes_per_token(self) -> int:
+        kvh, dh = self._shape
+        return len(self.k_dev) * kvh * 2 * dh * 4
+
+    @property
+    def k(self):
+        raise ColibriError("saving or loading a KV slot is not supported with --device cuda yet")
+
+    v = k
+
+
+class _DeviceLayer:
+    """One decoder layer's weights on the device."""
+
+    def __init__(self, layer: common.DecoderLayer):
+        from colibri.kernels import cuda
+
+        a, m = layer.attn, layer.mlp
+        self.input_norm = cuda.upload_vector(layer.input_norm)
+        self.post_norm = cuda.upload_vector(layer.post_norm)
+        self.qkv = cuda.upload(a.qkv)
+        self.qkv_bias = cuda.upload_vector(a.qkv_bias)
+        self.o_proj = cuda.upload(a.o_proj)
+        self.o_bias = cuda.upload_vector(a.o_bias)
+        self.gate_up = cuda.upload(m.gate_up)
+        self.down = cuda.upload(m.down)
+        self.inter = m.gate.shape[0]
+        self.nbytes = sum(w.nbytes for w in (self.qkv, self.o_proj, self.gate_up, self.down))
+
+
+class DeviceModel:
+    """common.DecoderModel's forward on the device. Other attributes (args, layers, rope,
+    embed...) are the CPU model's: the engine and the bench read them as before."""
+
+    def __init__(self, model: common.DecoderModel):
+        from colibri.kernels import cuda
+
+        self._cuda = cuda
+        self.cpu_model = model
+        self.device_layers = [_DeviceLayer(layer) for layer in model.layers]
+        self.final_norm = cuda.upload_vector(model.norm)
+        self.lm_head = cuda.upload(model.lm_head)
+        self.device_bytes = sum(d.nbytes for d in self.device_layers) + self.lm_head.nbytes
+        self.activations = model.activations
+        self._buffers = {}
+        self._lock = threading.Lock()  # one forward at a time: they share the scratch buffers
+
+    def _buffer(self, name: str, shape: tuple):
+        """A device scratch array reused by every layer and step while its shape holds: the
+        kernels run in order on one stream, so a layer's use of it ends before the next one's
+        begins, and the layers of a decode step allocate nothing."""
+        b = self._buffers.get(name)
+        if b is None or b.shape != shape:
+            b = self._buffers[name] = self._cuda.empty(shape)
+        return b
+
+    def __getattr__(self, name):  # only reached for attributes DeviceModel does not have
+        if name == "cpu_model":  # not set yet: __init__ failed part way
+            raise AttributeError(name)
+        return getattr(self.cpu_model, name)
+
+    def new_cache(self, max_tokens: int) -> DeviceKVCache:
+        a = self.args
+        return DeviceKVCache(len(self.layers), a.num_key_value_heads, a.head_dim, max_tokens)
+
+    def forward(self, ids: np.ndarray, cache: DeviceKVCache, all_logits: bool = False) -> np.ndarray:
+        """Run tokens `ids` [L] after the cache's contents; returns logits [L or 1, V] (host)."""
+        with self._lock:
+            return self._forward(ids, cache, all_logits)
+
+    def _forward(self, ids, cache: DeviceKVCache, all_logits: bool) -> np.ndarray:
+        cu = self._cuda
+        m = self.cpu_model
+        ids = np.asarray(ids, dtype=np.int64)
+        L, pos0 = ids.shape[0], cache.length
+        cache.reserve(pos0 + L)
+        cos, sin = (cu.to_device(np.ascontiguousarray(t, np.float32))
+                    for t in m.rope.cos_sin(np.arange(pos0, pos0 + L)))
+        x = cu.to_device(embedding(m.embed, ids))  # [L, D]
+        scores = self._buffer("scores", (L, m.args.num_attention_heads, cache.capacity))
+        for i, (layer, dl) in enumerate(zip(m.layers, self.device_layers)):
+            self._attention(x, layer.attn, dl, cache, i, pos0, cos, sin, scores)
+            self._mlp(x, layer, dl)
+        cache.length = pos0 + L
+        if not all_logits:
+            x = x[L - 1:]
+        h = cu.rms_norm(x, self.final_norm, m.args.rms_norm_eps)
+        return cu.to_host(cu.linear(self.lm_head, h, activations=self.activations))
+
+    def _attention(self, x, attn: common.Attention, dl: _DeviceLayer, cache, i, pos0, cos, sin, scores) -> None:
+        """x += o_proj(attention(rms_norm(x))), the new keys and values into the cache."""
+        cu = self._cuda
+        L = x.shape[0]
+        h = cu.rms_norm(x, dl.input_norm, attn.eps, out=self._buffer("h", x.shape))
+        qkv = cu.linear(dl.qkv, h, out=self._buffer("qkv", (L, dl.qkv.shape[0])), bias=dl.qkv_bias,
+                        activations=self.activations)  # [L, (H + 2 KV) * Dh]
+        nq, nk = attn.h * attn.dh, attn.kv * attn.dh
+        rot = attn.rope.rotary_dim
+        cu.rope(qkv, 0, attn.h, attn.dh, cos, sin, rot)
+        cu.rope(qkv, nq, attn.kv, attn.dh, cos, sin, rot)
+        cu.kv_store(cache.k_dev[i], qkv, nq, pos0)
+        cu.kv_store(cache.v_dev[i], qkv, nq + nk, pos0)
+        out = cu.attend(qkv, attn.h, cache.k_dev[i], cache.v_dev[i], pos0, attn.scale, scores,
+                        out=self._buffer("attn", (L, nq)))  # [L, H * Dh]
+        cu.add_into(x, cu.linear(dl.o_proj, out, out=self._buffer("o", x.shape), bias=dl.o_bias,
+                                 activations=self.activations))
+
+    def _mlp(self, x, layer: common.DecoderLayer, dl: _DeviceLayer) -> None:
+        """x += down(silu(gate(h)) * up(h)), h = rms_norm(x)."""
+        cu = self._cuda
+        L = x.shape[0]
+        h = cu.rms_norm(x, dl.post_norm, layer.eps, out=self._buffer("h", x.shape))
+        gu = cu.linear(dl.gate_up, h, out=self._buffer("gu", (L, 2 * dl.inter)),
+                       activations=self.activations)  # [L, 2I]
+        act = cu.silu_mul(gu, dl.inter, out=self._buffer("act", (L, dl.inter)))
+        cu.add_into(x, cu.linear(dl.down, act, out=self._buffer("o", x.shape), activations=self.activations))
+
+    def forward_rows(self, ids, caches: list) -> np.ndarray:
+        """One token per row, row r continuing caches[r] (rows sharing a cache are its next
+        positions, in row order): each row is decoded alone, in order, so its logits are the
+        ones forward([ids[r]]) gives."""
+        return np.concatenate([self.forward(np.array([t], dtype=np.int64), c) for t, c in zip(ids, caches)])

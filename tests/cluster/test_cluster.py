@@ -1,0 +1,256 @@
+"""colibri/cluster: routed experts on Ray actors give the single-process engine's tokens and
+logits bit for bit (MoE families, placements, worker budgets, batched rows), a worker killed or
+stopped mid-generation changes nothing but a fault counter, and the local cluster listens on
+loopback only. A real Ray instance on 127.0.0.1, shared by the whole module; no mocks."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import synthetic_moe
+from colibri import generate as gen
+from colibri.engine import Engine
+
+# Tiny slices of the real-shape presets, one per MoE family the synthetic tool writes, and the
+# OLMoE shape (16 experts, top-8 at 1/8 of its width).
+FAMILIES = {"qwen3-30b-a3b": dict(layers=2, width_divisor=16), "deepseek-v3": dict(layers=4, width_divisor=16),
+            "glm-4.5-air": dict(layers=2, width_divisor=16), "olmoe-1b-7b": dict(layers=2, width_divisor=8)}
+PROMPT = np.random.default_rng(1).integers(0, 512, size=24).tolist()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One local Ray instance for the module, started the way --cluster local starts it."""
+    try:
+        import ray
+    except ImportError:
+        pytest.skip("ray is not installed (pip install 'colibri[cluster]')")
+    from colibri.cluster.head import connect
+
+    try:
+        connect("local")
+    except Exception as e:  # a sandbox without the sockets or shared memory Ray needs
+        pytest.skip(f"a local Ray instance could not start here: {e}")
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cluster-models")
+    return {p: synthetic_moe.write_container(root / p, p, progress=False, vocab=512, **opts)
+            for p, opts in FAMILIES.items()}
+
+
+def _run(engine):
+    """(greedy tokens after an 8-token prompt, final logits of 16 forced tokens decoded one by
+    one after a 4-token prefill)."""
+    tokens = engine.generate(PROMPT[:8], max_tokens=6, stop_at_eos=False).token_ids
+    engine.reset()
+    cache = engine.slots[0].cache
+    gen.prefill(engine.model, cache, PROMPT[:4])
+    for tok in PROMPT[4:-1]:
+        logits = gen.decode_one(engine.model, cache, tok)
+    return tokens, gen.decode_one(engine.model, cache, PROMPT[-1])
+
+
+def _cluster(model, **options):
+    return Engine.load(model, max_context=64, cluster="local", **options)
+
+
+def _single(model, **options):
+    return Engine.load(model, max_context=64, stream_experts=False, **options)
+
+
+def _same(a, b):
+    assert a[0] == b[0]
+    np.testing.assert_array_equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("preset", sorted(FAMILIES))
+def test_cluster_tokens_are_the_single_process_bits(ray_cluster, models, preset):
+    reference = _run(_single(models[preset]))
+    engine = _cluster(models[preset], expert_workers=2)
+    try:
+        _same(_run(engine), reference)
+        assert engine.experts.faults == 0
+        assert engine.experts.transport.layers > 0
+    finally:
+        engine.experts.close()
+
+
+def test_int8_activations_and_three_balanced_workers(ray_cluster, models):
+    """The activation mode reaches the workers, and a heat-balanced placement over three workers
+    (from a routing history file as a streaming run leaves it) changes nothing either."""
+    import json
+
+    from colibri.default_model import history_path
+    from colibri.io.container import Container
+
+    model = models["qwen3-30b-a3b"]
+    reference = _run(_single(model, activations="int8"))
+    rng = np.random.default_rng(2)
+    heat = {p: rng.integers(0, 100, l.num_experts).tolist() for p, l in Container(model).expert_layouts.items()}
+    history = history_path(model)
+    history.parent.mkdir(parents=True, exist_ok=True)
+    history.write_text(json.dumps({"version": 1, "counts": heat}))
+    try:
+        engine = _cluster(model, expert_workers=3, expert_placement="balanced", activations="int8")
+    finally:
+        history.unlink()
+    try:
+        _same(_run(engine), reference)
+        for prefix, owners in engine.experts.placement.owner.items():
+            hottest = sorted(range(len(owners)), key=lambda e: (-heat[prefix][e], e))[:3]
+            assert sorted(owners[e] for e in hottest) == [0, 1, 2]  # the three hottest on three workers
+    finally:
+        engine.experts.close()
+
+
+def test_batched_rows_are_each_rows_own_tokens(ray_cluster, models):
+    """forward_rows (the server's batching) through the cluster: each row's logits are what it
+    gets alone in one process."""
+    model = models["olmoe-1b-7b"]
+    single, engine = _single(model), _cluster(model, expert_workers=2)
+    try:
+        rows = []
+        for e in (single, engine):
+            caches = [e.model.new_cache(64) for _ in range(3)]
+            for i, c in enumerate(caches):
+                gen.prefill(e.model, c, PROMPT[i:i + 5])
+            rows.append(e.model.forward_rows(PROMPT[10:13], caches))
+        np.testing.assert_array_equal(rows[0], rows[1])
+    finally:
+        engine.experts.close()
+
+
+def test_shards_under_a_budget_stream_then_hit(ray_cluster, models):
+    """Workers whose budget holds less than their shard stream it through their own store (the
+    same tokens); workers that hold their shard serve every expert from RAM: after the first
+    turn, hit rate 1.0 and no disk reads."""
+    model = models["olmoe-1b-7b"]
+    reference = _run(_single(model))
+    shard_gb = Engine.load(model, max_context=8, stream_experts=False).container.expert_bytes / 2 / 2**30
+    squeezed = _cluster(model, expert_workers=2, worker_ram_gb=shard_gb / 3)
+    try:
+        _same(_run(squeezed), reference)
+        assert squeezed.expert_stats["misses"] > 0
+    finally:
+        squeezed.experts.close()
+    held = _cluster(model, expert_workers=2)
+    try:
+        _run(held)
+        before = held.expert_stats
+        g = held.generate(PROMPT[:8], max_tokens=6, stop_at_eos=False)
+        after = held.expert_stats
+        assert g.experts["hit_rate"] == 1.0 and g.experts["hits"] > 0
+        assert after["reads"] == before["reads"] == 0
+    finally:
+        held.experts.close()
+
+
+def _wait_serving(experts, index: int, timeout: float = 120.0) -> int:
+    """The restarted worker's pid once it serves again."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if experts._usable(experts.workers[index]):
+            return experts.worker_pids[index]
+        time.sleep(0.2)
+    raise AssertionError(f"worker {index} did not come back within {timeout} s")
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
+def test_a_worker_lost_mid_generation_changes_nothing(ray_cluster, models, how):
+    """A worker killed (SIGKILL: Ray reports it dead) or frozen (SIGSTOP: it never answers, the
+    deadline passes) after the third token: the head computes its experts, the request
+    finishes with the single-process tokens, the fault is counted and the worker restarted."""
+    model = models["qwen3-30b-a3b"]
+    single = _single(model)
+    expected = single.generate(PROMPT[:8], max_tokens=12, stop_at_eos=False).token_ids
+    engine = _cluster(model, expert_workers=2)
+    experts = engine.experts
+    experts.deadline_s = 2.0
+    victim = experts.worker_pids[1]
+    try:
+        tokens, hits_at_fault = [], None
+        for ev in engine.stream(PROMPT[:8], max_tokens=12, stop_at_eos=False):
+            if ev.token_id is not None:
+                tokens.append(ev.token_id)
+            if len(tokens) == 3 and experts.faults == 0 and experts.worker_pids[1] == victim:
+                hits_before = engine.expert_stats["hits"]
+                os.kill(victim, getattr(signal, how))
+            elif experts.faults == 1 and hits_at_fault is None:
+                hits_at_fault = engine.expert_stats["hits"]
+        assert tokens == expected
+        assert engine.last.finish_reason == "length"
+        assert experts.faults == 1
+        assert hits_at_fault >= hits_before  # a counter: the lost worker's figures are kept
+        assert _wait_serving(experts, 1) != victim
+        engine.reset()
+        assert engine.generate(PROMPT[:8], max_tokens=12, stop_at_eos=False).token_ids == expected
+        assert experts.faults == 1 and experts.transport.local_s > 0
+    finally:
+        experts.close()
+        try:
+            os.kill(victim, signal.SIGKILL)  # the frozen one, should Ray not have reaped it
+        except ProcessLookupError:
+            pass
+
+
+def test_local_cluster_listens_on_loopback_only(ray_cluster, models):
+    psutil = pytest.importorskip("psutil")
+    engine = _cluster(models["qwen3-30b-a3b"], expert_workers=2)
+    try:
+        ours = {os.getpid()} | {p.pid for p in psutil.Process().children(recursive=True)}
+        listening = [c for c in psutil.net_connections(kind="inet")
+                     if c.status == psutil.CONN_LISTEN and c.pid in ours]
+        assert listening, "Ray's servers were not found"
+        assert {c.laddr.ip for c in listening} <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
+        assert set(engine.experts.worker_pids) <= ours
+    finally:
+        engine.experts.close()
+
+
+def test_placement_owns_every_expert_once():
+    from types import SimpleNamespace
+
+    from colibri.cluster.placement import place
+    from colibri.errors import ColibriError
+
+    layout = SimpleNamespace(num_experts=10, blob_bytes=4096)
+    container = SimpleNamespace(expert_layouts={"model.layers.0.mlp": layout, "model.layers.1.mlp": layout},
+                                dir="m")
+    contiguous = place(container, 3)
+    assert contiguous.owner["model.layers.0.mlp"] == [0, 0, 0, 0, 1, 1, 1, 2, 2, 2]
+    heat = {"model.layers.0.mlp": [9, 8, 7, 6, 5, 4, 3, 2, 1, 0]}
+    balanced = place(container, 2, "balanced", heat)
+    assert balanced.owner["model.layers.0.mlp"] == [0, 1, 1, 0, 0, 1, 1, 0, 0, 1]
+    assert balanced.owner["model.layers.1.mlp"] == [0] * 5 + [1] * 5  # no history: contiguous
+    assert "worker 1: 10 experts" in balanced.describe()
+    with pytest.raises(ColibriError, match="between 1 and 10"):
+        place(container, 11)
+
+
+def test_dashboard_telemetry_sees_the_workers_experts(ray_cluster, models):
+    """The heat map the dashboard draws (colibri/serve/telemetry.py) comes from the workers:
+    every routed expert counted by its owner, the whole shards resident in their RAM."""
+    from colibri.serve.telemetry import expert_cache, tiers
+
+    engine = _cluster(models["olmoe-1b-7b"], expert_workers=2)
+    try:
+        engine.generate(PROMPT[:8], max_tokens=4, stop_at_eos=False)
+        cache = expert_cache(engine)
+        layers = engine.container.expert_layouts
+        assert [l["prefix"] for l in cache["layers"]] == list(layers)
+        for layer in cache["layers"]:
+            assert set(layer["places"]) == {"p"}  # no budget: each worker pins its whole shard
+            assert sum(layer["counts"]) > 0
+        assert cache["hit_rate"] == 1.0
+        ram = next(t for t in tiers(engine) if t["tier"] == "ram")
+        assert ram["expert_bytes"] == engine.container.expert_bytes
+    finally:
+        engine.experts.close()
