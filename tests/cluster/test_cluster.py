@@ -54,7 +54,7 @@ def _run(engine):
     cache = engine.slots[0].cache
     gen.prefill(engine.model, cache, PROMPT[:4])
     for tok in PROMPT[4:-1]:
-        logits = gen.decode_one(engine.model, cache, tok)
+        gen.decode_one(engine.model, cache, tok)
     return tokens, gen.decode_one(engine.model, cache, PROMPT[-1])
 
 
