@@ -77,6 +77,18 @@ def _node_ip(ray) -> str:
     return ray.util.get_node_ip_address()
 
 
+def cluster_nodes() -> list[dict]:
+    """The live nodes of the joined cluster: {"id", "address", "ram_bytes", "head"} (head: the
+    node this process runs on). ram_bytes is Ray's `memory` resource: what it lets tasks and
+    actors use there."""
+    import ray
+
+    here = _node_ip(ray)
+    return [{"id": n["NodeID"], "address": n["NodeManagerAddress"],
+             "ram_bytes": int(n.get("Resources", {}).get("memory", 0)), "head": n["NodeManagerAddress"] == here}
+            for n in ray.nodes() if n.get("Alive")]
+
+
 @dataclass
 class _Worker:
     index: int
@@ -111,6 +123,8 @@ class ClusterExperts:
     container: Container
     placement: Placement
     worker_ram_bytes: int | None = None     # each worker's budget (None: its whole shard, pinned)
+    worker_budgets: list[int | None] | None = None  # per worker, overriding worker_ram_bytes (the plan's)
+    worker_nodes: list[str | None] | None = None    # per worker, the Ray node id it runs on (None: SPREAD)
     heat: dict | None = None                # routing history: the workers' hot sets under a budget
     verify: bool = True
     threads: int | None = None              # each worker's kernel threads (None: adapted to its machine)
@@ -142,9 +156,16 @@ class ClusterExperts:
     def _spawn(self, index: int) -> _Worker:
         from colibri.cluster.worker import ExpertWorker
 
-        # SPREAD: one worker per node as far as the nodes go (all on the one node of a local cluster)
-        handle = ExpertWorker.options(scheduling_strategy="SPREAD").remote(
-            str(self.container.dir), self.placement.experts_of(index), self.worker_ram_bytes, self.heat,
+        node = self.worker_nodes[index] if self.worker_nodes else None
+        budget = self.worker_budgets[index] if self.worker_budgets else self.worker_ram_bytes
+        if node is not None:  # the node the cluster plan put it on (soft: another if that one is gone)
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            strategy = NodeAffinitySchedulingStrategy(node_id=node, soft=True)
+        else:  # one worker per node as far as the nodes go
+            strategy = "SPREAD"
+        handle = ExpertWorker.options(scheduling_strategy=strategy).remote(
+            str(self.container.dir), self.placement.experts_of(index), budget, self.heat,
             self.verify, self.threads, self.activations)
         return _Worker(index, handle, handle.ready.remote())
 

@@ -39,11 +39,15 @@ class Placement:
 
 
 def place(container: Container, workers: int, how: str = "contiguous",
-          history: dict[str, list[int]] | None = None) -> Placement:
+          history: dict[str, list[int]] | None = None, shares: list[float] | None = None) -> Placement:
     """Contiguous: worker w owns experts [w*E/N, (w+1)*E/N) of every layer. Balanced: each
     layer's experts sorted by routing history (hottest first) are dealt to the workers in snake
     order (0, 1, ..., N-1, N-1, ..., 0, ...), so each worker holds the same number of experts and
-    about the same share of the routed work; with no history it is the contiguous placement."""
+    about the same share of the routed work; with no history it is the contiguous placement.
+
+    `shares` (the cluster plan's, colibri/plan/cluster.py: proportional to each worker's RAM
+    budget) replaces the equal split: contiguous ranges sized by share, and balanced dealing
+    that gives each expert to the worker furthest below its share."""
     if how not in PLACEMENTS:
         raise ColibriError(f"expert placement must be one of {', '.join(PLACEMENTS)}, not {how!r}")
     layouts = container.expert_layouts
@@ -52,6 +56,9 @@ def place(container: Container, workers: int, how: str = "contiguous",
     smallest = min(l.num_experts for l in layouts.values())
     if not 1 <= workers <= smallest:
         raise ColibriError(f"--expert-workers must be between 1 and {smallest} (the experts per layer), not {workers}")
+    if shares is not None and (len(shares) != workers or min(shares) < 0 or not sum(shares) > 0):
+        raise ColibriError(f"expert shares must be {workers} non-negative numbers with a positive sum, not {shares}")
+    equal = shares is None or max(shares) - min(shares) < 1e-9
     owner = {}
     for prefix, layout in layouts.items():
         E = layout.num_experts
@@ -59,11 +66,23 @@ def place(container: Container, workers: int, how: str = "contiguous",
         if how == "balanced" and counts is not None and len(counts) == E and any(counts):
             order = sorted(range(E), key=lambda e: (-counts[e], e))
             owners = [0] * E
-            for rank, e in enumerate(order):
-                turn, pos = divmod(rank, workers)
-                owners[e] = pos if turn % 2 == 0 else workers - 1 - pos
-        else:
+            if equal:
+                for rank, e in enumerate(order):
+                    turn, pos = divmod(rank, workers)
+                    owners[e] = pos if turn % 2 == 0 else workers - 1 - pos
+            else:
+                held = [0] * workers
+                for e in order:  # to the worker furthest below its share (lowest index on ties)
+                    w = min((w for w in range(workers) if shares[w] > 0), key=lambda w: (held[w] / shares[w], w))
+                    owners[e], held[w] = w, held[w] + 1
+        elif equal:
             owners = [e * workers // E for e in range(E)]
+        else:
+            total, bounds, acc = sum(shares), [], 0.0
+            for share in shares:  # the end of each worker's range, in experts
+                acc += share
+                bounds.append(E if acc >= total - 1e-9 else round(E * acc / total))
+            owners = [next(w for w, b in enumerate(bounds) if e < b) for e in range(E)]
         owner[prefix] = owners
     return Placement(workers, how, owner, {p: l.blob_bytes for p, l in layouts.items()})
 

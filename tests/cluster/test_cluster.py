@@ -233,6 +233,35 @@ def test_placement_owns_every_expert_once():
     assert "worker 1: 10 experts" in balanced.describe()
     with pytest.raises(ColibriError, match="between 1 and 10"):
         place(container, 11)
+    # Shares from the cluster plan: a worker with three times the budget owns three times the experts.
+    weighted = place(container, 2, shares=[0.25, 0.75])
+    assert weighted.owner["model.layers.0.mlp"] == [0] * 2 + [1] * 8  # round(10 * 0.25) = 2
+    assert place(container, 3, shares=[1, 1, 1]).owner == contiguous.owner
+    dealt = place(container, 2, "balanced", heat, shares=[0.25, 0.75]).owner["model.layers.0.mlp"]
+    assert dealt.count(0) in (2, 3) and dealt[0] == 0 and dealt[1] == 1  # the hottest on each
+    with pytest.raises(ColibriError, match="shares"):
+        place(container, 2, shares=[1.0])
+
+
+def test_cluster_plan_sizes_workers_by_their_nodes_memory():
+    """colibri/plan/cluster.py: workers round-robin over the nodes (the head's last), a node's
+    usable RAM split between its workers, shares proportional to budgets, fits or not."""
+    from colibri.plan.cluster import Node, describe_cluster_plan, plan_cluster
+
+    GB = 1 << 30
+    nodes = [Node("10.0.0.1", 64 * GB, head=True), Node("10.0.0.2", 128 * GB), Node("10.0.0.3", 64 * GB)]
+    plan = plan_cluster(nodes, 3, expert_bytes=150 * GB, head_bytes=8 * GB)
+    assert [w["node"] for w in plan["workers"]] == ["10.0.0.2", "10.0.0.3", "10.0.0.1"]
+    b = [w["budget_bytes"] for w in plan["workers"]]
+    assert b[0] > b[1] > b[2]  # the big node; a plain one; the head's, less the dense weights
+    assert abs(b[1] - int(64 * GB * 0.88)) < GB and abs(b[2] - (b[1] - 8 * GB)) < GB
+    assert abs(sum(w["share"] for w in plan["workers"]) - 1) < 1e-9 and plan["fits"]
+    assert all(w["expert_bytes"] <= w["budget_bytes"] for w in plan["workers"])  # fits: every shard fits
+    assert not plan_cluster(nodes, 3, expert_bytes=400 * GB)["fits"]
+    two_on_one = plan_cluster([Node("a", 32 * GB)], 2, expert_bytes=GB)
+    assert two_on_one["workers"][0]["budget_bytes"] == two_on_one["workers"][1]["budget_bytes"]
+    text = describe_cluster_plan(plan)
+    assert "worker 0 on 10.0.0.2" in text and "every shard fits" in text
 
 
 def test_dashboard_telemetry_sees_the_workers_experts(ray_cluster, models):
