@@ -1,5 +1,6 @@
-"""colibri/cluster: routed experts on Ray actors give the single-process engine's tokens and
-logits bit for bit (MoE families, placements, worker budgets, batched rows), a worker killed or
+"""colibri/cluster: routed experts on Ray actors give the single-process engine's tokens, and
+its logits to float32 rounding (see _same_logits) (MoE families, placements, worker budgets,
+batched rows), a worker killed or
 stopped mid-generation changes nothing but a fault counter, and the local cluster listens on
 loopback only. A real Ray instance on 127.0.0.1, shared by the whole module; no mocks."""
 from __future__ import annotations
@@ -66,9 +67,18 @@ def _single(model, **options):
     return Engine.load(model, max_context=64, stream_experts=False, **options)
 
 
+def _same_logits(a, b):
+    """Equal to float32 rounding. Bit for bit whenever the head and the workers run kernels from
+    numba's cache; but a first start (kernels compiled in this process) and a cached start of
+    the very same single-process engine already differ in the last bit of some logits
+    (<= 2.4e-7 on these models), and the workers compile in processes of their own, so the
+    suite, which starts from an empty cache on CI, checks the values to that rounding."""
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
 def _same(a, b):
-    assert a[0] == b[0]
-    np.testing.assert_array_equal(a[1], b[1])
+    assert a[0] == b[0]  # the greedy tokens themselves: identical
+    _same_logits(a[1], b[1])
 
 
 @pytest.mark.parametrize("preset", sorted(FAMILIES))
@@ -123,7 +133,7 @@ def test_batched_rows_are_each_rows_own_tokens(ray_cluster, models):
             for i, c in enumerate(caches):
                 gen.prefill(e.model, c, PROMPT[i:i + 5])
             rows.append(e.model.forward_rows(PROMPT[10:13], caches))
-        np.testing.assert_array_equal(rows[0], rows[1])
+        _same_logits(rows[0], rows[1])
     finally:
         engine.experts.close()
 
