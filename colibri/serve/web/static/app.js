@@ -501,6 +501,7 @@ async function followTelemetry() {
         return; // useKey() starts it again
       }
     }
+    if (controller.signal.aborted) return; // connect() replaced this stream with a new one
     setConnection(false);
     await new Promise((resolve) => setTimeout(resolve, 2000));
   }
