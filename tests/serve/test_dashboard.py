@@ -175,7 +175,8 @@ def test_heat_map_stays_light_at_kimi_k2_shapes(moe_server, page):
     """64 MoE layers x 384 experts (Kimi-K2's routed experts): a whole telemetry frame (tiers,
     heat map, charts, slots) renders in well under the one second between frames."""
     page.goto(moe_server.url + "/")
-    page.wait_for_selector("#conn.live", timeout=20000)
+    # The first frame drawn (the stream is "live" from its response headers on, a moment earlier)
+    page.wait_for_function("document.getElementById('brain').dataset.updates >= 1", timeout=20000)
     ms = page.evaluate("""() => {
         const t = JSON.parse(JSON.stringify(app.telemetry));
         t.experts.layers = [];
