@@ -8,10 +8,29 @@ barrier on a condition variable instead: syncthreads() returns once every thread
 that has not returned has reached it, which is what the polling loop decided too. Only the
 runner changes; kernels, arrays and the thread API are numba's own.
 """
+import os
+import re
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 from numba.core import config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def rerun_under_simulator(test_file: str, cwd: Path, timeout: float) -> None:
+    """Run `test_file` again in a fresh pytest process with NUMBA_ENABLE_CUDASIM=1 (it must be
+    set before numba is imported, and the suite's process has imported it) and this plugin;
+    fail with its output unless its tests ran and passed."""
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider",
+                        "-p", "cuda_simulator", test_file],
+                       cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    assert re.search(r"\b\d+ passed", r.stdout) and not re.search(r"\b\d+ failed", r.stdout), r.stdout[-3000:]
 
 
 class _Barrier:

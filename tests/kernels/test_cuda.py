@@ -7,14 +7,11 @@ this file again in a fresh process with NUMBA_ENABLE_CUDASIM=1, where the checks
 (rows past the last whole block, token rows past the last whole tile): the simulator runs each
 GPU thread as a Python thread.
 """
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cuda_simulator import rerun_under_simulator
 
 from colibri import ColibriError
 from colibri.generate import SamplingParams, candidates
@@ -30,12 +27,7 @@ on_device = pytest.mark.skipif(not C.available(), reason="no CUDA GPU and not un
 def test_under_the_simulator():
     if C.simulated():
         pytest.skip("this process is the simulator run")
-    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider",
-                        "-p", "cuda_simulator", __file__],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert re.search(r"\b\d+ passed", r.stdout) and not re.search(r"\b\d+ failed", r.stdout), r.stdout[-3000:]
+    rerun_under_simulator(__file__, ROOT, timeout=600)
 
 
 def test_cuda_device_without_a_gpu_is_a_clear_error():

@@ -7,13 +7,13 @@ tests/kernels/test_cuda.py for why); the simulator runs each GPU thread as a Pyt
 the models are tiny and the generations short.
 """
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cuda_simulator import rerun_under_simulator
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from harness import make_hf_model
@@ -39,12 +39,7 @@ def tiny(tmp_path_factory) -> Path:
 def test_under_the_simulator():
     if cuda.simulated():
         pytest.skip("this process is the simulator run")
-    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider",
-                        "-p", "cuda_simulator", __file__],
-                       cwd=ROOT / "tests" / "models", env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert re.search(r"\b\d+ passed", r.stdout) and not re.search(r"\b\d+ failed", r.stdout), r.stdout[-3000:]
+    rerun_under_simulator(__file__, ROOT / "tests" / "models", timeout=900)
 
 
 def test_cuda_without_a_gpu_is_one_clear_error_and_auto_is_the_cpu(tiny, tmp_path):
