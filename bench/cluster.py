@@ -11,6 +11,9 @@
    N workers each with the same budget B holding their shard (hit rate and disk reads over
    the timed pass, after a warm-up pass).
 
+In every configuration the engine first generates GREEDY tokens (--greedy) after an 8-token
+prompt; the bench prints whether the cluster's tokens are one process's, token for token.
+
 Decode is a fixed forced token sequence fed one token at a time (Engine.feed), after one
 untimed pass over it. Each figure is from this machine as printed; nothing is projected.
 
@@ -60,17 +63,20 @@ def transport(repeats: int, width: int) -> list[dict]:
     return rows
 
 
-def measure(model: Path, seq: list[int], prompt: list[int] | None = None, **options) -> dict:
+def measure(model: Path, seq: list[int], prompt: list[int] | None = None, greedy: int = 24, **options) -> dict:
     """Decode tok/s over `seq` (and prefill tok/s of `prompt`, when given), with the expert
-    store's figures and the cluster's time per MoE layer over the timed decode pass."""
+    store's figures and the cluster's time per MoE layer over the timed decode pass; first
+    (untimed) `greedy` greedy tokens after seq[:8], to compare between configurations."""
     from colibri import Engine
     from colibri.cluster.head import Transport
 
     t0 = time.perf_counter()
-    e = Engine.load(model, max_context=len(seq) + len(prompt or []) + 8, **options)
+    e = Engine.load(model, max_context=max(len(seq) + len(prompt or []), 8 + greedy) + 8, **options)
     load_s = time.perf_counter() - t0
     cluster = hasattr(e.experts, "compute")
     row = {"load_s": load_s, "moe_layers": len(e.container.expert_layouts)}
+    row["greedy"] = e.generate(seq[:8], max_tokens=greedy, stop_at_eos=False).token_ids
+    e.reset()
     if prompt:
         e.generate(prompt, max_tokens=1)  # untimed: the prefill kernels compiled or loaded
         best = None
@@ -106,6 +112,13 @@ def measure(model: Path, seq: list[int], prompt: list[int] | None = None, **opti
     return row
 
 
+def same(single: dict, cluster: dict, n: int) -> str:
+    if single["greedy"] == cluster["greedy"]:
+        return f"identical to one process ({n} tokens)"
+    first = next(i for i, (a, b) in enumerate(zip(single["greedy"], cluster["greedy"])) if a != b)
+    return f"DIFFER from one process at token {first}: {single['greedy']} vs {cluster['greedy']}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, required=True)
@@ -118,6 +131,7 @@ def main() -> None:
                     help="budget B for part 3, as a share of all the experts' bytes")
     ap.add_argument("--budget-tokens", type=int, default=96, help="forced tokens in part 3")
     ap.add_argument("--repeats", type=int, default=50, help="round trips per size in part 1")
+    ap.add_argument("--greedy", type=int, default=24, help="greedy tokens compared in every configuration")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     a = ap.parse_args()
 
@@ -144,10 +158,10 @@ def main() -> None:
     print("\n2. all experts resident", flush=True)
     report["resident"] = []
     for _ in range(a.rounds):  # interleaved: the machine's other load drifts between runs
-        single = measure(a.model, seq, prompt, stream_experts=False)
+        single = measure(a.model, seq, prompt, a.greedy, stream_experts=False)
         print(f"   one process:      decode {single['tok_s']:.2f} tok/s, prefill {single['prefill_tok_s']:.1f} tok/s",
               flush=True)
-        cluster = measure(a.model, seq, prompt, cluster="local", expert_workers=a.workers)
+        cluster = measure(a.model, seq, prompt, a.greedy, cluster="local", expert_workers=a.workers)
         print(f"   head + {a.workers} workers: decode {cluster['tok_s']:.2f} tok/s, prefill "
               f"{cluster['prefill_tok_s']:.1f} tok/s", flush=True)
         for what, p in (("decode", cluster["per_layer"]),
@@ -155,18 +169,21 @@ def main() -> None:
             print(f"     {what}, per MoE layer: {p['wall_ms_per_layer']:.2f} ms = workers computing "
                   f"{p['compute_ms_per_layer']:.2f} + transport {p['transport_ms_per_layer']:.2f} (+ head fallback "
                   f"{p['local_ms_per_layer']:.2f})", flush=True)
+        print(f"     greedy tokens: {same(single, cluster, a.greedy)}", flush=True)
         report["resident"].append({"single": single, "cluster": cluster})
 
     budget = a.budget_share * experts_gb
     print(f"\n3. expert budget B = {budget:.2f} GiB per process ({a.budget_share:.0%} of the experts), "
           f"{a.budget_tokens} forced tokens", flush=True)
     seq = tokens[:a.budget_tokens]
-    squeezed = measure(a.model, seq, stream_experts=True, ram_gb=dense_gb + budget)
+    squeezed = measure(a.model, seq, greedy=a.greedy, stream_experts=True, ram_gb=dense_gb + budget)
     print(f"   one process under B:     {squeezed['tok_s']:.2f} tok/s, hit rate {squeezed['hit_rate']:.3f}, "
           f"{squeezed['disk_reads']} disk reads ({squeezed['gb_read']:.2f} GB)", flush=True)
-    spread = measure(a.model, seq, cluster="local", expert_workers=a.budget_workers, worker_ram_gb=budget)
+    spread = measure(a.model, seq, greedy=a.greedy, cluster="local", expert_workers=a.budget_workers,
+                     worker_ram_gb=budget)
     print(f"   {a.budget_workers} workers, B each:       {spread['tok_s']:.2f} tok/s, hit rate {spread['hit_rate']:.3f}, "
           f"{spread['disk_reads']} disk reads ({spread['gb_read']:.2f} GB)", flush=True)
+    print(f"   greedy tokens: {same(squeezed, spread, a.greedy)}", flush=True)
     report["over_budget"] = {"budget_gib": budget, "single": squeezed, "cluster": spread}
     if a.json:
         a.json.write_text(json.dumps(report, indent=1))

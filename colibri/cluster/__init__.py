@@ -58,7 +58,7 @@ def open_cluster_experts(container: Container, config, history_file: Path | None
     fallback = min(largest, max(0, plan_budget(config.ram_gb) - container.dense_bytes))
     worker_ram = None if config.worker_ram_gb is None else int(config.worker_ram_gb * GiB)
     return ClusterExperts(container, placement, worker_ram_bytes=worker_ram, worker_budgets=budgets,
-                          worker_nodes=worker_nodes, heat=history or None, verify=bool(config.verify_experts),
+                          worker_nodes=worker_nodes, heat=history or None, history_file=history_file, verify=bool(config.verify_experts),
                           threads=config.threads, activations=config.activations, fallback_bytes=fallback)
 
 

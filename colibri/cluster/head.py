@@ -25,12 +25,23 @@ from colibri.cluster.placement import Placement
 from colibri.cluster.shard import expert_outputs, split_outputs, sum_in_id_order
 from colibri.errors import ColibriError
 from colibri.io.container import Container
-from colibri.io.expert_store import ExpertStore, StoreConfig
+from colibri.io.expert_store import ExpertStore, StoreConfig, save_history
 from colibri.kernels import idot
 
 log = logging.getLogger("colibri.cluster")
 
 DEADLINE_S = 30.0      # a worker silent this long on one layer is treated as failed
+# A worker that fails again before it has answered a call (a node out of memory, a container
+# missing on its node) is restarted after a pause that doubles each time, up to a minute, so a
+# crash loop does not spend the head's time on starting processes; the head computes its
+# experts meanwhile.
+RESPAWN_BACKOFF_S = (0.0, 1.0, 60.0)  # first restart, second, the cap
+
+
+def respawn_delay(failures: int) -> float:
+    """Seconds to wait before restarting a worker that has failed `failures` times in a row."""
+    first, second, cap = RESPAWN_BACKOFF_S
+    return first if failures <= 1 else min(cap, second * 2.0 ** (failures - 2))
 START_TIMEOUT_S = 600  # loading a shard reads its experts from disk: minutes for a big one
 # Ray's shared-memory object store carries arrays over 100 KiB (a prefill chunk's hidden
 # states); a chunk of 512 tokens of a 7168-wide model is 14 MiB per worker.
@@ -92,9 +103,11 @@ def cluster_nodes() -> list[dict]:
 @dataclass
 class _Worker:
     index: int
-    handle: object
-    ready_ref: object
+    handle: object | None      # None: failed, to be restarted at `respawn_at`
+    ready_ref: object | None
     info: dict | None = None   # ExpertWorker.ready() once it answered: pid, node, experts
+    failures: int = 0          # faults in a row, without a call answered in between
+    respawn_at: float = 0.0    # time.monotonic() before which a failed worker is not restarted
 
 
 @dataclass
@@ -126,6 +139,7 @@ class ClusterExperts:
     worker_budgets: list[int | None] | None = None  # per worker, overriding worker_ram_bytes (the plan's)
     worker_nodes: list[str | None] | None = None    # per worker, the Ray node id it runs on (None: SPREAD)
     heat: dict | None = None                # routing history: the workers' hot sets under a budget
+    history_file: object = None             # where save_history keeps routing counts (None: nowhere)
     verify: bool = True
     threads: int | None = None              # each worker's kernel threads (None: adapted to its machine)
     activations: str = "f32"
@@ -143,6 +157,10 @@ class ClusterExperts:
         self._last_stats: dict[int, dict] = {}
         self._retired: list[dict] = []
         self._lock = threading.Lock()  # one layer at a time: warm-up, batching and generation threads
+        self._history_lock = threading.Lock()
+        # Routing counts of this process, counted where the routing happens (here), for the
+        # history file: what the next start's placement ("balanced") and hot sets follow.
+        self.counts = {p: np.zeros(l.num_experts, np.int64) for p, l in self.container.expert_layouts.items()}
         self.workers = [self._spawn(w) for w in range(self.placement.workers)]
         try:
             infos = ray.get([w.ready_ref for w in self.workers], timeout=START_TIMEOUT_S)
@@ -153,7 +171,7 @@ class ClusterExperts:
             w.info = info
 
     # ------------------------------------------------------------------ workers
-    def _spawn(self, index: int) -> _Worker:
+    def _spawn(self, index: int, failures: int = 0) -> _Worker:
         from colibri.cluster.worker import ExpertWorker
 
         node = self.worker_nodes[index] if self.worker_nodes else None
@@ -167,12 +185,17 @@ class ClusterExperts:
         handle = ExpertWorker.options(scheduling_strategy=strategy).remote(
             str(self.container.dir), self.placement.experts_of(index), budget, self.heat,
             self.verify, self.threads, self.activations)
-        return _Worker(index, handle, handle.ready.remote())
+        return _Worker(index, handle, handle.ready.remote(), failures=failures)
 
     def _usable(self, w: _Worker) -> bool:
-        """Serving: started and answered ready(). A restarted worker is checked without waiting."""
+        """Serving: started and answered ready(). A restarted worker is checked without waiting;
+        a failed one is restarted here once its pause (respawn_delay) has passed."""
         if w.info is not None:
             return True
+        if w.handle is None:
+            if time.monotonic() >= w.respawn_at:
+                self.workers[w.index] = self._spawn(w.index, w.failures)
+            return False  # a worker started just now has not loaded its shard yet
         done, _ = self._ray.wait([w.ready_ref], timeout=0)
         if not done:
             return False
@@ -185,17 +208,25 @@ class ClusterExperts:
         return True
 
     def _fail(self, w: _Worker, why: str) -> None:
-        """Count the fault, kill what is left of the worker and start a new one in its place."""
+        """Count the fault, kill what is left of the worker and start a new one in its place: at
+        once after a first fault, after respawn_delay when it keeps failing."""
         self.faults += 1
         if w.index in self._last_stats:
             self._retired.append(self._last_stats.pop(w.index))
+        failures = w.failures + 1
+        delay = respawn_delay(failures)
         log.warning("expert worker %d (pid %s) %s; the head computes its experts until a new one has "
-                    "loaded them (fault %d)", w.index, (w.info or {}).get("pid"), why, self.faults)
+                    "loaded them (fault %d; restart %s)", w.index, (w.info or {}).get("pid"), why, self.faults,
+                    f"in {delay:g} s, failure {failures} in a row" if delay else "now")
         try:
             self._ray.kill(w.handle, no_restart=True)
         except Exception:  # already gone
             pass
-        self.workers[w.index] = self._spawn(w.index)
+        if delay:
+            self.workers[w.index] = _Worker(w.index, None, None, failures=failures,
+                                            respawn_at=time.monotonic() + delay)
+        else:
+            self.workers[w.index] = self._spawn(w.index, failures)
 
     def _local(self) -> ExpertStore:
         """The head's own store over the container, opened at the first fault."""
@@ -251,6 +282,7 @@ class ClusterExperts:
                     local.append(experts)
                     continue
                 slowest = max(slowest, seconds)
+                w.failures = 0  # it served: a later fault restarts it at once again
                 outputs.update(split_outputs(stacked, ids, experts))
         t1 = time.perf_counter()
         for experts in local:
@@ -262,7 +294,14 @@ class ClusterExperts:
         self.transport.wall_s += t1 - t0
         self.transport.compute_s += slowest
         self.transport.local_s += t2 - t1
+        self.counts[prefix][np.unique(ids)] += 1  # once per expert per layer call, as a store counts
         return sum_in_id_order(x, ids, outputs)
+
+    def save_history(self) -> None:
+        """Persist the routing counts (earlier history + this process), as a streaming store does
+        at every turn end: the next start's balanced placement and the workers' hot sets."""
+        with self._history_lock:
+            save_history(self.history_file, self.heat or {}, self.counts)
 
     # ------------------------------------------------------------------ the rest of the contract
     def fused(self, prefix: str):
@@ -347,6 +386,8 @@ class ClusterExperts:
     def close(self) -> None:
         """Stop the workers (the Ray instance stays: it may serve others in this process)."""
         for w in self.workers if hasattr(self, "workers") else []:
+            if w.handle is None:
+                continue
             try:
                 self._ray.kill(w.handle, no_restart=True)
             except Exception:

@@ -69,6 +69,24 @@ def load_history(path: Path) -> dict:
         return {}
 
 
+def save_history(path: Path | None, earlier: dict, counts: dict[str, np.ndarray]) -> None:
+    """Write `earlier` routing history plus this process's `counts` to `path` (None: nowhere),
+    atomically (a crash leaves the old file or the new, never half of one). A layer whose
+    earlier counts have another length (the model was re-converted) starts over. The caller
+    serializes calls (a lock), as concurrent turn ends would race on the temporary file."""
+    if path is None:
+        return
+    merged = {p: (np.asarray(earlier[p], dtype=np.int64) + c).tolist() if len(earlier.get(p, [])) == c.size
+              else c.tolist() for p, c in counts.items()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({"version": 1, "counts": merged}))
+        os.replace(tmp, path)
+    except OSError as e:
+        warnings.warn(f"could not save routing history to {path}: {e}", stacklevel=3)
+
+
 def read_expert(container: Container, fd: int, prefix: str, e: int, buf: np.ndarray, verify: bool) -> int:
     """Expert e of `prefix` from its open file `fd` into buf[:nbytes], checked against the
     manifest when `verify`; returns nbytes. Failures are EngineFaults naming file and expert:
@@ -448,20 +466,9 @@ class ExpertStore:
     def save_history(self) -> None:
         """Persist routing counts (earlier history + this process) crash-safely; called at every
         turn end so the next start pins the right hot set."""
-        path = self.config.history_file
-        if path is None:
-            return
-        merged = {p: (np.asarray(self.config.history.get(p, np.zeros_like(l.counts)), dtype=np.int64)
-                      + l.counts).tolist() if len(self.config.history.get(p, [])) in (0, l.counts.size)
-                  else l.counts.tolist() for p, l in self.layers.items()}
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + ".tmp")
-            with self._history_lock:
-                tmp.write_text(json.dumps({"version": 1, "counts": merged}))
-                os.replace(tmp, path)
-        except OSError as e:
-            warnings.warn(f"could not save routing history to {path}: {e}", stacklevel=2)
+        with self._history_lock:
+            save_history(self.config.history_file, self.config.history,
+                         {p: l.counts for p, l in self.layers.items()})
 
     # ------------------------------------------------------------------ telemetry
     def routing_counts(self) -> dict[str, list[int]]:

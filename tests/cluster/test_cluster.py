@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,11 +18,32 @@ import synthetic_moe
 from colibri import generate as gen
 from colibri.engine import Engine
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+from harness import make_hf_model  # noqa: E402  (tests/models: tiny transformers checkpoints)
+
 # Tiny slices of the real-shape presets, one per MoE family the synthetic tool writes, and the
 # OLMoE shape (16 experts, top-8 at 1/8 of its width).
 FAMILIES = {"qwen3-30b-a3b": dict(layers=2, width_divisor=16), "deepseek-v3": dict(layers=4, width_divisor=16),
             "glm-4.5-air": dict(layers=2, width_divisor=16), "olmoe-1b-7b": dict(layers=2, width_divisor=8)}
-PROMPT = np.random.default_rng(1).integers(0, 512, size=24).tolist()
+# The other MoE families of the suite (tests/models), as tiny random transformers checkpoints
+# converted at 4 bits: (transformers class, config class, config).
+HF_FAMILIES = {
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig",
+                dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                     num_local_experts=8, num_experts_per_tok=2, sliding_window=None)),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig",  # shared expert + sigmoid gate, a dense layer
+                  dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                       shared_expert_intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                       num_experts=8, num_experts_per_tok=2, decoder_sparse_step=2, num_hidden_layers=3)),
+    "glm_moe_dsa": ("GlmMoeDsaForCausalLM", "GlmMoeDsaConfig",  # MLA + the DSA indexer, grouped routing
+                    dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_attention_heads=4,
+                         num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_rope_head_dim=16,
+                         qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=16, num_experts_per_tok=3,
+                         norm_topk_prob=True, index_head_dim=32, index_n_heads=16, index_topk=12,
+                         num_hidden_layers=3, first_k_dense_replace=1, n_group=4, topk_group=2)),
+}
+HF_VOCAB = 150
+PROMPT = np.random.default_rng(1).integers(0, HF_VOCAB, size=24).tolist()
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +68,21 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("cluster-models")
     return {p: synthetic_moe.write_container(root / p, p, progress=False, vocab=512, **opts)
             for p, opts in FAMILIES.items()}
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    from colibri.io.convert import convert
+
+    root = tmp_path_factory.mktemp("cluster-hf-models")
+    out = {}
+    for i, (family, (model_cls, config_cls, config)) in enumerate(sorted(HF_FAMILIES.items())):
+        cfg = getattr(transformers, config_cls)(**{"num_hidden_layers": 2, "vocab_size": HF_VOCAB,
+                                                    "max_position_embeddings": 256, **config})
+        hf = make_hf_model(getattr(transformers, model_cls), cfg, 90 + i, root / f"{family}-hf")
+        out[family] = convert(hf, root / family, bits=4, progress=False)
+    return out
 
 
 def _run(engine):
@@ -81,16 +119,27 @@ def _same(a, b):
     _same_logits(a[1], b[1])
 
 
-@pytest.mark.parametrize("preset", sorted(FAMILIES))
-def test_cluster_tokens_are_the_single_process_bits(ray_cluster, models, preset):
-    reference = _run(_single(models[preset]))
-    engine = _cluster(models[preset], expert_workers=2)
+def _same_as_one_process(model, workers: int = 2) -> None:
+    reference = _run(_single(model))
+    engine = _cluster(model, expert_workers=workers)
     try:
         _same(_run(engine), reference)
         assert engine.experts.faults == 0
         assert engine.experts.transport.layers > 0
     finally:
         engine.experts.close()
+
+
+@pytest.mark.parametrize("preset", sorted(FAMILIES))
+def test_cluster_tokens_are_the_single_process_bits(ray_cluster, models, preset):
+    _same_as_one_process(models[preset])
+
+
+@pytest.mark.parametrize("family", sorted(HF_FAMILIES))
+def test_cluster_tokens_on_the_other_moe_families(ray_cluster, hf_models, family):
+    """Mixtral, Qwen2-MoE (its shared expert and dense layer stay at the head) and GLM-5's
+    MoE-DSA: the cluster gives one process's tokens on every MoE family of the suite."""
+    _same_as_one_process(hf_models[family], workers=3 if family == "glm_moe_dsa" else 2)
 
 
 def test_int8_activations_and_three_balanced_workers(ray_cluster, models):
@@ -293,3 +342,89 @@ def test_dashboard_telemetry_sees_the_workers_experts(ray_cluster, models):
         assert ram["expert_bytes"] == engine.container.expert_bytes
     finally:
         engine.experts.close()
+
+
+def test_cluster_keeps_the_routing_history_a_streaming_run_keeps(ray_cluster, models):
+    """The head counts each layer's routing as one process's store does and saves it at every
+    turn end to the model's history file: the next start's hot sets and balanced placement."""
+    import json
+
+    from colibri.default_model import history_path
+
+    model = models["deepseek-v3"]
+    history = history_path(model)
+    history.unlink(missing_ok=True)
+    from colibri.io.container import Container
+
+    c = Container(model)
+    try:  # a budget that holds a third of the experts: a streaming store, which keeps the history
+        streamed = Engine.load(model, max_context=64, stream_experts=True,
+                               ram_gb=(c.dense_bytes + c.expert_bytes / 3) / 2**30)
+        streamed.generate(PROMPT[:8], max_tokens=6, stop_at_eos=False)
+        one_process = json.loads(history.read_text())["counts"]
+        history.unlink()
+        engine = _cluster(model, expert_workers=2)
+        try:
+            engine.generate(PROMPT[:8], max_tokens=6, stop_at_eos=False)
+            assert json.loads(history.read_text())["counts"] == one_process
+            engine.reset()
+            engine.generate(PROMPT[:8], max_tokens=6, stop_at_eos=False)  # earlier history + this process
+        finally:
+            engine.experts.close()
+        twice = json.loads(history.read_text())["counts"]
+        assert twice == {p: [2 * c for c in counts] for p, counts in one_process.items()}
+        assert sum(map(sum, twice.values())) > 0
+    finally:
+        history.unlink(missing_ok=True)
+
+
+def test_respawn_delay_doubles_up_to_the_cap():
+    from colibri.cluster.head import RESPAWN_BACKOFF_S, respawn_delay
+
+    first, second, cap = RESPAWN_BACKOFF_S
+    assert [respawn_delay(n) for n in (1, 2, 3, 4)] == [first, second, 2 * second, 4 * second]
+    assert respawn_delay(50) == cap
+
+
+def test_a_worker_that_cannot_restart_backs_off_and_returns(ray_cluster, models, monkeypatch):
+    """A worker killed while its node has lost the container (its manifest gone): each restart
+    fails, the next one waits longer (respawn_delay), the head computes the worker's experts
+    all along with the single-process tokens; once the container is back the worker returns."""
+    from colibri.cluster import head
+    from colibri.io.container import MANIFEST
+
+    monkeypatch.setattr(head, "RESPAWN_BACKOFF_S", (0.0, 0.5, 4.0))
+    model = models["olmoe-1b-7b"]
+    expected = _single(model).generate(PROMPT[:8], max_tokens=8, stop_at_eos=False).token_ids
+    engine = _cluster(model, expert_workers=2)
+    experts = engine.experts
+    spawned, spawn = [], experts._spawn
+
+    def timed_spawn(index, failures=0):
+        spawned.append((time.monotonic(), failures))
+        return spawn(index, failures)
+
+    monkeypatch.setattr(experts, "_spawn", timed_spawn)
+    manifest = Path(model) / MANIFEST
+    hidden = manifest.with_name(MANIFEST + ".away")
+    manifest.rename(hidden)
+    try:
+        os.kill(experts.worker_pids[1], signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while experts.faults < 4 and time.monotonic() < deadline:
+            engine.reset()
+            assert engine.generate(PROMPT[:8], max_tokens=8, stop_at_eos=False).token_ids == expected
+        assert experts.faults >= 4, f"only {experts.faults} faults in 90 s"
+    finally:
+        hidden.rename(manifest)
+    try:
+        _wait_serving(experts, 1)
+        # Restarts after the first came at least respawn_delay(failures) after the one before.
+        assert [f for _, f in spawned[:4]] == [1, 2, 3, 4]
+        for (t0, _), (t1, failures) in zip(spawned, spawned[1:4]):
+            assert t1 - t0 >= head.respawn_delay(failures)
+        engine.reset()
+        assert engine.generate(PROMPT[:8], max_tokens=8, stop_at_eos=False).token_ids == expected
+        assert experts.workers[1].failures == 0  # it served: the next fault restarts it at once
+    finally:
+        experts.close()
