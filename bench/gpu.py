@@ -127,6 +127,65 @@ def weights_for(shape_rows: int, shape_in: int, scheme: str, seed: int):
     return QTensor("bf16", w.shape, f32_to_bf16(w))
 
 
+def moe_container(work: Path, layers: int, smoke: bool) -> Path:
+    """The Qwen3-30B-A3B real-shape synthetic (tools/synthetic_moe.py), `layers` of its 48; the
+    simulator's smoke run takes the tiny OLMoE-shaped preset."""
+    import synthetic_moe
+
+    preset = "tiny" if smoke else "qwen3-30b-a3b"
+    out = work / (f"{preset}-{layers}L" if not smoke else preset)
+    if not (out / "colibri.json").exists():
+        synthetic_moe.write_container(out, preset, layers=None if smoke else layers, progress=False)
+    return out
+
+
+def moe_decode(model: Path, args) -> None:
+    """Decode tok/s over forced tokens (Engine.feed, after an untimed pass) for the CPU path and
+    three tier layouts on the device, the VRAM and RAM hit rates over the timed pass, the weights
+    read per token against the roof, and greedy tokens against the CPU path."""
+    from colibri import Engine
+    from colibri.io.container import Container
+
+    c = Container(model)
+    layouts = list(c.expert_layouts.values())
+    top_k = int(c.config.get("num_experts_per_tok", 8))
+    per_token = c.dense_bytes + sum(top_k * l.blob_bytes for l in layouts)  # lm_head and embedding included
+    tokens = np.random.default_rng(0).integers(100, int(c.config["vocab_size"]) - 1, size=args.moe_tokens).tolist()
+    expert_gb = c.expert_bytes / 2**30
+    print(f"   {model.name}: {len(layouts)} MoE layers, experts {expert_gb:.2f} GiB, dense {c.dense_bytes / 2**30:.2f} "
+          f"GiB; ~{per_token / 2**20:.0f} MiB of weights per token")
+    configs = [("cpu, all experts in RAM", dict(stream_experts=False)),
+               ("cuda, all experts in VRAM", dict(device="cuda")),
+               ("cuda, VRAM 25% of experts (rest from RAM)", dict(device="cuda", vram_gb=expert_gb / 4)),
+               ("cuda, VRAM 25%, RAM 25% (rest from disk)",
+                dict(device="cuda", vram_gb=expert_gb / 4, stream_experts=True,
+                     ram_gb=c.dense_bytes / 2**30 + expert_gb / 4))]
+    greedy = {}
+    for label, options in configs:
+        t0 = time.perf_counter()
+        e = Engine.load(model, max_context=len(tokens) + 40, **options)
+        load_s = time.perf_counter() - t0
+        greedy[label] = e.generate(tokens[:8], max_tokens=16, stop_at_eos=False).token_ids  # compiles, warms
+        e.reset()
+        e.feed(tokens)
+        before = e.expert_stats or {}
+        e.reset()
+        times = e.feed(tokens)
+        after = e.expert_stats or {}
+        tok_s = len(times) / sum(times)
+
+        def rate(tier):
+            h = after.get(f"{tier}hits", 0) - before.get(f"{tier}hits", 0)
+            m = after.get(f"{tier}misses", 0) - before.get(f"{tier}misses", 0)
+            return f"{h / (h + m):.3f}" if h + m else "-"
+
+        same = greedy[label] == greedy[configs[0][0]]
+        print(f"   {label:44s} load {load_s:6.1f} s  decode {tok_s:7.2f} tok/s  "
+              f"{per_token * tok_s / 1e9:7.1f} GB/s ({100 * per_token * tok_s / 1e9 / args.roof_gbs:5.2f}% of the roof)"
+              f"  VRAM hits {rate('vram_')}  RAM hits {rate('')}  greedy = cpu: {same}", flush=True)
+        del e
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="prepare on the CPU only: weights, the SmolLM2 "
@@ -139,6 +198,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="decode tokens timed for SmolLM2")
     ap.add_argument("--calls", type=int, default=50, help="timed launches per kernel shape")
     ap.add_argument("--model", type=Path, help="the dense model for the decode section (default: SmolLM2)")
+    ap.add_argument("--moe-layers", type=int, default=12, help="layers of the Qwen3-30B-A3B real-shape synthetic "
+                    "in the MoE section (of 48: 12 is 4.5 GB, written at disk speed)")
+    ap.add_argument("--moe-tokens", type=int, default=32, help="forced tokens timed per MoE configuration")
     ap.add_argument("--smoke", action="store_true", help="small shapes, few calls: to run the script under "
                     "numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) on a machine without a GPU")
     args = ap.parse_args()
@@ -164,6 +226,8 @@ def main() -> None:
             print(f"   {name:28s} {t.scheme:9s} {t.shape[0]:>6d} x {t.shape[1]:<5d} {t.nbytes / 2**20:8.1f} MiB")
         state["smollm2"] = args.model or smollm2_container(args.work)
         print(f"   decode model: {state['smollm2']}")
+        state["moe"] = moe_container(args.work, args.moe_layers, args.smoke)
+        print(f"   MoE model: {state['moe']}")
 
     if args.dry_run:
         print("\n--dry-run: stopping before any GPU call")
@@ -316,8 +380,12 @@ def main() -> None:
         print(f"   weights read per token {per_token / 2**20:.1f} MiB -> {per_token * tok_s / 1e9:.1f} GB/s, "
               f"{100 * per_token * tok_s / 1e9 / args.roof_gbs:.2f}% of the roof")
 
-    print("\nnot measured here: MoE models on the device (--device cuda covers dense llama-family models; the "
-          "VRAM expert tier is not built yet) and llama.cpp's CUDA build (not built by this script)")
+    @section("MoE decode, Qwen3-30B-A3B real shapes: experts all in VRAM, VRAM capped (from RAM), RAM capped "
+             "(from disk); the CPU path beside")
+    def _moe():
+        moe_decode(state["moe"], args)
+
+    print("\nnot measured here: llama.cpp's CUDA build (not built by this script)")
 
 
 if __name__ == "__main__":

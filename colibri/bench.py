@@ -77,6 +77,9 @@ def _measure(engine, tokens: list[int], prompt: list[int]) -> dict:
         row["expert_gb_per_token"] = (s1["bytes_read"] - s0["bytes_read"]) / len(times) / 1e9
         wait = s1["wait_s"] - s0["wait_s"]
         row["disk_wait_share"] = wait / sum(times)
+        if "vram_hits" in s1:  # --device cuda: the tier above RAM
+            asked = (s1["vram_hits"] - s0["vram_hits"]) + (s1["vram_misses"] - s0["vram_misses"])
+            row["vram_hit_rate"] = (s1["vram_hits"] - s0["vram_hits"]) / asked if asked else None
     kept, full = layer_kinds(engine)
     row["breakdown"] = breakdown(seconds, sum(times), len(times), wait, kept, full)
     return row
@@ -117,10 +120,13 @@ def render(report: dict, console) -> None:
     for state in ("cold", "warm"):
         r = report[state]
         hit = r.get("hit_rate")
+        hit = "-" if hit is None else f"{hit:.2f}"
+        if r.get("vram_hit_rate") is not None:
+            hit = f"VRAM {r['vram_hit_rate']:.2f}, RAM {hit}"
         wait = r.get("disk_wait_share")
         label = state if state == "warm" or report["cold_cache_dropped"] else "cold (cache not dropped: not root)"
         t.add_row(label, f"{r['decode_tok_s']:.2f}", f"{r['prefill_tok_s']:.1f}", f"{r['ttft_s']:.3f}",
-                  "-" if hit is None else f"{hit:.2f}", f"{r.get('expert_gb_per_token', r['disk_gb_per_token']):.3f}",
+                  hit, f"{r.get('expert_gb_per_token', r['disk_gb_per_token']):.3f}",
                   "-" if wait is None else f"{wait:.0%}")
     console.print(t)
     console.print(f"load {report['load_s']:.2f} s, expert store {report['expert_store']}, "

@@ -25,7 +25,8 @@ class TurnStats:
     ttft_s: float | None = None
     decode_tok_s: float | None = None
     prefill_tok_s: float | None = None
-    hit_rate: float | None = None        # expert cache, when the engine reports one
+    hit_rate: float | None = None        # expert cache (RAM tier), when the engine reports one
+    vram_hit_rate: float | None = None   # --device cuda: the VRAM tier above it
     rss_bytes: int | None = None
 
     @property
@@ -101,6 +102,7 @@ class EngineBackend:
             else:
                 self.stats = TurnStats(n, "interrupted", elapsed, ttft_s=first)
             self.stats.hit_rate = self._turn_hit_rate(before)
+            self.stats.vram_hit_rate = self._turn_hit_rate(before, "vram_")
             self.stats.rss_bytes = rss_bytes()
 
     def _expert_counts(self) -> dict | None:
@@ -110,14 +112,16 @@ class EngineBackend:
             stats = stats()
         return dict(stats) if isinstance(stats, dict) else None
 
-    def _turn_hit_rate(self, before: dict | None) -> float | None:
+    def _turn_hit_rate(self, before: dict | None, tier: str = "") -> float | None:
+        """This turn's hit rate of the RAM tier, or with tier="vram_" of the VRAM tier."""
         after = self._expert_counts()
-        if after is None:
+        hits, misses, rate = f"{tier}hits", f"{tier}misses", f"{tier}hit_rate"
+        if after is None or rate not in after:
             return None
-        if before and {"hits", "misses"} <= set(after):  # this turn's share, not the session's
-            hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
-            return hits / (hits + misses) if hits + misses else None
-        return float(after["hit_rate"]) if after.get("hit_rate") is not None else None
+        if before and {hits, misses} <= set(after) & set(before):  # this turn's share, not the session's
+            h, m = after[hits] - before[hits], after[misses] - before[misses]
+            return h / (h + m) if h + m else None
+        return float(after[rate]) if after.get(rate) is not None else None
 
     def reset(self) -> None:
         self.engine.reset()

@@ -85,6 +85,18 @@ def activations_option(**kw):
                         "bottleneck, not exact; README: Quality).", **kw)
 
 
+def tiers(model, ram_gb: float | None, vram_gb: float | None, auto_tier: bool) -> tuple:
+    """(--ram-gb, --vram-gb): as given; with --auto-tier and no --ram-gb, the plan's budgets for
+    both (a --vram-gb given still wins)."""
+    if auto_tier and ram_gb is None:
+        from colibri.plan import engine_options
+
+        planned = engine_options(model, None, True)
+        ram_gb = planned.get("ram_gb")
+        vram_gb = planned.get("vram_gb") if vram_gb is None else vram_gb
+    return ram_gb, vram_gb
+
+
 def check_device(device: str) -> str:
     if device not in ("cpu", "cuda", "auto"):
         raise ColibriError(f"--device must be one of cpu, cuda, auto, not {device!r}")
@@ -93,9 +105,17 @@ def check_device(device: str) -> str:
 
 def device_option(**kw):
     """--device for every command that loads a model (EngineConfig.device)."""
-    return typer.Option("cpu", "--device", callback=check_device, help="Where the dense forward runs: cpu, cuda "
-                        "(weights and KV cache in GPU memory; dense llama-family models; needs a CUDA GPU and "
-                        "numba-cuda, the gpu extra) or auto (cuda when a GPU is there and covers the model).", **kw)
+    return typer.Option("cpu", "--device", callback=check_device, help="Where the forward runs: cpu, cuda "
+                        "(weights, KV cache and a VRAM tier of routed experts in GPU memory; llama-family and "
+                        "Mixtral/Qwen3-MoE/OLMoE models; needs a CUDA GPU and numba-cuda, the gpu extra) or auto "
+                        "(cuda when a GPU is there and covers the model).", **kw)
+
+
+def vram_gb_option(**kw):
+    """--vram-gb: EngineConfig.vram_gb."""
+    return typer.Option(None, "--vram-gb", help="With --device cuda: GPU memory for routed experts (the VRAM "
+                        "tier above the RAM cache; default: what is free after the dense weights, less "
+                        "headroom; --auto-tier: the plan's).", **kw)
 
 
 def cluster_option(**kw):
@@ -156,12 +176,13 @@ def run(
     prefetch: bool = typer.Option(False, "--prefetch/--no-prefetch", help="Prefetch the next layer's predicted "
                                   "experts (off: it measured slower, see README)."),
     threads: Optional[int] = threads_option(),
-    auto_tier: bool = typer.Option(False, "--auto-tier", help="Apply `colibri plan` (its RAM budget) where "
+    auto_tier: bool = typer.Option(False, "--auto-tier", help="Apply `colibri plan` (its RAM and VRAM budgets) where "
                                    "--ram-gb is not given."),
     speculative: str = speculative_option(),
     draft_tokens: int = draft_tokens_option(),
     activations: str = activations_option(),
     device: str = device_option(),
+    vram_gb: Optional[float] = vram_gb_option(),
     stats: bool = typer.Option(False, "--stats", help="Print speed figures to stderr at the end."),
     cluster: Optional[str] = cluster_option(),
     expert_workers: int = expert_workers_option(),
@@ -174,13 +195,11 @@ def run(
     check_mode(speculative, draft_tokens)
     model = model_dir(model)
     need_tokenizer(model)
-    if auto_tier and ram_gb is None:
-        from colibri.plan import engine_options
-
-        ram_gb = engine_options(model, None, True).get("ram_gb")
+    ram_gb, vram_gb = tiers(model, ram_gb, vram_gb, auto_tier)
     engine = Engine.load(model, progress=True, max_context=max_context, ram_gb=ram_gb, expert_io=expert_io,
                          prefetch=prefetch, threads=threads, speculative=speculative, draft_tokens=draft_tokens,
-                         activations=activations, cluster=cluster, expert_workers=expert_workers, device=device)
+                         activations=activations, cluster=cluster, expert_workers=expert_workers, device=device,
+                         vram_gb=vram_gb)
     fit_max_tokens(engine, prompt, max_tokens, raw=raw, system=system)
     for ev in engine.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, seed=seed, raw=raw, system=system):
@@ -242,6 +261,7 @@ def chat(
     draft_tokens: int = draft_tokens_option(),
     activations: str = activations_option(),
     device: str = device_option(),
+    vram_gb: Optional[float] = vram_gb_option(),
     cluster: Optional[str] = cluster_option(),
     expert_workers: int = expert_workers_option(),
 ):
@@ -261,6 +281,8 @@ def chat(
         options["threads"] = threads
     if not attach:
         options.update(speculative=speculative, draft_tokens=draft_tokens, activations=activations, device=device)
+        if vram_gb is not None:
+            options["vram_gb"] = vram_gb
     if cluster and not attach:
         options.update(cluster=cluster, expert_workers=expert_workers)
     run_chat(model, attach=attach, system=system, max_tokens=max_tokens, stats=stats, sampling=sampling,
@@ -391,6 +413,7 @@ def serve(
     draft_tokens: int = draft_tokens_option(envvar="COLI_DRAFT_TOKENS"),
     activations: str = activations_option(envvar="COLI_ACTIVATIONS"),
     device: str = device_option(envvar="COLI_DEVICE"),
+    vram_gb: Optional[float] = vram_gb_option(envvar="COLI_VRAM_GB"),
     cluster: Optional[str] = cluster_option(envvar="COLI_CLUSTER"),
     expert_workers: int = expert_workers_option(envvar="COLI_EXPERT_WORKERS"),
 ):
@@ -400,10 +423,7 @@ def serve(
 
     check_mode(speculative, draft_tokens)
     model = model_dir(model)
-    if auto_tier and ram_gb is None:
-        from colibri.plan import engine_options
-
-        ram_gb = engine_options(model, None, True).get("ram_gb")
+    ram_gb, vram_gb = tiers(model, ram_gb, vram_gb, auto_tier)
 
     run_server(ServeOptions(model=model, host=host, port=port, model_id=model_id,
                             model_aliases=served_model_name or [], api_key=api_key,
@@ -415,7 +435,8 @@ def serve(
                             read_timeout=read_timeout,
                             drain_timeout=drain_timeout, log_level=log_level, ram_gb=ram_gb, threads=threads,
                             prefill_chunk=prefill_chunk, speculative=speculative, draft_tokens=draft_tokens,
-                            max_batch=max_batch, activations=activations, device=device, cluster=cluster,
+                            max_batch=max_batch, activations=activations, device=device, vram_gb=vram_gb,
+                            cluster=cluster,
                             expert_workers=expert_workers))
 
 
@@ -432,6 +453,7 @@ def bench(
     auto_tier: bool = typer.Option(False, "--auto-tier", help="Apply `colibri plan` where --ram-gb is not given."),
     activations: str = activations_option(),
     device: str = device_option(),
+    vram_gb: Optional[float] = vram_gb_option(),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     cluster: Optional[str] = cluster_option(),
     expert_workers: int = expert_workers_option(),
@@ -448,13 +470,10 @@ def bench(
     if prompt_tokens < 1:
         raise ColibriError(f"--prompt-tokens must be at least 1, not {prompt_tokens}")
     model = model_dir(model)
-    if auto_tier and ram_gb is None:
-        from colibri.plan import engine_options
-
-        ram_gb = engine_options(model, None, True).get("ram_gb")
+    ram_gb, vram_gb = tiers(model, ram_gb, vram_gb, auto_tier)
     report = run_bench(model, tokens=tokens, prompt_tokens=prompt_tokens, ram_gb=ram_gb, expert_io=expert_io, prefetch=prefetch,
                        hot_set=hot_set, threads=threads, activations=activations, cluster=cluster,
-                       expert_workers=expert_workers, device=device)
+                       expert_workers=expert_workers, device=device, vram_gb=vram_gb)
     if as_json:
         print(json.dumps(report, indent=1))
     else:

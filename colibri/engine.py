@@ -21,7 +21,7 @@ from colibri.batching import StepBatcher
 from colibri.errors import ColibriError, EngineFault
 from colibri.io.container import Container
 from colibri.kernels.idot import ACTIVATIONS
-from colibri.io.expert_store import ExpertStore, shown
+from colibri.io.expert_store import ExpertStore, load_history, shown
 from colibri.io.experts import open_experts
 from colibri.models import family
 from colibri.threads import ThreadPolicy, run_apart
@@ -61,6 +61,9 @@ class EngineConfig:
     # colibri/models/device.py; an error without a GPU or for a model it does not cover) or
     # "auto" (cuda when a GPU is there and covers the model, else cpu).
     device: str = "cpu"
+    # With --device cuda, the VRAM tier's budget for routed experts (colibri/io/vram_experts.py);
+    # None: the device's free memory after the dense weights, less headroom.
+    vram_gb: float | None = None
     # Routed experts on Ray actors (colibri/cluster): a Ray address, or "local" for a Ray
     # instance on this machine bound to 127.0.0.1; None: in this process.
     cluster: str | None = None
@@ -217,6 +220,8 @@ class Engine:
             raise TypeError(f"unknown Engine option(s): {', '.join(sorted(unknown))}")
         config = EngineConfig(**{k: v for k, v in options.items() if v is not None})
         _check_activations(config.activations)
+        if config.vram_gb is not None and config.vram_gb < 0:
+            raise ColibriError(f"--vram-gb must be >= 0, not {config.vram_gb:g}")
         if config.device != "cpu":
             from colibri.models.device import check
 
@@ -255,7 +260,9 @@ class Engine:
         if config.device != "cpu":
             from colibri.models.device import place
 
-            model = place(model, config.device)
+            vram = None if config.vram_gb is None else int(config.vram_gb * (1 << 30))
+            model = place(model, config.device, container, experts, vram,
+                          load_history(history_path(container.dir)))
         model.activations = config.activations  # before the warm-up compiles its kernels
         if progress:  # in a thread of its own: see run_apart (the server generates on another thread)
             run_apart(compile_kernels, model, model_dir=container.dir)
@@ -492,7 +499,7 @@ class Engine:
                                time.perf_counter() - t_decode0, slot, _turn_stats(stats0, self._store_stats()),
                                scored, constraint.mask_seconds if constraint is not None else 0.0,
                                drafts.stats.as_dict() if drafts is not None else None)
-        if isinstance(self.experts, ExpertStore):
+        if hasattr(self.experts, "save_history"):  # a streaming store, or the cluster's head
             self.experts.save_history()
 
     def _prefill(self, kv: KVSlot, ids: list[int], start: int, cancel, scored: list | None = None,
@@ -544,7 +551,15 @@ class Engine:
     def _store_stats(self) -> dict | None:
         if hasattr(self.experts, "store_stats"):  # --cluster: the workers' stores, summed
             return self.experts.store_stats()
-        return self.experts.stats.as_dict() if isinstance(self.experts, ExpertStore) else None
+        stats = self.experts.stats.as_dict() if isinstance(self.experts, ExpertStore) else None
+        vram = getattr(self.model, "vram", None)
+        if vram is not None:  # --device cuda: the VRAM tier above the RAM tier
+            v = vram.stats.as_dict()
+            if stats is None:  # every expert resident in RAM: each VRAM miss was a RAM hit
+                stats = {"hits": v["vram_misses"], "misses": 0, "prefetch_hits": 0, "bytes_read": 0, "reads": 0,
+                         "wait_s": 0.0, "hit_rate": 1.0 if v["vram_misses"] else 0.0}
+            stats.update(v)
+        return stats
 
     @property
     def expert_stats(self) -> dict | None:
@@ -563,7 +578,7 @@ class Engine:
             gen.decode_one(self.model, kv.cache, int(tok))
             kv.ids.append(int(tok))
             times.append(time.perf_counter() - t0)
-        if isinstance(self.experts, ExpertStore):
+        if hasattr(self.experts, "save_history"):  # a streaming store, or the cluster's head
             self.experts.save_history()
         return times
 
@@ -623,4 +638,8 @@ def _turn_stats(before: dict | None, after: dict | None) -> dict | None:
     d = {k: after[k] - before[k] for k in ("hits", "misses", "prefetch_hits", "bytes_read", "reads", "wait_s")}
     asked = d["hits"] + d["misses"]
     d["hit_rate"] = d["hits"] / asked if asked else 0.0
+    if "vram_hits" in after:  # --device cuda: the tier above
+        v = {k: after[k] - before[k] for k in ("vram_hits", "vram_misses", "vram_bytes_uploaded", "vram_upload_s")}
+        asked = v["vram_hits"] + v["vram_misses"]
+        d.update(v, vram_hit_rate=v["vram_hits"] / asked if asked else 0.0)
     return d

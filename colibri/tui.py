@@ -66,7 +66,9 @@ def format_stats(s: TurnStats, mode: str = "full") -> str:
             new = s.prompt_tokens - (s.prompt_tokens_reused or 0)
             parts.append(f"prefilled {new} new of {s.prompt_tokens} prompt tokens")
         parts.append(f"{s.completion_tokens} completion tokens")
-        if s.hit_rate is not None:
+        if s.vram_hit_rate is not None:
+            parts.append(f"experts {s.vram_hit_rate:.0%} VRAM hit, {s.hit_rate or 0:.0%} RAM hit")
+        elif s.hit_rate is not None:
             parts.append(f"experts {s.hit_rate:.0%} hit")
         if s.rss_bytes:
             parts.append(f"RSS {_mb(s.rss_bytes)}")

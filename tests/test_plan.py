@@ -162,6 +162,14 @@ def test_gpu_takes_dense_weights_then_experts(containers):
     assert plan["tiers"]["ram"]["dense_bytes"] == 0 and plan["tiers"]["ram"]["experts"] == 0
     no_gpu = build_plan(facts, machine(16), policy=SMALL_POLICY)
     assert any("no GPU" in w["message"] for w in no_gpu["warnings"])
+    # --auto-tier applies the VRAM tier's expert budget as --vram-gb (--device cuda's), sized from
+    # the GPU's free memory; without a GPU there is none to apply.
+    roomy = build_plan(facts, machine(4096, gpus=[64]), policy=SMALL_POLICY)
+    vram = roomy["tiers"]["vram"]["expert_bytes"]
+    assert roomy["fits"] and vram > 0
+    assert roomy["engine_options"]["vram_gb"] == pytest.approx(vram / 2**30, abs=0.01)
+    assert "vram_gb" not in build_plan(facts, machine(4096), policy=SMALL_POLICY)["engine_options"]
+    assert any("--device cuda" in w["message"] for w in roomy["warnings"])
 
 
 def olmoe_like(num_layers=16, experts=64, hidden=2048, inter=1024, top_k=8) -> ModelFacts:

@@ -4,9 +4,16 @@ every step in between is a colibri.kernels.cuda kernel. Same math and order as
 common.DecoderModel.forward (which stays the CPU path): RMSNorm, fused q/k/v, RoPE, the cache,
 causal GQA attention, o_proj, SwiGLU MLP, final norm, lm_head.
 
-Covered: models whose layers are common.Attention (plain GQA, optional q/k/v/o biases) and
-common.MLP with fused gate/up (the llama family). Anything else stays on the CPU: place() says
-so ("cuda") or keeps the CPU model ("auto").
+Covered: models whose layers are common.Attention (GQA with fused q/k/v, optional q/k/v/o
+biases and q/k norms) and either common.MLP with fused gate/up (the llama family) or
+common.SparseMoE without a shared expert (Mixtral, Qwen3-MoE, OLMoE). Anything else stays on
+the CPU: place() says so ("cuda") or keeps the CPU model ("auto").
+
+MoE layers: the router runs on the host with the CPU model's own code (one row of D floats per
+token comes back for it: the routing decisions are the CPU path's), the chosen experts on the
+device from the VRAM tier (colibri/io/vram_experts.py: pinned hot set + LRU, misses copied up
+from the RAM tier), and their weighted outputs are added in expert-id order, so the VRAM budget
+never changes the tokens.
 """
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ import threading
 import numpy as np
 
 from colibri.errors import ColibriError
+from colibri.io.vram_experts import vram_budget
 from colibri.kernels import embedding
 from colibri.models import common
 
@@ -27,10 +35,14 @@ def unsupported(model) -> str | None:
         return f"{type(model).__name__} models"
     for layer in model.layers:
         a, m = layer.attn, layer.mlp
-        if type(a) is not common.Attention or a.qkv is None or a.qk_norm or a.clip_qkv is not None:
-            return "attention other than plain grouped-query attention with fused q/k/v"
-        if type(m) is not common.MLP or m.gate_up is None:
-            return "feed-forward blocks other than a dense SwiGLU MLP with fused gate/up (MoE layers)"
+        if type(a) is not common.Attention or a.qkv is None or a.clip_qkv is not None:
+            return "attention other than grouped-query attention with fused q/k/v"
+        if isinstance(m, common.SparseMoE):
+            if m.shared is not None:
+                return "MoE blocks with a shared expert"
+        elif type(m) is not common.MLP or m.gate_up is None:
+            return ("feed-forward blocks other than a dense SwiGLU MLP with fused gate/up or routed experts "
+                    "without a shared expert")
     return None
 
 
@@ -44,22 +56,24 @@ def check(device: str) -> None:
         cuda.require()
 
 
-def place(model, device: str):
+def place(model, device: str, container=None, experts=None, vram_bytes: int | None = None,
+          history: dict | None = None):
     """The model to run for EngineConfig.device: `model` itself on the CPU, or a DeviceModel
-    wrapping it. "auto" picks a real GPU when one is present and covers the model."""
+    wrapping it. "auto" picks a real GPU when one is present and covers the model. For a MoE
+    model, `experts` (the host expert source, over `container`) feeds the VRAM tier of
+    `vram_bytes` (None: what the device has free beside the dense weights), whose hot set
+    follows the routing `history`."""
     check(device)
     if device == "cpu":
         return model
     from colibri.kernels import cuda
 
-    if device == "auto":
-        if cuda.simulated() or not cuda.available() or unsupported(model) is not None:
-            return model
-        return DeviceModel(model)
+    if device == "auto" and (cuda.simulated() or not cuda.available() or unsupported(model) is not None):
+        return model
     why = unsupported(model)
     if why is not None:
         raise ColibriError(f"--device cuda does not run {why} yet; use --device cpu")
-    return DeviceModel(model)
+    return DeviceModel(model, container, experts, vram_bytes, history)
 
 
 class DeviceKVCache:
@@ -110,7 +124,7 @@ class DeviceKVCache:
 
 
 class _DeviceLayer:
-    """One decoder layer's weights on the device."""
+    """One decoder layer's weights on the device (a MoE layer's experts: the VRAM tier's)."""
 
     def __init__(self, layer: common.DecoderLayer):
         from colibri.kernels import cuda
@@ -122,17 +136,24 @@ class _DeviceLayer:
         self.qkv_bias = cuda.upload_vector(a.qkv_bias)
         self.o_proj = cuda.upload(a.o_proj)
         self.o_bias = cuda.upload_vector(a.o_bias)
-        self.gate_up = cuda.upload(m.gate_up)
-        self.down = cuda.upload(m.down)
-        self.inter = m.gate.shape[0]
-        self.nbytes = sum(w.nbytes for w in (self.qkv, self.o_proj, self.gate_up, self.down))
+        self.q_norm = cuda.upload_vector(getattr(a, "q_norm", None))
+        self.k_norm = cuda.upload_vector(getattr(a, "k_norm", None))
+        self.moe = isinstance(m, common.SparseMoE)
+        matrices = [self.qkv, self.o_proj]
+        if not self.moe:
+            self.gate_up = cuda.upload(m.gate_up)
+            self.down = cuda.upload(m.down)
+            self.inter = m.gate.shape[0]
+            matrices += [self.gate_up, self.down]
+        self.nbytes = sum(w.nbytes for w in matrices)
 
 
 class DeviceModel:
     """common.DecoderModel's forward on the device. Other attributes (args, layers, rope,
     embed...) are the CPU model's: the engine and the bench read them as before."""
 
-    def __init__(self, model: common.DecoderModel):
+    def __init__(self, model: common.DecoderModel, container=None, experts=None, vram_bytes: int | None = None,
+                 history: dict | None = None):
         from colibri.kernels import cuda
 
         self._cuda = cuda
@@ -142,6 +163,15 @@ class DeviceModel:
         self.lm_head = cuda.upload(model.lm_head)
         self.device_bytes = sum(d.nbytes for d in self.device_layers) + self.lm_head.nbytes
         self.activations = model.activations
+        self.vram = None  # the VRAM tier of the routed experts (MoE models)
+        if any(d.moe for d in self.device_layers):
+            from colibri.io.vram_experts import VramExperts
+
+            if container is None or experts is None:
+                raise ColibriError("a MoE model on the device needs its container and expert source")
+            if vram_bytes is None:  # what the device has free beside the dense weights, less headroom
+                vram_bytes = vram_budget(cuda.free_bytes())
+            self.vram = VramExperts(container, experts, max(0, vram_bytes), history)
         self._buffers = {}
         self._lock = threading.Lock()  # one forward at a time: they share the scratch buffers
 
@@ -180,7 +210,10 @@ class DeviceModel:
         scores = self._buffer("scores", (L, m.args.num_attention_heads, cache.capacity))
         for i, (layer, dl) in enumerate(zip(m.layers, self.device_layers)):
             self._attention(x, layer.attn, dl, cache, i, pos0, cos, sin, scores)
-            self._mlp(x, layer, dl)
+            if dl.moe:
+                self._moe(x, layer, dl)
+            else:
+                self._mlp(x, layer, dl)
         cache.length = pos0 + L
         if not all_logits:
             x = x[L - 1:]
@@ -195,6 +228,12 @@ class DeviceModel:
         qkv = cu.linear(dl.qkv, h, out=self._buffer("qkv", (L, dl.qkv.shape[0])), bias=dl.qkv_bias,
                         activations=self.activations)  # [L, (H + 2 KV) * Dh]
         nq, nk = attn.h * attn.dh, attn.kv * attn.dh
+        if attn.qk_norm == "head":  # each head over its Dh (Qwen3)
+            cu.head_norm(qkv, 0, attn.h, attn.dh, dl.q_norm, attn.eps)
+            cu.head_norm(qkv, nq, attn.kv, attn.dh, dl.k_norm, attn.eps)
+        elif attn.qk_norm == "full":  # q and k each over all their heads (OLMoE)
+            cu.head_norm(qkv, 0, 1, nq, dl.q_norm, attn.eps)
+            cu.head_norm(qkv, nq, 1, nk, dl.k_norm, attn.eps)
         rot = attn.rope.rotary_dim
         cu.rope(qkv, 0, attn.h, attn.dh, cos, sin, rot)
         cu.rope(qkv, nq, attn.kv, attn.dh, cos, sin, rot)
@@ -214,6 +253,29 @@ class DeviceModel:
                        activations=self.activations)  # [L, 2I]
         act = cu.silu_mul(gu, dl.inter, out=self._buffer("act", (L, dl.inter)))
         cu.add_into(x, cu.linear(dl.down, act, out=self._buffer("o", x.shape), activations=self.activations))
+
+    def _moe(self, x, layer: common.DecoderLayer, dl: _DeviceLayer) -> None:
+        """x += the routed experts' weighted sum for h = rms_norm(x): routed on the host (the
+        CPU model's router), each chosen expert applied on the device to the rows that chose
+        it, in the order the VRAM tier has them (hits first), added in expert-id order."""
+        cu = self._cuda
+        mlp = layer.mlp
+        L, D = x.shape
+        h = cu.rms_norm(x, dl.post_norm, layer.eps, out=self._buffer("h", x.shape))
+        weights, ids = mlp.route(cu.to_host(h))  # [L, K] each
+        parts = {}
+        for e, expert in self.vram.experts(mlp.prefix, np.unique(ids).tolist()):
+            tok, slot = np.nonzero(ids == e)
+            rows = cu.to_device(tok.astype(np.int64))
+            xe = cu.gather_rows(h, rows)
+            act = cu.silu_mul(cu.linear(expert.gate_up, xe, activations=self.activations), expert.inter)
+            parts[e] = (rows, cu.to_device(weights[tok, slot].astype(np.float32)),
+                        cu.linear(expert.down, act, activations=self.activations))
+        out = cu.zeros((L, D), out=self._buffer("moe", (L, D)))
+        for e in sorted(parts):
+            rows, scales, y = parts[e]
+            cu.scatter_add_scaled(out, y, rows, scales)
+        cu.add_into(x, out)
 
     def forward_rows(self, ids, caches: list) -> np.ndarray:
         """One token per row, row r continuing caches[r] (rows sharing a cache are its next

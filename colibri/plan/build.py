@@ -136,10 +136,8 @@ def build_plan(model: ModelFacts, machine: Machine, ram_gb: float | None = None,
     if not machine.gpus:
         warn("info", "no GPU found: dense weights and the expert cache stay in RAM")
     else:
-        import importlib.util
-
-        if importlib.util.find_spec("colibri.kernels.cuda") is None:
-            warn("warning", "this colibri build has no CUDA kernels yet: the VRAM tier is planned but runs on the CPU")
+        warn("info", "the GPU holds the plan's VRAM tier with --device cuda (or auto): dense weights, the KV "
+                     "cache and routed experts up to --vram-gb (--auto-tier applies the plan's)")
     disk_only = model.expert_count - vram_experts - ram_experts
     if fits and disk_only and machine.disk_read_gbs is not None and machine.disk_read_gbs < p.slow_disk_gbs:
         warn("warning", f"slow disk ({machine.disk_read_gbs:.2f} GB/s): {disk_only} experts are read from it on demand")
@@ -209,7 +207,9 @@ def build_plan(model: ModelFacts, machine: Machine, ram_gb: float | None = None,
         },
         "warnings": warnings,
         # The engine's --ram-gb covers weights (dense + cached experts), not the KV cache or runtime.
-        "engine_options": {"ram_gb": int((ram_limit - ram_kv - ram_runtime) / GiB * 100) / 100} if fits else {},
+        "engine_options": ({"ram_gb": int((ram_limit - ram_kv - ram_runtime) / GiB * 100) / 100}
+                           | ({"vram_gb": int(vram_expert_bytes / GiB * 100) / 100} if machine.gpus else {})
+                           if fits else {}),
     }
 
 

@@ -53,6 +53,7 @@ class ServeOptions:
     activations: str = "f32"          # int4 matrices' activations: f32 (exact) | int8
     max_batch: int = 1                # generations at once, sharing forward passes (each needs a KV slot)
     device: str = "cpu"               # where the dense forward runs: cpu | cuda | auto
+    vram_gb: float | None = None      # --device cuda: the routed experts' VRAM tier (None: sized to the GPU)
     cluster: str | None = None        # routed experts on Ray workers: a Ray address or "local"
     expert_workers: int = 2           # Ray actors holding the experts (with cluster)
 
@@ -170,7 +171,7 @@ def run(o: ServeOptions) -> None:
         engine = Engine.load(o.model, progress=True, kv_slots=kv_slots, max_context=o.max_context,
                              ram_gb=o.ram_gb, threads=o.threads, prefill_chunk=o.prefill_chunk,
                              speculative=o.speculative, draft_tokens=o.draft_tokens,
-                             activations=o.activations, device=o.device, cluster=o.cluster,
+                             activations=o.activations, device=o.device, vram_gb=o.vram_gb, cluster=o.cluster,
                              expert_workers=o.expert_workers)
         state_dir = None
         if o.persist:

@@ -62,6 +62,8 @@ def test_every_kernel_compiles_for_the_gpu_target(monkeypatch):
         (k.quantize_groups, (f2, i64, i8, f2)), (k.int4_idot_rows, (u32, f2, f2, T.boolean, i64, i8, f2, f2)),
         (k.rms_norm, (f2, f1, T.float32, f2)), (k.rope, (f2, i64, i64, i64, f2, f2, i64)),
         (k.silu_mul, (f2, i64, f2)), (k.add_into, (f2, f2)), (k.add_bias, (f2, f1)),
+        (k.head_rms_norm, (f2, i64, i64, f1, T.float32)), (k.fill, (f2, T.float32)),
+        (k.gather_rows, (f2, T.int64[::1], f2)), (k.scatter_add_scaled, (f2, f2, T.int64[::1], f1)),
         (k.kv_store, (f3, f2, i64, i64)), (k.copy_positions, (f3, f3, i64)),
         (k.attend, (f2, i64, f3, f3, i64, T.float32, f3, f2)), (k.mla_attend, (f3, f3, f2, f2, i64, f3, f3)),
         (sampling.argmax, (f1, T.int64[::1])),
@@ -153,6 +155,42 @@ def test_rms_norm_matches_cpu():
     w = rng.standard_normal(40).astype(np.float32)
     got = C.to_host(C.rms_norm(C.to_device(x), C.to_device(w), 1e-5))
     np.testing.assert_allclose(got, ops.rms_norm(x, w, np.float32(1e-5)), rtol=2e-7, atol=0)
+
+
+@on_device
+@pytest.mark.parametrize("heads, dh", [(3, 16), (1, 40)])
+def test_head_norm_matches_cpu_per_head(heads, dh):
+    """q/k norms in place: each head of dh columns from column 8 (Qwen3's per-head norm, and
+    OLMoE's over all heads as one head), the other columns untouched."""
+    rng = np.random.default_rng(14)
+    x = rng.standard_normal((2, 8 + heads * dh + 5)).astype(np.float32) * 3
+    w = rng.standard_normal(dh).astype(np.float32)
+    d = C.to_device(x)
+    C.head_norm(d, 8, heads, dh, C.to_device(w), 1e-6)
+    got = C.to_host(d)
+    part = x[:, 8:8 + heads * dh].reshape(2 * heads, dh)
+    want = ops.rms_norm(np.ascontiguousarray(part), w, np.float32(1e-6)).reshape(2, heads * dh)
+    np.testing.assert_allclose(got[:, 8:8 + heads * dh], want, rtol=2e-7, atol=0)
+    assert np.array_equal(got[:, :8], x[:, :8]) and np.array_equal(got[:, 8 + heads * dh:], x[:, 8 + heads * dh:])
+
+
+@on_device
+def test_gather_and_weighted_scatter_rows():
+    """One expert's rows out of the layer's tokens, and its weighted output added back into
+    them: numpy's x[rows] and out[rows] += w[:, None] * y."""
+    rng = np.random.default_rng(15)
+    x = rng.standard_normal((6, 12)).astype(np.float32)
+    rows = np.array([4, 0, 3], np.int64)
+    got = C.to_host(C.gather_rows(C.to_device(x), C.to_device(rows)))
+    assert np.array_equal(got, x[rows])
+    y, w = rng.standard_normal((3, 12)).astype(np.float32), rng.random(3).astype(np.float32)
+    out = C.zeros((6, 12))
+    assert not C.to_host(out).any()
+    C.add_into(out, C.to_device(x))
+    C.scatter_add_scaled(out, C.to_device(y), C.to_device(rows), C.to_device(w))
+    want = x.copy()
+    want[rows] += y * w[:, None]
+    assert np.array_equal(C.to_host(out), want)
 
 
 @on_device

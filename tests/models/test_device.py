@@ -116,3 +116,108 @@ def test_models_the_device_does_not_cover_are_refused(tiny, tmp_path):
     model.layers[1].mlp.gate_up = None  # as a model with unfused gate/up weights would have
     with pytest.raises(ColibriError, match="does not run feed-forward blocks other than"):
         place(model, "cuda")
+
+
+# --- MoE models: routed experts from the VRAM tier (colibri/io/vram_experts.py) ----------------
+
+MOE = {
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",  # per-head q/k norms
+                  dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=64, head_dim=16,
+                       num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+                       norm_topk_prob=True)),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig",
+                dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                     num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+    "olmoe": ("OlmoeForCausalLM", "OlmoeConfig",  # q/k norms over all heads
+              dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=4,
+                   num_experts=8, num_experts_per_tok=2)),
+}
+PROMPT = [3, 17, 42, 8, 77]
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    import transformers
+
+    root = tmp_path_factory.mktemp("tiny_moe")
+    out = {}
+    for i, (family, (model_cls, config_cls, config)) in enumerate(sorted(MOE.items())):
+        cfg = getattr(transformers, config_cls)(vocab_size=96, num_hidden_layers=2, max_position_embeddings=256,
+                                                **config)
+        hf = make_hf_model(getattr(transformers, model_cls), cfg, 30 + i, root / f"{family}-hf")
+        out[family] = convert(hf, root / family, bits=4, progress=False)
+    return out
+
+
+def _expert_gb(model, n: float) -> float:
+    """The VRAM budget, in GiB, of n experts of the model."""
+    from colibri.io.container import Container
+
+    layouts = Container(model).expert_layouts.values()
+    return n * max(l.blob_bytes for l in layouts) / 2**30
+
+
+def _same_as_cpu(model, gpu, max_tokens=4):
+    cpu = Engine.load(model, max_context=64)
+    want = cpu.generate(PROMPT, max_tokens=max_tokens, stop_at_eos=False).token_ids
+    assert gpu.generate(PROMPT, max_tokens=max_tokens, stop_at_eos=False).token_ids == want
+    ref = cpu.logits(PROMPT)
+    np.testing.assert_allclose(gpu.logits(PROMPT), ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+
+
+@on_device
+@pytest.mark.parametrize("family", sorted(MOE))
+def test_moe_on_the_device_matches_the_cpu(moe_models, family):
+    """Every expert fits the VRAM tier (the default budget, sized to the device): all pinned at
+    start, every routed expert a VRAM hit, the CPU path's tokens."""
+    gpu = Engine.load(moe_models[family], max_context=64, device="cuda")
+    experts = sum(l.num_experts for l in gpu.container.expert_layouts.values())
+    assert isinstance(gpu.model, DeviceModel) and gpu.model.vram.slots == experts
+    _same_as_cpu(moe_models[family], gpu)
+    s = gpu.expert_stats
+    assert s["vram_hits"] > 0 and s["vram_misses"] == 0 and s["vram_hit_rate"] == 1.0
+
+
+@on_device
+@pytest.mark.parametrize("slots", [3, 0])
+def test_vram_budget_never_changes_the_tokens(moe_models, slots):
+    """A VRAM tier of 3 slots (an LRU over 16 experts: misses copied up from RAM and kept) or
+    of none (each expert copied up for its use): the same tokens, the tiers' counts add up."""
+    model = moe_models["qwen3_moe"]
+    gpu = Engine.load(model, max_context=64, device="cuda", vram_gb=_expert_gb(model, slots + 0.5))
+    assert gpu.model.vram.slots == slots
+    _same_as_cpu(model, gpu)
+    s = gpu.expert_stats
+    assert s["vram_misses"] > 0 and (s["vram_hits"] > 0) == (slots > 0)
+    assert s["hits"] == s["vram_misses"]  # every miss served by the RAM tier below
+    assert gpu.model.vram.bytes_resident <= _expert_gb(model, slots + 0.5) * 2**30
+
+
+@on_device
+def test_vram_hot_set_follows_the_routing_history_and_streams_from_disk_below(moe_models, tmp_path):
+    """With a routing history, the tier pins the hottest experts (half its slots) at start; with
+    a RAM budget under the experts, misses come from the streaming store (disk reads) below.
+    Tokens: the CPU path's."""
+    import json
+    import shutil
+
+    from colibri.default_model import history_path
+    from colibri.io.container import Container
+
+    model = shutil.copytree(moe_models["mixtral"], tmp_path / "mixtral")
+    c = Container(model)
+    prefixes = list(c.expert_layouts)
+    counts = {p: [0, 0, 0, 0] for p in prefixes}
+    counts[prefixes[0]] = [5, 0, 9, 1]  # the two hottest: layer 0's experts 2 and 0
+    history = history_path(model)
+    history.parent.mkdir(parents=True, exist_ok=True)
+    history.write_text(json.dumps({"version": 1, "counts": counts}))
+    try:
+        ram_gb = (c.dense_bytes + c.expert_bytes / 4) / 2**30
+        gpu = Engine.load(model, max_context=64, device="cuda", vram_gb=_expert_gb(model, 4.5), ram_gb=ram_gb,
+                          stream_experts=True)
+        assert gpu.model.vram.places(prefixes[0], 4)[:3] == ["pinned", None, "pinned"]
+        _same_as_cpu(model, gpu)
+        assert gpu.expert_stats["reads"] > 0  # the RAM tier read experts from disk for the VRAM tier
+    finally:
+        history.unlink(missing_ok=True)

@@ -85,11 +85,23 @@ def device_name() -> str:
     return cuda.get_current_device().name.decode() if available() else "none"
 
 
+def free_bytes() -> int:
+    """Device memory free now (the CUDA API's figure); under the simulator, whose "device
+    memory" is host memory, the host's available memory."""
+    if simulated():
+        import os
+
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    free, _total = cuda.current_context().get_memory_info()
+    return int(free)
+
+
 # --- arrays -------------------------------------------------------------------------------
 
 
-def to_device(a: np.ndarray):
-    return cuda.to_device(np.ascontiguousarray(a))
+def to_device(a: np.ndarray, stream=0):
+    """A device copy of `a`; on `stream` (asynchronous to the default stream's kernels) when given."""
+    return cuda.to_device(np.ascontiguousarray(a), stream=stream)
 
 
 def empty(shape, dtype=np.float32):
@@ -132,24 +144,47 @@ class DeviceMatrix:
     nbytes: int = 0
 
 
-def upload(t: QTensor) -> DeviceMatrix:
-    """Copy a weight matrix to the device once (weights stay there for the model's life)."""
+def upload(t: QTensor, stream=0) -> DeviceMatrix:
+    """Copy a weight matrix to the device (dense weights: once, for the model's life; routed
+    experts: into the VRAM tier, on its copy stream)."""
     out, n = t.shape
+
+    def dev(a):
+        return to_device(a, stream)
+
     if t.scheme in INT4_SCHEMES:
         words = np.ascontiguousarray(t.q).view(np.uint32)  # [out, in / 8], little-endian bytes
         offs = t.mins if t.scheme == "q4_1" else None
-        dm = DeviceMatrix(t.scheme, (out, n), to_device(words), to_device(t.scales),
-                          to_device(offs) if offs is not None else None)
+        dm = DeviceMatrix(t.scheme, (out, n), dev(words), dev(t.scales), dev(offs) if offs is not None else None)
     elif t.scheme == "q8_0":
-        dm = DeviceMatrix(t.scheme, (out, n), to_device(t.q), to_device(t.scales))
+        dm = DeviceMatrix(t.scheme, (out, n), dev(t.q), dev(t.scales))
     elif t.scheme == "f32":
-        dm = DeviceMatrix(t.scheme, (out, n), to_device(np.asarray(t.q, np.float32)))
+        dm = DeviceMatrix(t.scheme, (out, n), dev(np.asarray(t.q, np.float32)))
     elif t.scheme in ("f16", "bf16"):
-        dm = DeviceMatrix(t.scheme, (out, n), to_device(np.ascontiguousarray(t.q).view(np.uint16)))
+        dm = DeviceMatrix(t.scheme, (out, n), dev(np.ascontiguousarray(t.q).view(np.uint16)))
     else:
         raise ValueError(f"unknown quantization scheme {t.scheme!r}")
     dm.nbytes = t.nbytes
     return dm
+
+
+def upload_stacked(ts: list[QTensor], stream=0) -> DeviceMatrix:
+    """Matrices that read the same input (an expert's gate and up) stacked by rows into one
+    device matrix: one kernel call for both, the same numbers (rows are independent)."""
+    if len({t.scheme for t in ts}) != 1 or len({t.shape[1] for t in ts}) != 1:
+        raise ValueError("stacked matrices need one scheme and one input width")
+
+    def cat(arrays):
+        return None if arrays[0] is None else np.concatenate(arrays, axis=0)
+
+    return upload(QTensor(ts[0].scheme, (sum(t.shape[0] for t in ts), ts[0].shape[1]), cat([t.q for t in ts]),
+                          cat([t.scales for t in ts]), cat([t.mins for t in ts])), stream)
+
+
+def stream():
+    """A CUDA stream of its own (the VRAM tier's copies), or the default stream (0) where the
+    simulator has none to overlap."""
+    return 0 if simulated() else cuda.stream()
 
 
 def upload_vector(a: np.ndarray | None):
@@ -205,6 +240,12 @@ def rope(x, col0: int, heads: int, dh: int, cos, sin, rot: int) -> None:
     k.rope[_threads(x.shape[0] * heads * (rot // 2))](x, col0, heads, dh, cos, sin, rot)
 
 
+def head_norm(x, col0: int, heads: int, dh: int, w, eps: float) -> None:
+    """In place, rms_norm(w) of each of `heads` heads of dh columns from col0 of x [L, width]
+    (the q/k norms; one head of H * Dh for a norm over all heads)."""
+    k.head_rms_norm[(heads, x.shape[0]), k.BLOCK](x, col0, dh, w, np.float32(eps))
+
+
 def silu_mul(gu, n: int, out=None):
     """gu [L, 2n] = [gate | up] -> silu(gate) * up [L, n]."""
     out = empty((gu.shape[0], n)) if out is None else out
@@ -215,6 +256,26 @@ def silu_mul(gu, n: int, out=None):
 def add_into(x, y) -> None:
     """x += y, both [L, D]."""
     k.add_into[_threads(x.shape[0] * x.shape[1])](x, y)
+
+
+def zeros(shape, out=None):
+    """A float32 device array of zeros (`out`, when given, is zeroed and returned)."""
+    out = empty(shape) if out is None else out
+    k.fill[_threads(out.shape[0] * out.shape[1])](out, np.float32(0.0))
+    return out
+
+
+def gather_rows(x, rows, out=None):
+    """x[rows] for x [L, D] (device) and rows (device int64 [n]) -> [n, D]."""
+    n = rows.shape[0]
+    out = empty((n, x.shape[1])) if out is None else out
+    k.gather_rows[_threads(n * x.shape[1])](x, rows, out)
+    return out
+
+
+def scatter_add_scaled(out, y, rows, scales) -> None:
+    """out[rows[t]] += scales[t] * y[t]: y [n, D], rows (int64) and scales (float32) [n], device."""
+    k.scatter_add_scaled[_threads(y.shape[0] * y.shape[1])](out, y, rows, scales)
 
 
 def add_bias(y, b) -> None:
@@ -315,7 +376,7 @@ def matmul(t: QTensor, x: np.ndarray, activations: str = "f32") -> np.ndarray:
 
 
 __all__ = [
-    "available", "require", "simulated", "device_name", "DeviceMatrix", "upload", "upload_vector",
-    "to_device", "to_host", "empty", "linear", "rms_norm", "rope", "silu_mul", "add_into",
-    "add_bias", "kv_store", "copy_positions", "attend", "mla_attend", "argmax", "sample", "Sampler", "matvec", "matmul",
+    "available", "require", "simulated", "device_name", "free_bytes", "DeviceMatrix", "upload", "upload_stacked", "upload_vector", "stream",
+    "to_device", "to_host", "empty", "zeros", "linear", "rms_norm", "head_norm", "rope", "silu_mul", "add_into",
+    "add_bias", "gather_rows", "scatter_add_scaled", "kv_store", "copy_positions", "attend", "mla_attend", "argmax", "sample", "Sampler", "matvec", "matmul",
 ]

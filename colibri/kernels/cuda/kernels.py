@@ -338,6 +338,26 @@ def rms_norm(x, w, eps, out):
 
 
 @cuda.jit
+def head_rms_norm(x, col0, Dh, w, eps):
+    """In place, the rms_norm of each head of Dh columns from col0 of x [L, width] (a fused
+    q/k/v output): grid (heads, L), one block per head and row. q/k norms: Qwen3's over each
+    head (w [Dh]), OLMoE's over all heads of q or k at once (one "head" of H * Dh, w [H * Dh])."""
+    h = cuda.blockIdx.x
+    i = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    red = cuda.shared.array(BLOCK, float64)
+    c0 = col0 + h * Dh
+    acc = float64(0.0)
+    for j in range(tid, Dh, BLOCK):
+        v = float64(x[i, c0 + j])
+        acc += v * v
+    acc = _block_sum(red, acc, tid)
+    inv = float32(1.0 / math.sqrt(float64(float32(acc / Dh) + eps)))
+    for j in range(tid, Dh, BLOCK):  # each thread rewrites only the columns it read
+        x[i, c0 + j] = w[j] * (x[i, c0 + j] * inv)
+
+
+@cuda.jit
 def rope(x, col0, H, Dh, cos, sin, rot):
     """The H heads of Dh columns from col0 of x [L, width] (a fused q/k/v output) rotated in
     place on their first rot dims (rotate_half pairs (j, j + rot/2)); cos/sin [L, rot]. One
@@ -376,6 +396,36 @@ def add_into(x, y):
         t = i // x.shape[1]
         c = i - t * x.shape[1]
         x[t, c] += y[t, c]
+
+
+@cuda.jit
+def fill(x, value):
+    """x [L, D] = value."""
+    i = cuda.grid(1)
+    if i < x.shape[0] * x.shape[1]:
+        x[i // x.shape[1], i % x.shape[1]] = value
+
+
+@cuda.jit
+def gather_rows(x, rows, out):
+    """out [n, D] = x[rows] (the tokens routed to one expert)."""
+    i = cuda.grid(1)
+    D = x.shape[1]
+    if i < rows.shape[0] * D:
+        t = i // D
+        out[t, i - t * D] = x[rows[t], i - t * D]
+
+
+@cuda.jit
+def scatter_add_scaled(out, y, rows, scales):
+    """out[rows[t]] += scales[t] * y[t] for each of the n rows of y [n, D]: one expert's weighted
+    output added to the tokens that chose it (rows distinct: no two threads add to one element)."""
+    i = cuda.grid(1)
+    D = y.shape[1]
+    if i < y.shape[0] * D:
+        t = i // D
+        c = i - t * D
+        out[rows[t], c] += y[t, c] * scales[t]
 
 
 @cuda.jit
