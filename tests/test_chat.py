@@ -72,6 +72,8 @@ def test_stats_line_modes():
     assert format_stats(s, "off") == ""
     stopped = format_stats(TurnStats(5, "interrupted", 1.0, ttft_s=0.2), "full")
     assert "stopped" in stopped and "hit" not in stopped
+    on_gpu = format_stats(TurnStats(5, "stop", 1.0, hit_rate=1.0, vram_hit_rate=0.8), "full")  # --device cuda
+    assert "experts 80% VRAM hit, 100% RAM hit" in on_gpu
 
 
 def test_stream_printer_wraps_words_and_counts_rows():

@@ -5,9 +5,10 @@ common.DecoderModel.forward (which stays the CPU path): RMSNorm, fused q/k/v, Ro
 causal GQA attention, o_proj, SwiGLU MLP, final norm, lm_head.
 
 Covered: models whose layers are common.Attention (GQA with fused q/k/v, optional q/k/v/o
-biases and q/k norms) and either common.MLP with fused gate/up (the llama family) or
-common.SparseMoE without a shared expert (Mixtral, Qwen3-MoE, OLMoE). Anything else stays on
-the CPU: place() says so ("cuda") or keeps the CPU model ("auto").
+biases and q/k norms) and either common.MLP with fused gate/up (the llama family) or a
+common.RoutedMoE block, softmax or grouped routing, with or without a (gated) shared expert
+(Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, GLM-4.5). MLA attention (DeepSeek-V3, Kimi-K2, GLM-5)
+stays on the CPU: place() says so ("cuda") or keeps the CPU model ("auto").
 
 MoE layers: the router runs on the host with the CPU model's own code (one row of D floats per
 token comes back for it: the routing decisions are the CPU path's), the chosen experts on the
@@ -37,12 +38,12 @@ def unsupported(model) -> str | None:
         a, m = layer.attn, layer.mlp
         if type(a) is not common.Attention or a.qkv is None or a.clip_qkv is not None:
             return "attention other than grouped-query attention with fused q/k/v"
-        if isinstance(m, common.SparseMoE):
-            if m.shared is not None:
-                return "MoE blocks with a shared expert"
+        if isinstance(m, common.RoutedMoE):
+            shared = getattr(m, "shared", None)
+            if shared is not None and (type(shared) is not common.MLP or shared.gate_up is None):
+                return "shared experts other than a SwiGLU MLP with fused gate/up"
         elif type(m) is not common.MLP or m.gate_up is None:
-            return ("feed-forward blocks other than a dense SwiGLU MLP with fused gate/up or routed experts "
-                    "without a shared expert")
+            return "feed-forward blocks other than a dense SwiGLU MLP with fused gate/up or routed experts"
     return None
 
 
@@ -138,13 +139,18 @@ class _DeviceLayer:
         self.o_bias = cuda.upload_vector(a.o_bias)
         self.q_norm = cuda.upload_vector(getattr(a, "q_norm", None))
         self.k_norm = cuda.upload_vector(getattr(a, "k_norm", None))
-        self.moe = isinstance(m, common.SparseMoE)
+        self.moe = isinstance(m, common.RoutedMoE)
         matrices = [self.qkv, self.o_proj]
-        if not self.moe:
-            self.gate_up = cuda.upload(m.gate_up)
-            self.down = cuda.upload(m.down)
-            self.inter = m.gate.shape[0]
+        dense = getattr(m, "shared", None) if self.moe else m  # a MoE block's shared expert, or the MLP
+        self.gate_up = self.down = self.shared_gate = None
+        if dense is not None:
+            self.gate_up = cuda.upload(dense.gate_up)
+            self.down = cuda.upload(dense.down)
+            self.inter = dense.gate.shape[0]
             matrices += [self.gate_up, self.down]
+        if getattr(m, "shared_gate", None) is not None:  # Qwen2-MoE: sigmoid(x W) scales the shared expert
+            self.shared_gate = cuda.upload(m.shared_gate)
+            matrices.append(self.shared_gate)
         self.nbytes = sum(w.nbytes for w in matrices)
 
 
@@ -246,18 +252,23 @@ class DeviceModel:
 
     def _mlp(self, x, layer: common.DecoderLayer, dl: _DeviceLayer) -> None:
         """x += down(silu(gate(h)) * up(h)), h = rms_norm(x)."""
+        h = self._cuda.rms_norm(x, dl.post_norm, layer.eps, out=self._buffer("h", x.shape))
+        self._cuda.add_into(x, self._swiglu(h, dl))
+
+    def _swiglu(self, h, dl: _DeviceLayer):
+        """down(silu(gate(h)) * up(h)) with the layer's dense MLP or shared expert -> [L, D]."""
         cu = self._cuda
-        L = x.shape[0]
-        h = cu.rms_norm(x, dl.post_norm, layer.eps, out=self._buffer("h", x.shape))
+        L = h.shape[0]
         gu = cu.linear(dl.gate_up, h, out=self._buffer("gu", (L, 2 * dl.inter)),
                        activations=self.activations)  # [L, 2I]
         act = cu.silu_mul(gu, dl.inter, out=self._buffer("act", (L, dl.inter)))
-        cu.add_into(x, cu.linear(dl.down, act, out=self._buffer("o", x.shape), activations=self.activations))
+        return cu.linear(dl.down, act, out=self._buffer("o", h.shape), activations=self.activations)
 
     def _moe(self, x, layer: common.DecoderLayer, dl: _DeviceLayer) -> None:
-        """x += the routed experts' weighted sum for h = rms_norm(x): routed on the host (the
-        CPU model's router), each chosen expert applied on the device to the rows that chose
-        it, in the order the VRAM tier has them (hits first), added in expert-id order."""
+        """x += the routed experts' weighted sum for h = rms_norm(x) (+ the shared expert): routed
+        on the host (the CPU model's router), each chosen expert applied on the device to the
+        rows that chose it, in the order the VRAM tier has them (hits first), added in
+        expert-id order, then the shared expert added, as RoutedMoE.__call__ does."""
         cu = self._cuda
         mlp = layer.mlp
         L, D = x.shape
@@ -275,6 +286,13 @@ class DeviceModel:
         for e in sorted(parts):
             rows, scales, y = parts[e]
             cu.scatter_add_scaled(out, y, rows, scales)
+        if dl.gate_up is not None:
+            shared = self._swiglu(h, dl)
+            if dl.shared_gate is not None:
+                gate = cu.linear(dl.shared_gate, h, out=self._buffer("shared_gate", (L, 1)),
+                                 activations=self.activations)
+                cu.sigmoid_scale_rows(shared, gate)
+            cu.add_into(out, shared)
         cu.add_into(x, out)
 
     def forward_rows(self, ids, caches: list) -> np.ndarray:

@@ -89,8 +89,16 @@ def tiers(engine) -> list[dict]:
     # machine's RAM with --cluster local).
     in_ram = int(getattr(experts, "bytes_resident", 0) or 0)
     budget = int(getattr(experts, "bytes_budget", in_ram) or 0)
+    on_device = getattr(engine.model, "device_bytes", None)  # --device cuda: colibri/models/device.py
+    if on_device is None:
+        vram = {"tier": "vram", "dense_bytes": 0, "expert_bytes": 0, "budget_bytes": 0, "note": "not used: CPU compute"}
+    else:
+        tier = getattr(engine.model, "vram", None)  # the routed experts' VRAM tier (MoE models)
+        held = tier.bytes_resident if tier is not None else 0
+        vram = {"tier": "vram", "dense_bytes": on_device, "expert_bytes": held,
+                "budget_bytes": on_device + (tier.budget_bytes if tier is not None else 0)}
     return [
-        {"tier": "vram", "dense_bytes": 0, "expert_bytes": 0, "budget_bytes": 0, "note": "not used: CPU compute"},
+        vram,
         {"tier": "ram", "dense_bytes": dense, "expert_bytes": min(in_ram, expert_total) if expert_total else 0,
          "budget_bytes": dense + budget},
         {"tier": "disk", "dense_bytes": dense, "expert_bytes": expert_total, "budget_bytes": dense + expert_total},

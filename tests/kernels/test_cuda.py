@@ -64,6 +64,7 @@ def test_every_kernel_compiles_for_the_gpu_target(monkeypatch):
         (k.silu_mul, (f2, i64, f2)), (k.add_into, (f2, f2)), (k.add_bias, (f2, f1)),
         (k.head_rms_norm, (f2, i64, i64, f1, T.float32)), (k.fill, (f2, T.float32)),
         (k.gather_rows, (f2, T.int64[::1], f2)), (k.scatter_add_scaled, (f2, f2, T.int64[::1], f1)),
+        (k.sigmoid_scale_rows, (f2, f2)),
         (k.kv_store, (f3, f2, i64, i64)), (k.copy_positions, (f3, f3, i64)),
         (k.attend, (f2, i64, f3, f3, i64, T.float32, f3, f2)), (k.mla_attend, (f3, f3, f2, f2, i64, f3, f3)),
         (sampling.argmax, (f1, T.int64[::1])),
@@ -191,6 +192,10 @@ def test_gather_and_weighted_scatter_rows():
     want = x.copy()
     want[rows] += y * w[:, None]
     assert np.array_equal(C.to_host(out), want)
+    g = rng.standard_normal((6, 1)).astype(np.float32)  # a shared expert's gate
+    d = C.to_device(x)
+    C.sigmoid_scale_rows(d, C.to_device(g))
+    np.testing.assert_allclose(C.to_host(d), (np.float32(1) / (np.float32(1) + np.exp(-g))) * x, rtol=1e-6, atol=0)
 
 
 @on_device

@@ -131,6 +131,15 @@ MOE = {
     "olmoe": ("OlmoeForCausalLM", "OlmoeConfig",  # q/k norms over all heads
               dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=4,
                    num_experts=8, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig",  # a gated shared expert, a dense layer, qkv bias
+                  dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                       shared_expert_intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                       num_experts=8, num_experts_per_tok=2, decoder_sparse_step=2)),
+    "glm4_moe": ("Glm4MoeForCausalLM", "Glm4MoeConfig",  # grouped sigmoid routing, shared expert, partial rotary
+                 dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=64, head_dim=32,
+                      num_attention_heads=4, num_key_value_heads=2, n_routed_experts=8, n_group=2, topk_group=1,
+                      num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                      norm_topk_prob=True, use_qk_norm=True, attention_bias=True)),
 }
 PROMPT = [3, 17, 42, 8, 77]
 

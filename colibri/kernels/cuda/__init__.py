@@ -265,6 +265,11 @@ def zeros(shape, out=None):
     return out
 
 
+def sigmoid_scale_rows(y, g) -> None:
+    """y [L, n] *= sigmoid(g [L, 1]) row by row, in place (device)."""
+    k.sigmoid_scale_rows[_threads(y.shape[0] * y.shape[1])](y, g)
+
+
 def gather_rows(x, rows, out=None):
     """x[rows] for x [L, D] (device) and rows (device int64 [n]) -> [n, D]."""
     n = rows.shape[0]
@@ -378,5 +383,5 @@ def matmul(t: QTensor, x: np.ndarray, activations: str = "f32") -> np.ndarray:
 __all__ = [
     "available", "require", "simulated", "device_name", "free_bytes", "DeviceMatrix", "upload", "upload_stacked", "upload_vector", "stream",
     "to_device", "to_host", "empty", "zeros", "linear", "rms_norm", "head_norm", "rope", "silu_mul", "add_into",
-    "add_bias", "gather_rows", "scatter_add_scaled", "kv_store", "copy_positions", "attend", "mla_attend", "argmax", "sample", "Sampler", "matvec", "matmul",
+    "add_bias", "gather_rows", "scatter_add_scaled", "sigmoid_scale_rows", "kv_store", "copy_positions", "attend", "mla_attend", "argmax", "sample", "Sampler", "matvec", "matmul",
 ]

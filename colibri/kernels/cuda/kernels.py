@@ -407,6 +407,17 @@ def fill(x, value):
 
 
 @cuda.jit
+def sigmoid_scale_rows(y, g):
+    """y[t] *= sigmoid(g[t, 0]) for y [L, n], g [L, 1] (a shared expert's gate), as
+    1 / (1 + exp(-g)) in float32 like the CPU path."""
+    i = cuda.grid(1)
+    n = y.shape[1]
+    if i < y.shape[0] * n:
+        t = i // n
+        y[t, i - t * n] = (float32(1.0) / (float32(1.0) + math.exp(-g[t, 0]))) * y[t, i - t * n]
+
+
+@cuda.jit
 def gather_rows(x, rows, out):
     """out [n, D] = x[rows] (the tokens routed to one expert)."""
     i = cuda.grid(1)
