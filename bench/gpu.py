@@ -129,13 +129,14 @@ def weights_for(shape_rows: int, shape_in: int, scheme: str, seed: int):
 
 def moe_container(work: Path, layers: int, smoke: bool) -> Path:
     """The Qwen3-30B-A3B real-shape synthetic (tools/synthetic_moe.py), `layers` of its 48; the
-    simulator's smoke run takes the tiny OLMoE-shaped preset."""
+    simulator's smoke run takes the tiny OLMoE-shaped preset with a 512-token vocabulary."""
     import synthetic_moe
 
     preset = "tiny" if smoke else "qwen3-30b-a3b"
     out = work / (f"{preset}-{layers}L" if not smoke else preset)
     if not (out / "colibri.json").exists():
-        synthetic_moe.write_container(out, preset, layers=None if smoke else layers, progress=False)
+        synthetic_moe.write_container(out, preset, layers=None if smoke else layers, progress=False,
+                                      vocab=512 if smoke else None)
     return out
 
 

@@ -7,8 +7,10 @@ causal GQA attention, o_proj, SwiGLU MLP, final norm, lm_head.
 Covered: models whose layers are common.Attention (GQA with fused q/k/v, optional q/k/v/o
 biases and q/k norms) and either common.MLP with fused gate/up (the llama family) or a
 common.RoutedMoE block, softmax or grouped routing, with or without a (gated) shared expert
-(Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, GLM-4.5). MLA attention (DeepSeek-V3, Kimi-K2, GLM-5)
-stays on the CPU: place() says so ("cuda") or keeps the CPU model ("auto").
+(Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, GLM-4.5); and MLA models without the DSA indexer
+(DeepSeek-V3, Kimi-K2): their compressed latent cache on the device, attention in the absorbed
+form (scores and outputs in latent space, the cache never expanded), also for prefill. GLM-5's
+sparse attention stays on the CPU: place() says so ("cuda") or keeps the CPU model ("auto").
 
 MoE layers: the router runs on the host with the CPU model's own code (one row of D floats per
 token comes back for it: the routing decisions are the CPU path's), the chosen experts on the
@@ -19,24 +21,30 @@ never changes the tokens.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 
 from colibri.errors import ColibriError
 from colibri.io.vram_experts import vram_budget
 from colibri.kernels import embedding
-from colibri.models import common
+from colibri.models import common, mla
 
 DEVICES = ("cpu", "cuda", "auto")
 
 
 def unsupported(model) -> str | None:
     """Why `model` cannot run on the device, or None when it can."""
-    if type(model) is not common.DecoderModel:
+    if type(model) is mla.MLAModel:
+        if model.index_dim:
+            return "DeepSeek sparse attention (GLM-5's indexer)"
+    elif type(model) is not common.DecoderModel:
         return f"{type(model).__name__} models"
     for layer in model.layers:
         a, m = layer.attn, layer.mlp
-        if type(a) is not common.Attention or a.qkv is None or a.clip_qkv is not None:
+        if type(a) is mla.MLAttention:
+            pass
+        elif type(a) is not common.Attention or a.qkv is None or a.clip_qkv is not None:
             return "attention other than grouped-query attention with fused q/k/v"
         if isinstance(m, common.RoutedMoE):
             shared = getattr(m, "shared", None)
@@ -78,19 +86,23 @@ def place(model, device: str, container=None, experts=None, vram_bytes: int | No
 
 
 class DeviceKVCache:
-    """KVCache's interface with K and V per layer in device memory, [KV, capacity, Dh], grown
-    by doubling up to max_tokens (the CPU cache's policy)."""
+    """KVCache's interface with K and V per layer in device memory, [KV, capacity, Dh] and
+    [KV, capacity, Dv], grown by doubling up to max_tokens (the CPU cache's policy). MLA's
+    compressed cache is one "head" of the latent (K, Dh = kv_lora_rank) and of the rope key
+    (V, Dv = qk_rope_head_dim), as MLACache lays it out on the CPU."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_tokens: int):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_tokens: int,
+                 v_dim: int | None = None):
         from colibri.kernels import cuda
 
         self._cuda = cuda
         self.max_tokens = max_tokens
         self.length = 0
-        self._shape = (num_kv_heads, head_dim)
+        v_dim = head_dim if v_dim is None else v_dim
+        self._dims = (num_kv_heads, head_dim, v_dim)
         cap = min(max_tokens, 256)
         self.k_dev = [cuda.empty((num_kv_heads, cap, head_dim)) for _ in range(num_layers)]
-        self.v_dev = [cuda.empty((num_kv_heads, cap, head_dim)) for _ in range(num_layers)]
+        self.v_dev = [cuda.empty((num_kv_heads, cap, v_dim)) for _ in range(num_layers)]
 
     @property
     def capacity(self) -> int:
@@ -102,10 +114,10 @@ class DeviceKVCache:
         if n <= self.capacity:
             return
         cap = min(self.max_tokens, max(n, 2 * self.capacity))
-        kvh, dh = self._shape
-        for store in (self.k_dev, self.v_dev):
+        kvh, dk, dv = self._dims
+        for store, d in ((self.k_dev, dk), (self.v_dev, dv)):
             for i, a in enumerate(store):
-                grown = self._cuda.empty((kvh, cap, dh))
+                grown = self._cuda.empty((kvh, cap, d))
                 self._cuda.copy_positions(grown, a, self.length)
                 store[i] = grown
 
@@ -114,14 +126,19 @@ class DeviceKVCache:
 
     @property
     def bytes_per_token(self) -> int:
-        kvh, dh = self._shape
-        return len(self.k_dev) * kvh * 2 * dh * 4
+        kvh, dk, dv = self._dims
+        return len(self.k_dev) * kvh * (dk + dv) * 4
 
     @property
     def k(self):
         raise ColibriError("saving or loading a KV slot is not supported with --device cuda yet")
 
     v = k
+
+
+@dataclass
+class _Bytes:
+    nbytes: int
 
 
 class _DeviceLayer:
@@ -133,14 +150,18 @@ class _DeviceLayer:
         a, m = layer.attn, layer.mlp
         self.input_norm = cuda.upload_vector(layer.input_norm)
         self.post_norm = cuda.upload_vector(layer.post_norm)
-        self.qkv = cuda.upload(a.qkv)
-        self.qkv_bias = cuda.upload_vector(a.qkv_bias)
         self.o_proj = cuda.upload(a.o_proj)
         self.o_bias = cuda.upload_vector(a.o_bias)
-        self.q_norm = cuda.upload_vector(getattr(a, "q_norm", None))
-        self.k_norm = cuda.upload_vector(getattr(a, "k_norm", None))
+        self.mla = type(a) is mla.MLAttention
+        if self.mla:
+            matrices = self._mla(a, cuda)
+        else:
+            self.qkv = cuda.upload(a.qkv)
+            self.qkv_bias = cuda.upload_vector(a.qkv_bias)
+            self.q_norm = cuda.upload_vector(getattr(a, "q_norm", None))
+            self.k_norm = cuda.upload_vector(getattr(a, "k_norm", None))
+            matrices = [self.qkv, self.o_proj]
         self.moe = isinstance(m, common.RoutedMoE)
-        matrices = [self.qkv, self.o_proj]
         dense = getattr(m, "shared", None) if self.moe else m  # a MoE block's shared expert, or the MLP
         self.gate_up = self.down = self.shared_gate = None
         if dense is not None:
@@ -152,6 +173,21 @@ class _DeviceLayer:
             self.shared_gate = cuda.upload(m.shared_gate)
             matrices.append(self.shared_gate)
         self.nbytes = sum(w.nbytes for w in matrices)
+
+    def _mla(self, a: mla.MLAttention, cuda) -> list:
+        """MLA's projections, norms and the per-head W_uk / W_uv^T (float32, as the CPU's
+        absorbed form keeps them dequantized)."""
+        self.q_a = cuda.upload(a.q_a) if a.q_a is not None else None
+        self.q_a_bias = cuda.upload_vector(a.q_a_bias) if a.q_a is not None else None
+        self.q_a_norm = cuda.upload_vector(a.q_a_norm) if a.q_a is not None else None
+        self.q_b = cuda.upload(a.q_b)
+        self.kv_a = cuda.upload(a.kv_a)
+        self.kv_a_bias = cuda.upload_vector(a.kv_a_bias)
+        self.kv_a_norm = cuda.upload_vector(a.kv_a_norm)
+        self.w_uk = cuda.to_device(a.w_uk)      # [H, Dn, r]
+        self.w_uv_t = cuda.to_device(a.w_uv_t)  # [H, r, Dv]
+        matrices = [m for m in (self.q_a, self.q_b, self.kv_a, self.o_proj) if m is not None]
+        return matrices + [_Bytes(self.w_uk.nbytes + self.w_uv_t.nbytes)]
 
 
 class DeviceModel:
@@ -197,6 +233,8 @@ class DeviceModel:
 
     def new_cache(self, max_tokens: int) -> DeviceKVCache:
         a = self.args
+        if isinstance(self.cpu_model, mla.MLAModel):  # the compressed cache: latent + rope key
+            return DeviceKVCache(len(self.layers), 1, a.kv_lora_rank, max_tokens, v_dim=a.qk_rope_head_dim)
         return DeviceKVCache(len(self.layers), a.num_key_value_heads, a.head_dim, max_tokens)
 
     def forward(self, ids: np.ndarray, cache: DeviceKVCache, all_logits: bool = False) -> np.ndarray:
@@ -215,7 +253,10 @@ class DeviceModel:
         x = cu.to_device(embedding(m.embed, ids))  # [L, D]
         scores = self._buffer("scores", (L, m.args.num_attention_heads, cache.capacity))
         for i, (layer, dl) in enumerate(zip(m.layers, self.device_layers)):
-            self._attention(x, layer.attn, dl, cache, i, pos0, cos, sin, scores)
+            if dl.mla:
+                self._mla_attention(x, layer.attn, dl, cache, i, pos0, cos, sin, scores)
+            else:
+                self._attention(x, layer.attn, dl, cache, i, pos0, cos, sin, scores)
             if dl.moe:
                 self._moe(x, layer, dl)
             else:
@@ -249,6 +290,32 @@ class DeviceModel:
                         out=self._buffer("attn", (L, nq)))  # [L, H * Dh]
         cu.add_into(x, cu.linear(dl.o_proj, out, out=self._buffer("o", x.shape), bias=dl.o_bias,
                                  activations=self.activations))
+
+    def _mla_attention(self, x, attn: mla.MLAttention, dl: _DeviceLayer, cache, i, pos0, cos, sin, scores) -> None:
+        """x += o_proj(MLA(rms_norm(x))) in the absorbed form, as MLAttention._absorbed: the
+        latent and rope key of the new positions into the cache, q_nope taken into latent space
+        through W_uk, attention over the latents (kernels.mla_attend), W_uv, o_proj."""
+        cu = self._cuda
+        L = x.shape[0]
+        H, r, R, dn = attn.h, attn.r, attn.rope_dim, attn.dn
+        act = self.activations
+        h = cu.rms_norm(x, dl.input_norm, self.cpu_model.layers[i].eps, out=self._buffer("h", x.shape))
+        if dl.q_a is not None:  # q_a_layernorm: RMSNorm's default eps, as in transformers
+            qa = cu.linear(dl.q_a, h, bias=dl.q_a_bias, activations=act)
+            q = cu.linear(dl.q_b, cu.rms_norm(qa, dl.q_a_norm, 1e-6), activations=act)
+        else:
+            q = cu.linear(dl.q_b, h, activations=act)  # [L, H * (Dn + R)]
+        q_rope = cu.rope_copy(q, dn, H, dn + R, cos, sin, R, attn.interleave, attn.scale)  # [L, H, R]
+        q_lat = cu.head_matmul(q, 0, dn + R, dl.w_uk, attn.scale)                       # [L, H, r]
+        ckv = cu.linear(dl.kv_a, h, bias=dl.kv_a_bias, activations=act)                  # [L, r + R]
+        cu.head_norm(ckv, 0, 1, r, dl.kv_a_norm, 1e-6)  # the latent part, in place
+        cu.kv_store(cache.k_dev[i], ckv, 0, pos0)
+        k_rope = cu.rope_copy(ckv, r, 1, 0, cos, sin, R, attn.interleave)               # [L, 1, R]
+        cu.kv_store(cache.v_dev[i], k_rope.reshape(L, R), 0, pos0)
+        o_lat = cu.mla_attend(q_lat, q_rope, cache.k_dev[i][0], cache.v_dev[i][0], pos0, scores)  # [L, H, r]
+        out = cu.head_matmul(o_lat.reshape(L, H * r), 0, r, dl.w_uv_t)                  # [L, H, Dv]
+        cu.add_into(x, cu.linear(dl.o_proj, out.reshape(L, H * attn.dv), out=self._buffer("o", x.shape),
+                                 bias=dl.o_bias, activations=act))
 
     def _mlp(self, x, layer: common.DecoderLayer, dl: _DeviceLayer) -> None:
         """x += down(silu(gate(h)) * up(h)), h = rms_norm(x)."""

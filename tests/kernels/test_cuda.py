@@ -65,6 +65,8 @@ def test_every_kernel_compiles_for_the_gpu_target(monkeypatch):
         (k.head_rms_norm, (f2, i64, i64, f1, T.float32)), (k.fill, (f2, T.float32)),
         (k.gather_rows, (f2, T.int64[::1], f2)), (k.scatter_add_scaled, (f2, f2, T.int64[::1], f1)),
         (k.sigmoid_scale_rows, (f2, f2)),
+        (k.rope_copy, (f2, i64, i64, i64, f2, f2, i64, T.boolean, T.float32, f3)),
+        (k.head_matmul, (f2, i64, i64, f3, T.float32, f3)),
         (k.kv_store, (f3, f2, i64, i64)), (k.copy_positions, (f3, f3, i64)),
         (k.attend, (f2, i64, f3, f3, i64, T.float32, f3, f2)), (k.mla_attend, (f3, f3, f2, f2, i64, f3, f3)),
         (sampling.argmax, (f1, T.int64[::1])),
@@ -173,6 +175,37 @@ def test_head_norm_matches_cpu_per_head(heads, dh):
     want = ops.rms_norm(np.ascontiguousarray(part), w, np.float32(1e-6)).reshape(2, heads * dh)
     np.testing.assert_allclose(got[:, 8:8 + heads * dh], want, rtol=2e-7, atol=0)
     assert np.array_equal(got[:, :8], x[:, :8]) and np.array_equal(got[:, 8 + heads * dh:], x[:, 8 + heads * dh:])
+
+
+@on_device
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_copy_matches_the_mla_cpu_rotation(interleaved):
+    """MLA's q_rope: the rope dims of each head (after its 6 nope dims) rotated out of place and
+    scaled, as models/mla.py rotates them (rope_interleaved or apply_rope)."""
+    from colibri.models.common import apply_rope
+    from colibri.models.mla import rope_interleaved
+
+    rng = np.random.default_rng(16)
+    L, H, dn, R = 3, 2, 6, 8
+    q = rng.standard_normal((L, H * (dn + R))).astype(np.float32)
+    ang = np.arange(L, dtype=np.float32)[:, None] * (1.0 / 100 ** (np.arange(0, R, 2) / R)).astype(np.float32)
+    cos, sin = np.cos(np.concatenate([ang, ang], 1)), np.sin(np.concatenate([ang, ang], 1))
+    got = C.to_host(C.rope_copy(C.to_device(q), dn, H, dn + R, C.to_device(cos), C.to_device(sin), R, interleaved,
+                                0.5))
+    x = q.reshape(L, H, dn + R)[..., dn:]
+    want = (rope_interleaved(x, cos, sin) if interleaved else apply_rope(x, cos, sin, R)) * np.float32(0.5)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@on_device
+def test_head_matmul_is_numpy_per_head():
+    rng = np.random.default_rng(17)
+    L, H, K, N, da = 2, 3, 5, 4, 7
+    a = rng.standard_normal((L, 1 + H * da)).astype(np.float32)
+    w = rng.standard_normal((H, K, N)).astype(np.float32)
+    got = C.to_host(C.head_matmul(C.to_device(a), 1, da, C.to_device(w), 0.25))
+    heads = a[:, 1:].reshape(L, H, da)[..., :K].transpose(1, 0, 2)  # [H, L, K]
+    np.testing.assert_allclose(got, (np.matmul(heads, w) * np.float32(0.25)).transpose(1, 0, 2), rtol=1e-5, atol=1e-6)
 
 
 @on_device

@@ -140,6 +140,24 @@ MOE = {
                       num_attention_heads=4, num_key_value_heads=2, n_routed_experts=8, n_group=2, topk_group=1,
                       num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
                       norm_topk_prob=True, use_qk_norm=True, attention_bias=True)),
+    # MLA: the compressed latent cache, absorbed attention; q_lora, interleaved yarn rope, shared expert
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config",
+                    dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_attention_heads=4,
+                         num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_rope_head_dim=16,
+                         qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=8, n_group=2, topk_group=1,
+                         num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                         norm_topk_prob=True,
+                         rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                          "original_max_position_embeddings": 32, "mscale": 1.0,
+                                          "mscale_all_dim": 0.8})),
+    # MLA without q_lora (q_proj), half-split rope, attention biases
+    "deepseek_v3_plain_q": ("DeepseekV3ForCausalLM", "DeepseekV3Config",
+                            dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=64,
+                                 num_attention_heads=2, num_key_value_heads=2, q_lora_rank=None, kv_lora_rank=32,
+                                 qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=8,
+                                 n_group=1, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=0,
+                                 routed_scaling_factor=1.5, norm_topk_prob=False, rope_interleave=False,
+                                 attention_bias=True)),
 }
 PROMPT = [3, 17, 42, 8, 77]
 
@@ -200,6 +218,24 @@ def test_vram_budget_never_changes_the_tokens(moe_models, slots):
     assert s["vram_misses"] > 0 and (s["vram_hits"] > 0) == (slots > 0)
     assert s["hits"] == s["vram_misses"]  # every miss served by the RAM tier below
     assert gpu.model.vram.bytes_resident <= _expert_gb(model, slots + 0.5) * 2**30
+
+
+@on_device
+def test_mla_cache_on_the_device_grows_and_prefill_chunks_match(moe_models):
+    """MLA on the device: a prompt prefilled in chunks, the latent cache grown past its first
+    capacity, each step's logits the CPU path's within float32 rounding."""
+    model = moe_models["deepseek_v3"]
+    cpu, gpu = Engine.load(model).model, Engine.load(model, device="cuda").model
+    c_cpu, c_gpu = cpu.new_cache(600), gpu.new_cache(600)
+    assert c_gpu.bytes_per_token == c_cpu.bytes_per_token  # (kv_lora_rank + rope dims) per layer
+    for chunk in ([5, 6, 7], [8, 9]):
+        ref = cpu.forward(np.array(chunk), c_cpu, all_logits=True)
+        np.testing.assert_allclose(gpu.forward(np.array(chunk), c_gpu, all_logits=True), ref, rtol=0,
+                                   atol=2e-5 * np.abs(ref).max())
+    c_gpu.reserve(300)
+    assert c_gpu.capacity == 512 and c_gpu.length == 5
+    ref = cpu.forward(np.array([10]), c_cpu)
+    np.testing.assert_allclose(gpu.forward(np.array([10]), c_gpu), ref, rtol=0, atol=2e-5 * np.abs(ref).max())
 
 
 @on_device

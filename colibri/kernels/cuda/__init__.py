@@ -246,6 +246,26 @@ def head_norm(x, col0: int, heads: int, dh: int, w, eps: float) -> None:
     k.head_rms_norm[(heads, x.shape[0]), k.BLOCK](x, col0, dh, w, np.float32(eps))
 
 
+def rope_copy(src, col0: int, heads: int, dh: int, cos, sin, rot: int, interleaved: bool, scale: float = 1.0,
+              out=None):
+    """[L, heads, rot]: the rotated (and scaled) rope dims of each head of dh columns from col0
+    of src [L, width], out of place (MLA's q_rope and k_rope)."""
+    L = src.shape[0]
+    out = empty((L, heads, rot)) if out is None else out
+    k.rope_copy[_threads(L * heads * (rot // 2))](src, col0, heads, dh, cos, sin, rot, bool(interleaved),
+                                                  np.float32(scale), out)
+    return out
+
+
+def head_matmul(a, col0: int, da: int, w, scale: float = 1.0, out=None):
+    """[L, H, N] = scale * per head h: (the K columns from col0 + h * da of a [L, width]) @ w[h],
+    for w [H, K, N] float32 on the device."""
+    L, (H, _, N) = a.shape[0], w.shape
+    out = empty((L, H, N)) if out is None else out
+    k.head_matmul[_threads(L * H * N)](a, col0, da, w, np.float32(scale), out)
+    return out
+
+
 def silu_mul(gu, n: int, out=None):
     """gu [L, 2n] = [gate | up] -> silu(gate) * up [L, n]."""
     out = empty((gu.shape[0], n)) if out is None else out
@@ -383,5 +403,5 @@ def matmul(t: QTensor, x: np.ndarray, activations: str = "f32") -> np.ndarray:
 __all__ = [
     "available", "require", "simulated", "device_name", "free_bytes", "DeviceMatrix", "upload", "upload_stacked", "upload_vector", "stream",
     "to_device", "to_host", "empty", "zeros", "linear", "rms_norm", "head_norm", "rope", "silu_mul", "add_into",
-    "add_bias", "gather_rows", "scatter_add_scaled", "sigmoid_scale_rows", "kv_store", "copy_positions", "attend", "mla_attend", "argmax", "sample", "Sampler", "matvec", "matmul",
+    "add_bias", "gather_rows", "scatter_add_scaled", "sigmoid_scale_rows", "rope_copy", "head_matmul", "kv_store", "copy_positions", "attend", "mla_attend", "argmax", "sample", "Sampler", "matvec", "matmul",
 ]

@@ -378,6 +378,53 @@ def rope(x, col0, H, Dh, cos, sin, rot):
 
 
 @cuda.jit
+def rope_copy(src, col0, H, Dh, cos, sin, rot, interleaved, scale, dst):
+    """dst [L, H, rot] = scale * the first rot dims of each of the H heads of Dh columns from
+    col0 of src [L, width], rotated: rotate_half pairs (j, j + rot/2), or with `interleaved`
+    the pairs (2j, 2j + 1) written de-interleaved (evens then odds, as models/mla.py's
+    rope_interleaved). MLA's q_rope and k_rope, out of place. One thread per pair."""
+    i = cuda.grid(1)
+    L = src.shape[0]
+    half = rot // 2
+    if i < L * H * half:
+        j = i % half
+        lh = i // half
+        h = lh % H
+        t = lh // H
+        c = col0 + h * Dh
+        if interleaved:
+            a = src[t, c + 2 * j]
+            b = src[t, c + 2 * j + 1]
+            dst[t, h, j] = (a * cos[t, j] - b * sin[t, j]) * scale
+            dst[t, h, j + half] = (b * cos[t, j] + a * sin[t, j]) * scale
+        else:
+            a = src[t, c + j]
+            b = src[t, c + j + half]
+            dst[t, h, j] = (a * cos[t, j] - b * sin[t, j]) * scale
+            dst[t, h, j + half] = (b * cos[t, j + half] + a * sin[t, j + half]) * scale
+
+
+@cuda.jit
+def head_matmul(a, col0, Da, w, scale, out):
+    """out [L, H, N] = scale * (a_h @ w[h]) per head h, where a_h [L, K] is the K columns from
+    col0 + h * Da of a [L, width] and w [H, K, N] (MLA's per-head W_uk and W_uv, float32). One
+    thread per output element."""
+    i = cuda.grid(1)
+    L, H, N = out.shape
+    K = w.shape[1]
+    if i < L * H * N:
+        n = i % N
+        lh = i // N
+        h = lh % H
+        t = lh // H
+        c = col0 + h * Da
+        acc = float32(0.0)
+        for k in range(K):
+            acc += a[t, c + k] * w[h, k, n]
+        out[t, h, n] = acc * scale
+
+
+@cuda.jit
 def silu_mul(gu, n, out):
     """gu [L, 2n] = [gate | up] -> silu(gate) * up [L, n]."""
     i = cuda.grid(1)
