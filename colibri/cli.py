@@ -107,9 +107,9 @@ def device_option(**kw):
     """--device for every command that loads a model (EngineConfig.device)."""
     return typer.Option("cpu", "--device", callback=check_device, help="Where the forward runs: cpu, cuda "
                         "(weights, KV cache and a VRAM tier of routed experts in GPU memory; llama-family "
-                        "and MoE models: Mixtral, Qwen2/3-MoE, OLMoE, GLM-4.5, DeepSeek-V3, Kimi-K2; needs a CUDA GPU and "
-                        "numba-cuda, the gpu extra) or auto (cuda when a GPU is there and covers the model).",
-                        **kw)
+                        "and MoE models: Mixtral, Qwen2/3-MoE, OLMoE, GLM-4.5, DeepSeek-V3, Kimi-K2; needs a "
+                        "CUDA GPU and numba-cuda, the gpu extra) or auto (cuda when a GPU is there and covers "
+                        "the model).", **kw)
 
 
 def vram_gb_option(**kw):
