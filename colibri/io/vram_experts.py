@@ -87,7 +87,9 @@ class VramExperts:
         copied up at start and never evicted."""
         heat = []
         for prefix, counts in history.items():
-            heat += [(-c, prefix, e) for e, c in enumerate(counts) if c > 0]
+            layout = self._layouts.get(prefix)
+            if layout is not None and len(counts) == layout.num_experts:  # a history of this model's layers
+                heat += [(-c, prefix, e) for e, c in enumerate(counts) if c > 0]
         if n >= self.slots and self.slots:  # the whole model fits: pin every expert
             heat = [(0, p, e) for p, l in self._layouts.items() for e in range(l.num_experts)]
         by_layer: dict[str, list[int]] = {}
