@@ -112,6 +112,13 @@ def device_option(**kw):
                         "the model).", **kw)
 
 
+def gpu_layers_option(**kw):
+    """--gpu-layers: EngineConfig.gpu_layers."""
+    return typer.Option(None, "--gpu-layers", help="With --device cuda: decoder layers run on the GPU, the "
+                        "first N (the rest and the head on the CPU, their KV cache in RAM; default: as many "
+                        "as the GPU's free memory holds).", **kw)
+
+
 def vram_gb_option(**kw):
     """--vram-gb: EngineConfig.vram_gb."""
     return typer.Option(None, "--vram-gb", help="With --device cuda: GPU memory for routed experts (the VRAM "
@@ -184,6 +191,7 @@ def run(
     activations: str = activations_option(),
     device: str = device_option(),
     vram_gb: Optional[float] = vram_gb_option(),
+    gpu_layers: Optional[int] = gpu_layers_option(),
     stats: bool = typer.Option(False, "--stats", help="Print speed figures to stderr at the end."),
     cluster: Optional[str] = cluster_option(),
     expert_workers: int = expert_workers_option(),
@@ -200,7 +208,7 @@ def run(
     engine = Engine.load(model, progress=True, max_context=max_context, ram_gb=ram_gb, expert_io=expert_io,
                          prefetch=prefetch, threads=threads, speculative=speculative, draft_tokens=draft_tokens,
                          activations=activations, cluster=cluster, expert_workers=expert_workers, device=device,
-                         vram_gb=vram_gb)
+                         vram_gb=vram_gb, gpu_layers=gpu_layers)
     fit_max_tokens(engine, prompt, max_tokens, raw=raw, system=system)
     for ev in engine.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, seed=seed, raw=raw, system=system):
@@ -263,6 +271,7 @@ def chat(
     activations: str = activations_option(),
     device: str = device_option(),
     vram_gb: Optional[float] = vram_gb_option(),
+    gpu_layers: Optional[int] = gpu_layers_option(),
     cluster: Optional[str] = cluster_option(),
     expert_workers: int = expert_workers_option(),
 ):
@@ -282,8 +291,7 @@ def chat(
         options["threads"] = threads
     if not attach:
         options.update(speculative=speculative, draft_tokens=draft_tokens, activations=activations, device=device)
-        if vram_gb is not None:
-            options["vram_gb"] = vram_gb
+        options.update({k: v for k, v in (("vram_gb", vram_gb), ("gpu_layers", gpu_layers)) if v is not None})
     if cluster and not attach:
         options.update(cluster=cluster, expert_workers=expert_workers)
     run_chat(model, attach=attach, system=system, max_tokens=max_tokens, stats=stats, sampling=sampling,
@@ -415,6 +423,7 @@ def serve(
     activations: str = activations_option(envvar="COLI_ACTIVATIONS"),
     device: str = device_option(envvar="COLI_DEVICE"),
     vram_gb: Optional[float] = vram_gb_option(envvar="COLI_VRAM_GB"),
+    gpu_layers: Optional[int] = gpu_layers_option(envvar="COLI_GPU_LAYERS"),
     cluster: Optional[str] = cluster_option(envvar="COLI_CLUSTER"),
     expert_workers: int = expert_workers_option(envvar="COLI_EXPERT_WORKERS"),
 ):
@@ -437,6 +446,7 @@ def serve(
                             drain_timeout=drain_timeout, log_level=log_level, ram_gb=ram_gb, threads=threads,
                             prefill_chunk=prefill_chunk, speculative=speculative, draft_tokens=draft_tokens,
                             max_batch=max_batch, activations=activations, device=device, vram_gb=vram_gb,
+                            gpu_layers=gpu_layers,
                             cluster=cluster,
                             expert_workers=expert_workers))
 
@@ -455,6 +465,7 @@ def bench(
     activations: str = activations_option(),
     device: str = device_option(),
     vram_gb: Optional[float] = vram_gb_option(),
+    gpu_layers: Optional[int] = gpu_layers_option(),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     cluster: Optional[str] = cluster_option(),
     expert_workers: int = expert_workers_option(),
@@ -474,7 +485,7 @@ def bench(
     ram_gb, vram_gb = tiers(model, ram_gb, vram_gb, auto_tier)
     report = run_bench(model, tokens=tokens, prompt_tokens=prompt_tokens, ram_gb=ram_gb, expert_io=expert_io, prefetch=prefetch,
                        hot_set=hot_set, threads=threads, activations=activations, cluster=cluster,
-                       expert_workers=expert_workers, device=device, vram_gb=vram_gb)
+                       expert_workers=expert_workers, device=device, vram_gb=vram_gb, gpu_layers=gpu_layers)
     if as_json:
         print(json.dumps(report, indent=1))
     else:

@@ -64,6 +64,9 @@ class EngineConfig:
     # With --device cuda, the VRAM tier's budget for routed experts (colibri/io/vram_experts.py);
     # None: the device's free memory after the dense weights, less headroom.
     vram_gb: float | None = None
+    # With --device cuda, how many leading decoder layers run on the GPU; the rest and the head
+    # run on the CPU (their KV cache in RAM). None: as many as the GPU's free memory holds.
+    gpu_layers: int | None = None
     # Routed experts on Ray actors (colibri/cluster): a Ray address, or "local" for a Ray
     # instance on this machine bound to 127.0.0.1; None: in this process.
     cluster: str | None = None
@@ -222,6 +225,8 @@ class Engine:
         _check_activations(config.activations)
         if config.vram_gb is not None and config.vram_gb < 0:
             raise ColibriError(f"--vram-gb must be >= 0, not {config.vram_gb:g}")
+        if config.gpu_layers is not None and config.gpu_layers < 0:
+            raise ColibriError(f"--gpu-layers must be >= 0, not {config.gpu_layers}")
         if config.device != "cpu":
             from colibri.models.device import check
 
@@ -262,7 +267,7 @@ class Engine:
 
             vram = None if config.vram_gb is None else int(config.vram_gb * (1 << 30))
             model = place(model, config.device, container, experts, vram,
-                          load_history(history_path(container.dir)))
+                          load_history(history_path(container.dir)), config.gpu_layers)
         model.activations = config.activations  # before the warm-up compiles its kernels
         if progress:  # in a thread of its own: see run_apart (the server generates on another thread)
             run_apart(compile_kernels, model, model_dir=container.dir)

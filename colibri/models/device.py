@@ -65,13 +65,39 @@ def check(device: str) -> None:
         cuda.require()
 
 
+def layers_that_fit(model, budget: int) -> int:
+    """How many leading layers' dense weights fit `budget` bytes of device memory, with the head
+    (lm_head) counted against it too when every layer fits."""
+    total = 0
+    for i, layer in enumerate(model.layers):
+        total += _dense_bytes(layer)
+        if total > budget:
+            return i
+    return len(model.layers) if total + model.lm_head.nbytes <= budget else len(model.layers) - 1
+
+
+def _dense_bytes(layer) -> int:
+    """The bytes a decoder layer's dense weights take on the device (_DeviceLayer uploads them)."""
+    a, m = layer.attn, layer.mlp
+    if type(a) is mla.MLAttention:
+        parts = [a.q_a, a.q_b, a.kv_a, a.o_proj, a.w_uk, a.w_uv_t]
+    else:
+        parts = [a.qkv, a.o_proj]
+    dense = getattr(m, "shared", None) if isinstance(m, common.RoutedMoE) else m
+    if dense is not None:
+        parts += [dense.gate_up, dense.down]
+    parts.append(getattr(m, "shared_gate", None))
+    return sum(p.nbytes for p in parts if p is not None)
+
+
 def place(model, device: str, container=None, experts=None, vram_bytes: int | None = None,
-          history: dict | None = None):
+          history: dict | None = None, gpu_layers: int | None = None):
     """The model to run for EngineConfig.device: `model` itself on the CPU, or a DeviceModel
     wrapping it. "auto" picks a real GPU when one is present and covers the model. For a MoE
     model, `experts` (the host expert source, over `container`) feeds the VRAM tier of
     `vram_bytes` (None: what the device has free beside the dense weights), whose hot set
-    follows the routing `history`."""
+    follows the routing `history`. `gpu_layers`: how many leading layers run on the device (the
+    rest, and the head, on the CPU); None: as many as its free memory holds."""
     check(device)
     if device == "cpu":
         return model
@@ -82,7 +108,7 @@ def place(model, device: str, container=None, experts=None, vram_bytes: int | No
     why = unsupported(model)
     if why is not None:
         raise ColibriError(f"--device cuda does not run {why} yet; use --device cpu")
-    return DeviceModel(model, container, experts, vram_bytes, history)
+    return DeviceModel(model, container, experts, vram_bytes, history, gpu_layers)
 
 
 class DeviceKVCache:
@@ -92,12 +118,15 @@ class DeviceKVCache:
     (V, Dv = qk_rope_head_dim), as MLACache lays it out on the CPU."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_tokens: int,
-                 v_dim: int | None = None):
+                 v_dim: int | None = None, host=None):
         from colibri.kernels import cuda
 
         self._cuda = cuda
         self.max_tokens = max_tokens
-        self.length = 0
+        self._length = 0
+        # The CPU cache of the layers that run on the CPU (those after the device's; see
+        # DeviceModel's gpu_layers), kept at the same length; None when every layer is here.
+        self.host = host
         v_dim = head_dim if v_dim is None else v_dim
         self._dims = (num_kv_heads, head_dim, v_dim)
         cap = min(max_tokens, 256)
@@ -105,12 +134,24 @@ class DeviceKVCache:
         self.v_dev = [cuda.empty((num_kv_heads, cap, v_dim)) for _ in range(num_layers)]
 
     @property
+    def length(self) -> int:
+        return self._length
+
+    @length.setter
+    def length(self, n: int) -> None:
+        self._length = n
+        if self.host is not None:
+            self.host.length = n
+
+    @property
     def capacity(self) -> int:
-        return self.k_dev[0].shape[1]
+        return self.k_dev[0].shape[1] if self.k_dev else self.max_tokens
 
     def reserve(self, n: int) -> None:
         if n > self.max_tokens:
             raise ColibriError(f"context full: {n} tokens needed, the context holds {self.max_tokens}")
+        if self.host is not None:
+            self.host.reserve(n)
         if n <= self.capacity:
             return
         cap = min(self.max_tokens, max(n, 2 * self.capacity))
@@ -127,7 +168,7 @@ class DeviceKVCache:
     @property
     def bytes_per_token(self) -> int:
         kvh, dk, dv = self._dims
-        return len(self.k_dev) * kvh * (dk + dv) * 4
+        return len(self.k_dev) * kvh * (dk + dv) * 4 + (self.host.bytes_per_token if self.host is not None else 0)
 
     @property
     def k(self):
@@ -195,15 +236,22 @@ class DeviceModel:
     embed...) are the CPU model's: the engine and the bench read them as before."""
 
     def __init__(self, model: common.DecoderModel, container=None, experts=None, vram_bytes: int | None = None,
-                 history: dict | None = None):
+                 history: dict | None = None, gpu_layers: int | None = None):
         from colibri.kernels import cuda
 
         self._cuda = cuda
         self.cpu_model = model
-        self.device_layers = [_DeviceLayer(layer) for layer in model.layers]
-        self.final_norm = cuda.upload_vector(model.norm)
-        self.lm_head = cuda.upload(model.lm_head)
-        self.device_bytes = sum(d.nbytes for d in self.device_layers) + self.lm_head.nbytes
+        n = len(model.layers)
+        if gpu_layers is None:  # as many leading layers as the device's free memory holds
+            gpu_layers = layers_that_fit(model, vram_budget(cuda.free_bytes()))
+        elif not 0 <= gpu_layers:
+            raise ColibriError(f"--gpu-layers must be >= 0, not {gpu_layers}")
+        self.gpu_layers = min(n, gpu_layers)
+        self.device_layers = [_DeviceLayer(layer) for layer in model.layers[:self.gpu_layers]]
+        # The head (final norm, lm_head) runs where the last layer does.
+        self.lm_head = cuda.upload(model.lm_head) if self.gpu_layers == n else None
+        self.final_norm = cuda.upload_vector(model.norm) if self.gpu_layers == n else None
+        self.device_bytes = sum(d.nbytes for d in self.device_layers) + (self.lm_head.nbytes if self.lm_head else 0)
         self.activations = model.activations
         self.vram = None  # the VRAM tier of the routed experts (MoE models)
         if any(d.moe for d in self.device_layers):
@@ -232,10 +280,14 @@ class DeviceModel:
         return getattr(self.cpu_model, name)
 
     def new_cache(self, max_tokens: int) -> DeviceKVCache:
-        a = self.args
+        """The KV cache where each layer runs: the device's layers in device memory, the rest
+        (gpu_layers below the model's depth) in a CPU cache of their own."""
+        a, k, rest = self.args, self.gpu_layers, len(self.layers) - self.gpu_layers
         if isinstance(self.cpu_model, mla.MLAModel):  # the compressed cache: latent + rope key
-            return DeviceKVCache(len(self.layers), 1, a.kv_lora_rank, max_tokens, v_dim=a.qk_rope_head_dim)
-        return DeviceKVCache(len(self.layers), a.num_key_value_heads, a.head_dim, max_tokens)
+            host = mla.MLACache(rest, a.kv_lora_rank, a.qk_rope_head_dim, max_tokens) if rest else None
+            return DeviceKVCache(k, 1, a.kv_lora_rank, max_tokens, v_dim=a.qk_rope_head_dim, host=host)
+        host = common.KVCache(rest, a.num_key_value_heads, a.head_dim, max_tokens) if rest else None
+        return DeviceKVCache(k, a.num_key_value_heads, a.head_dim, max_tokens, host=host)
 
     def forward(self, ids: np.ndarray, cache: DeviceKVCache, all_logits: bool = False) -> np.ndarray:
         """Run tokens `ids` [L] after the cache's contents; returns logits [L or 1, V] (host)."""
@@ -248,10 +300,10 @@ class DeviceModel:
         ids = np.asarray(ids, dtype=np.int64)
         L, pos0 = ids.shape[0], cache.length
         cache.reserve(pos0 + L)
-        cos, sin = (cu.to_device(np.ascontiguousarray(t, np.float32))
-                    for t in m.rope.cos_sin(np.arange(pos0, pos0 + L)))
+        trig = [np.ascontiguousarray(t, np.float32) for t in m.rope.cos_sin(np.arange(pos0, pos0 + L))]
+        cos, sin = (cu.to_device(t) for t in trig)
         x = cu.to_device(embedding(m.embed, ids))  # [L, D]
-        scores = self._buffer("scores", (L, m.args.num_attention_heads, cache.capacity))
+        scores = self._buffer("scores", (L, m.args.num_attention_heads, cache.capacity)) if self.device_layers else None
         for i, (layer, dl) in enumerate(zip(m.layers, self.device_layers)):
             if dl.mla:
                 self._mla_attention(x, layer.attn, dl, cache, i, pos0, cos, sin, scores)
@@ -261,11 +313,26 @@ class DeviceModel:
                 self._moe(x, layer, dl)
             else:
                 self._mlp(x, layer, dl)
+        if self.lm_head is None:  # the layers after the device's, and the head, on the CPU
+            logits = self._host_rest(cu.to_host(x), cache.host, pos0, *trig, all_logits)
+            cache.length = pos0 + L
+            return logits
         cache.length = pos0 + L
         if not all_logits:
             x = x[L - 1:]
         h = cu.rms_norm(x, self.final_norm, m.args.rms_norm_eps)
         return cu.to_host(cu.linear(self.lm_head, h, activations=self.activations))
+
+    @common._in_activation_mode
+    def _host_rest(self, x: np.ndarray, host, pos0: int, cos, sin, all_logits: bool) -> np.ndarray:
+        """Layers gpu_layers.. and the head on the CPU, as DecoderModel.forward runs them; their
+        cache is `host`, whose layer 0 is model layer gpu_layers."""
+        m, k = self.cpu_model, self.gpu_layers
+        for i, layer in enumerate(m.layers[k:]):
+            x = layer(x, host, i, pos0, cos, sin)
+        if not all_logits:
+            x = x[-1:]
+        return common.linear(common.rms_norm(x, m.norm, m.args.rms_norm_eps), m.lm_head)
 
     def _attention(self, x, attn: common.Attention, dl: _DeviceLayer, cache, i, pos0, cos, sin, scores) -> None:
         """x += o_proj(attention(rms_norm(x))), the new keys and values into the cache."""

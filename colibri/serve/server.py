@@ -54,6 +54,7 @@ class ServeOptions:
     max_batch: int = 1                # generations at once, sharing forward passes (each needs a KV slot)
     device: str = "cpu"               # where the dense forward runs: cpu | cuda | auto
     vram_gb: float | None = None      # --device cuda: the routed experts' VRAM tier (None: sized to the GPU)
+    gpu_layers: int | None = None     # --device cuda: leading layers on the GPU (None: as many as fit)
     cluster: str | None = None        # routed experts on Ray workers: a Ray address or "local"
     expert_workers: int = 2           # Ray actors holding the experts (with cluster)
 
@@ -171,7 +172,8 @@ def run(o: ServeOptions) -> None:
         engine = Engine.load(o.model, progress=True, kv_slots=kv_slots, max_context=o.max_context,
                              ram_gb=o.ram_gb, threads=o.threads, prefill_chunk=o.prefill_chunk,
                              speculative=o.speculative, draft_tokens=o.draft_tokens,
-                             activations=o.activations, device=o.device, vram_gb=o.vram_gb, cluster=o.cluster,
+                             activations=o.activations, device=o.device, vram_gb=o.vram_gb,
+                             gpu_layers=o.gpu_layers, cluster=o.cluster,
                              expert_workers=o.expert_workers)
         state_dir = None
         if o.persist:

@@ -239,6 +239,40 @@ def test_mla_cache_on_the_device_grows_and_prefill_chunks_match(moe_models):
 
 
 @on_device
+@pytest.mark.parametrize("family, gpu_layers", [("qwen3_moe", 1), ("deepseek_v3", 1), ("mixtral", 0)])
+def test_layers_past_gpu_layers_run_on_the_cpu(moe_models, family, gpu_layers):
+    """--gpu-layers N (a model whose dense weights do not all fit the GPU): the first N layers on
+    the device, the rest and the head on the CPU with their KV cache in RAM; a follow-up turn
+    reuses both caches. The CPU path's tokens."""
+    model = moe_models[family]
+    gpu = Engine.load(model, max_context=64, device="cuda", gpu_layers=gpu_layers)
+    assert gpu.model.gpu_layers == gpu_layers and len(gpu.model.device_layers) == gpu_layers
+    assert gpu.model.lm_head is None and gpu.model.new_cache(8).host is not None
+    _same_as_cpu(model, gpu)
+    cpu = Engine.load(model, max_context=64)
+    turn2 = PROMPT + cpu.generate(PROMPT, max_tokens=3, stop_at_eos=False).token_ids + [9]
+    gpu.generate(PROMPT, max_tokens=3, stop_at_eos=False)
+    g2 = gpu.generate(turn2, max_tokens=2, stop_at_eos=False)
+    assert g2.prompt_tokens_reused == len(turn2) - 2
+    assert g2.token_ids == cpu.generate(turn2, max_tokens=2, stop_at_eos=False).token_ids
+
+
+def test_layers_that_fit_counts_the_dense_weights_and_the_head(tiny, tmp_path):
+    from colibri.models.device import _dense_bytes, layers_that_fit
+
+    model = Engine.load(convert(tiny, tmp_path / "c4", bits=4, progress=False)).model
+    per_layer = _dense_bytes(model.layers[0])
+    assert per_layer == model.layers[0].attn.qkv.nbytes + model.layers[0].attn.o_proj.nbytes \
+        + model.layers[0].mlp.gate_up.nbytes + model.layers[0].mlp.down.nbytes
+    both = 2 * per_layer
+    assert layers_that_fit(model, both + model.lm_head.nbytes) == 2
+    assert layers_that_fit(model, both) == 1  # no room for the head: the last layer goes with it
+    assert layers_that_fit(model, per_layer - 1) == 0
+    with pytest.raises(ColibriError, match="--gpu-layers must be >= 0"):
+        Engine.load(tmp_path / "c4", gpu_layers=-1)
+
+
+@on_device
 def test_vram_hot_set_follows_the_routing_history_and_streams_from_disk_below(moe_models, tmp_path):
     """With a routing history, the tier pins the hottest experts (half its slots) at start; with
     a RAM budget under the experts, misses come from the streaming store (disk reads) below.
