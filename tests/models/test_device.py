@@ -39,7 +39,7 @@ def tiny(tmp_path_factory) -> Path:
 def test_under_the_simulator():
     if cuda.simulated():
         pytest.skip("this process is the simulator run")
-    rerun_under_simulator(__file__, ROOT / "tests" / "models", timeout=900)
+    rerun_under_simulator(__file__, ROOT / "tests" / "models", timeout=1800)
 
 
 def test_cuda_without_a_gpu_is_one_clear_error_and_auto_is_the_cpu(tiny, tmp_path):
