@@ -21,7 +21,6 @@ never changes the tokens.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -177,11 +176,6 @@ class DeviceKVCache:
     v = k
 
 
-@dataclass
-class _Bytes:
-    nbytes: int
-
-
 class _DeviceLayer:
     """One decoder layer's weights on the device (a MoE layer's experts: the VRAM tier's)."""
 
@@ -195,13 +189,12 @@ class _DeviceLayer:
         self.o_bias = cuda.upload_vector(a.o_bias)
         self.mla = type(a) is mla.MLAttention
         if self.mla:
-            matrices = self._mla(a, cuda)
+            self._mla(a, cuda)
         else:
             self.qkv = cuda.upload(a.qkv)
             self.qkv_bias = cuda.upload_vector(a.qkv_bias)
             self.q_norm = cuda.upload_vector(getattr(a, "q_norm", None))
             self.k_norm = cuda.upload_vector(getattr(a, "k_norm", None))
-            matrices = [self.qkv, self.o_proj]
         self.moe = isinstance(m, common.RoutedMoE)
         dense = getattr(m, "shared", None) if self.moe else m  # a MoE block's shared expert, or the MLP
         self.gate_up = self.down = self.shared_gate = None
@@ -209,13 +202,11 @@ class _DeviceLayer:
             self.gate_up = cuda.upload(dense.gate_up)
             self.down = cuda.upload(dense.down)
             self.inter = dense.gate.shape[0]
-            matrices += [self.gate_up, self.down]
         if getattr(m, "shared_gate", None) is not None:  # Qwen2-MoE: sigmoid(x W) scales the shared expert
             self.shared_gate = cuda.upload(m.shared_gate)
-            matrices.append(self.shared_gate)
-        self.nbytes = sum(w.nbytes for w in matrices)
+        self.nbytes = _dense_bytes(layer)  # what was uploaded: the layer's dense weights
 
-    def _mla(self, a: mla.MLAttention, cuda) -> list:
+    def _mla(self, a: mla.MLAttention, cuda) -> None:
         """MLA's projections, norms and the per-head W_uk / W_uv^T (float32, as the CPU's
         absorbed form keeps them dequantized)."""
         self.q_a = cuda.upload(a.q_a) if a.q_a is not None else None
@@ -227,8 +218,6 @@ class _DeviceLayer:
         self.kv_a_norm = cuda.upload_vector(a.kv_a_norm)
         self.w_uk = cuda.to_device(a.w_uk)      # [H, Dn, r]
         self.w_uv_t = cuda.to_device(a.w_uv_t)  # [H, r, Dv]
-        matrices = [m for m in (self.q_a, self.q_b, self.kv_a, self.o_proj) if m is not None]
-        return matrices + [_Bytes(self.w_uk.nbytes + self.w_uv_t.nbytes)]
 
 
 class DeviceModel:
