@@ -415,9 +415,10 @@ def serve(
     prefill_chunk: int = typer.Option(512, "--prefill-chunk", envvar="COLI_PREFILL_CHUNK", min=1,
                                       help="Prompt tokens per forward pass: bounds a long prompt's memory, and a "
                                            "client that leaves stops its prefill within one chunk."),
-    max_batch: int = typer.Option(1, "--max-batch", envvar="COLI_MAX_BATCH",
-                                  help="Generations run at once, sharing each forward pass (1-16; each holds a KV "
-                                       "slot, so --kv-slots is raised to it). Tokens are the same as alone."),
+    max_batch: Optional[int] = typer.Option(None, "--max-batch", envvar="COLI_MAX_BATCH", show_default="4, fewer "
+                                            "if 4 full-context KV caches would not fit in half the free memory",
+                                            help="Generations run at once, sharing each forward pass (1-16; each holds "
+                                                 "a KV slot, so --kv-slots is raised to it). Tokens are the same as alone."),
     speculative: str = speculative_option(envvar="COLI_SPECULATIVE"),
     draft_tokens: int = draft_tokens_option(envvar="COLI_DRAFT_TOKENS"),
     activations: str = activations_option(envvar="COLI_ACTIVATIONS"),

@@ -165,6 +165,13 @@ class Engine:
         self._threads = ThreadPolicy(config.threads)  # kernel threads: explicit, else adapted to the machine's load
         self._batcher: StepBatcher | None = None
 
+    def ensure_slots(self, n: int) -> None:
+        """At least n KV slots (the server sizes its batch after loading); new slots start empty."""
+        if not 1 <= n <= 16:
+            raise ColibriError(f"kv_slots must be between 1 and 16, not {n}")
+        while len(self.slots) < n:
+            self.slots.append(KVSlot(self.model.new_cache(self.max_context)))
+
     @property
     def last(self) -> Generation | None:
         """The Generation the last stream finished on this thread."""

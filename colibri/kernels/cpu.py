@@ -147,40 +147,22 @@ def _deq_u16_row(wr, is_bf16, dst):
 # --- matvec: the decode hot path ---------------------------------------------------------
 
 
-@njit(cache=True, fastmath=_FAST)
-def _group_sums(x, group):
-    xs = np.empty(x.shape[0] // group, np.float32)
-    for g in range(xs.shape[0]):
-        a = np.float32(0.0)
-        x0 = g * group
-        for k in range(group):
-            a += x[x0 + k]
-        xs[g] = a
-    return xs
-
-
-@njit(cache=True, fastmath=_FAST)
-def _finish(acc, offs, coef, xs):
-    """Sum of one row's lane accumulators plus coef * dot(offs, group sums of x)."""
-    a = np.float32(0.0)
-    for k in range(acc.shape[0]):
-        a += acc[k]
-    o = np.float32(0.0)
-    for g in range(xs.shape[0]):
-        o += offs[g] * xs[g]
-    return a + coef * o
-
-
-# The hot path of decode, written as LLVM vector IR. Each call computes eight rows at once,
-# y[r + j] = sum_g s[r+j, g] * dot(w_g, x_g) (before the offset term), walking the rows 16
-# bytes at a time: eight <16 x float> accumulators stay in registers for the whole row (a
-# numba loop kept them in memory and paid its per-group loop set-up: 2-2.6x slower from
-# cache), each 16-byte load of a row is widened once and shares the loads of x with the
-# other seven rows, and the same bytes of the next block's rows are prefetched (eight row
-# streams are too many for the hardware prefetcher: int4 from DRAM went 30 -> 48 GB/s).
-# Only generic LLVM vector operations are used, so this compiles for whatever vector width
-# the host has (LLVM splits <16 x float> into two AVX2 registers where AVX-512 is missing).
-# The per-row sum is a fixed tree, so results do not depend on threads or call order.
+# The hot path of decode, written as LLVM vector IR. A call computes a tile of weight rows x
+# activation rows, y[a, r + j] = sum_g s[r+j, g] * dot(w_g, x_a,g) (before the offset term),
+# walking the rows 16 bytes at a time: the tile's <16 x float> accumulators stay in registers
+# for the whole row (a numba loop kept them in memory and paid its per-group loop set-up:
+# 2-2.6x slower from cache), each 16-byte load of a weight row is widened once and shared by
+# the tile's activation rows, each load of x by its weight rows, and the same bytes of the
+# next block's rows are prefetched (eight row streams are too many for the hardware
+# prefetcher: int4 from DRAM went 30 -> 48 GB/s).
+# One-token decode uses 8 x 1 tiles; several tokens at once (a batch, drafted tokens) use
+# 4 x 4 tiles, so each weight byte is unpacked once for four tokens.
+# Every (weight row, activation row) pair gets the same operations in the same order whatever
+# the tile: per chunk t = fmuladd(hi, xh, lo * xl), acc = fmuladd(t, s, acc), then a fixed
+# tree over the lanes. So a token's result does not depend on the tile, the threads, or what
+# else shares its pass. Only generic LLVM vector operations are used, so this compiles for
+# whatever vector width the host has (LLVM splits <16 x float> into two AVX2 registers where
+# AVX-512 is missing).
 
 _F32 = ir.FloatType()
 _I64 = ir.IntType(64)
@@ -211,41 +193,51 @@ def _hsum(builder, v):
     return builder.extract_element(v, _i32(0))
 
 
-def _block8_codegen(nibbles: bool):
-    """Codegen of a (q, scales, offs, r, rn, x, half_or_group, cshift, out) -> None intrinsic.
+def _tile_codegen(nibbles: bool, wrows: int, arows: int):
+    """Codegen of a (q, scales, offs, r, rn, x, a0, half_or_group, cshift, out) -> None
+    intrinsic over weight rows r..r+wrows-1 and activation rows a0..a0+arows-1.
 
     nibbles: q is int4 (byte k of a group holds element k low, k + half high) with
     half = group / 2 bytes per group; else q is int8, one element per byte.
     cshift = log2(16-byte chunks per group); every group is a whole number of chunks.
-    out[0:8] receives the eight scaled dot products of rows r..r+7. Rows rn..rn+7 of q,
-    scales and offs (q4_1's mins, shaped like scales; the caller adds their term) are
-    prefetched (pass rn = r on the last block); offs may be scales itself.
+    x is one activation row [n] (arows 1, a0 unused) or rows [B, n]; out is [wrows] for a
+    one-row x, else [>= arows, >= wrows], receiving out[a, j] for activation row a0 + a and
+    weight row r + j. Rows rn.. of q, scales and offs (q4_1's mins, shaped like scales; the
+    caller adds their term) are prefetched (pass rn = r on the last block); offs may be scales.
     """
     def codegen(context, builder, sig, args):
-        qty, sty, oty_, _, _, xty, _, _, oty = sig.args
+        qty, sty, oty_, _, _, xty, _, _, _, oty = sig.args
         qa = context.make_array(qty)(context, builder, args[0])
         sa = context.make_array(sty)(context, builder, args[1])
         ma = context.make_array(oty_)(context, builder, args[2])
         xa = context.make_array(xty)(context, builder, args[5])
-        oa = context.make_array(oty)(context, builder, args[8])
-        r, rn, gbytes, cshift = args[3], args[4], args[6], args[7]
+        oa = context.make_array(oty)(context, builder, args[9])
+        r, rn, a0, gbytes, cshift = args[3], args[4], args[6], args[7], args[8]
         qstride = cgutils.unpack_tuple(builder, qa.strides, 2)[0]
         ngroups = cgutils.unpack_tuple(builder, sa.shape, 2)[1]
         qbase = builder.bitcast(qa.data, _I8.as_pointer())
         sbase = builder.bitcast(sa.data, _F32.as_pointer())
         xbase = builder.bitcast(xa.data, _F32.as_pointer())
+        obase = builder.bitcast(oa.data, _F32.as_pointer())
+        if xty.ndim == 2:  # activation row a starts (a0 + a) * n floats in
+            n = cgutils.unpack_tuple(builder, xa.shape, 2)[1]
+            xrows = [builder.gep(xbase, [builder.mul(builder.add(a0, _i64(a)), n)]) for a in range(arows)]
+            ocols = cgutils.unpack_tuple(builder, oa.shape, 2)[1]
+        else:
+            xrows, ocols = [xbase], None
 
         def row_ptr(base, row, j, stride):
             return builder.gep(base, [builder.mul(builder.add(row, _i64(j)), stride)])
 
-        qrows = [row_ptr(qbase, r, j, qstride) for j in range(8)]
-        nrows = [row_ptr(qbase, rn, j, qstride) for j in range(8)]
-        srows = [row_ptr(sbase, r, j, ngroups) for j in range(8)]
-        nsrows = [row_ptr(sbase, rn, j, ngroups) for j in range(8)]
+        qrows = [row_ptr(qbase, r, j, qstride) for j in range(wrows)]
+        nrows = [row_ptr(qbase, rn, j, qstride) for j in range(wrows)]
+        srows = [row_ptr(sbase, r, j, ngroups) for j in range(wrows)]
+        nsrows = [row_ptr(sbase, rn, j, ngroups) for j in range(wrows)]
         mbase = builder.bitcast(ma.data, _F32.as_pointer())
-        nmrows = [row_ptr(mbase, rn, j, ngroups) for j in range(8)]
+        nmrows = [row_ptr(mbase, rn, j, ngroups) for j in range(wrows)]
         has_offs = builder.icmp_unsigned("!=", mbase, sbase)
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * 16)) for _ in range(8)]
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * 16)) for _ in range(arows)]
+                for _ in range(wrows)]
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3),
                                              "llvm.fmuladd.v16f32")
         pf = cgutils.get_or_insert_function(
@@ -258,8 +250,8 @@ def _block8_codegen(nibbles: bool):
         nchunks = builder.lshr(builder.mul(ngroups, gbytes), _i64(4))
         cmask = builder.sub(builder.shl(_i64(1), cshift), _i64(1))
 
-        def load_x(offset):
-            return builder.load(builder.bitcast(builder.gep(xbase, [offset]), _V16F.as_pointer()), align=4)
+        def load_x(row, offset):
+            return builder.load(builder.bitcast(builder.gep(row, [offset]), _V16F.as_pointer()), align=4)
 
         with cgutils.for_range(builder, nchunks) as loop:
             i = loop.index
@@ -268,50 +260,173 @@ def _block8_codegen(nibbles: bool):
             if nibbles:  # low nibbles pair with x[2*g*half + c*16 ...], high ones half later
                 xo = builder.add(builder.mul(g, builder.shl(gbytes, _i64(1))),
                                  builder.shl(builder.and_(i, cmask), _i64(4)))
-                xl, xh = load_x(xo), load_x(builder.add(xo, gbytes))
+                xs = [(load_x(row, xo), load_x(row, builder.add(xo, gbytes))) for row in xrows]
             else:
-                xl = load_x(b)
-            for j in range(8):
+                xs = [(load_x(row, b), None) for row in xrows]
+            for j in range(wrows):
                 prefetch(nrows[j], b)
-            for j in range(8):
+            for j in range(wrows):
                 prefetch(nsrows[j], g)
             with builder.if_then(has_offs):
-                for j in range(8):
+                for j in range(wrows):
                     prefetch(nmrows[j], g)
-            for j in range(8):
+            for j in range(wrows):
                 raw = builder.load(builder.bitcast(builder.gep(qrows[j], [b]), _V16B.as_pointer()), align=1)
                 if nibbles:
                     w = builder.zext(raw, _V16I)
                     lo = builder.uitofp(builder.and_(w, ir.Constant(_V16I, [15] * 16)), _V16F)
                     hi = builder.uitofp(builder.lshr(w, ir.Constant(_V16I, [4] * 16)), _V16F)
-                    t = builder.call(fma, [hi, xh, builder.fmul(lo, xl)])
                 else:
-                    t = builder.fmul(builder.sitofp(raw, _V16F), xl)
+                    lo = builder.sitofp(raw, _V16F)
                 s = _splat(builder, builder.load(builder.gep(srows[j], [g])), _V16F)
-                builder.store(builder.call(fma, [t, s, builder.load(accs[j])]), accs[j])
-        obase = builder.bitcast(oa.data, _F32.as_pointer())
-        for j in range(8):
-            builder.store(_hsum(builder, builder.load(accs[j])), builder.gep(obase, [_i64(j)]))
+                for a, (xl, xh) in enumerate(xs):
+                    t = builder.call(fma, [hi, xh, builder.fmul(lo, xl)]) if nibbles else builder.fmul(lo, xl)
+                    builder.store(builder.call(fma, [t, s, builder.load(accs[j][a])]), accs[j][a])
+        for j in range(wrows):
+            for a in range(arows):
+                at = _i64(j) if ocols is None else builder.add(builder.mul(_i64(a), ocols), _i64(j))
+                builder.store(_hsum(builder, builder.load(accs[j][a])), builder.gep(obase, [at]))
         return context.get_dummy_value()
     return codegen
 
 
 @intrinsic
 def _int4_dot8(typingctx, q, scales, offs, r, rn, x, half, cshift, out):
-    """Eight int4 rows r..r+7 (see _block8_codegen) -> out[0:8]."""
+    """Eight int4 rows r..r+7 times one activation row (see _tile_codegen) -> out[0:8]."""
     sig = types.void(q, scales, offs, types.intp, types.intp, x, types.intp, types.intp, out)
-    return sig, _block8_codegen(nibbles=True)
+
+    def codegen(context, builder, sig_, args):
+        full = types.void(q, scales, offs, types.intp, types.intp, x, types.intp, types.intp, types.intp, out)
+        return _tile_codegen(True, 8, 1)(context, builder, full, [*args[:6], _zero(), *args[6:]])
+    return sig, codegen
 
 
 @intrinsic
 def _q8_dot8(typingctx, q, scales, r, rn, x, group, cshift, out):
-    """Eight int8 rows r..r+7 (see _block8_codegen) -> out[0:8]."""
+    """Eight int8 rows r..r+7 times one activation row (see _tile_codegen) -> out[0:8]."""
     sig = types.void(q, scales, types.intp, types.intp, x, types.intp, types.intp, out)
 
     def codegen(context, builder, sig_, args):  # no offsets: scales stand in for them
-        full = types.void(q, scales, scales, types.intp, types.intp, x, types.intp, types.intp, out)
-        return _block8_codegen(nibbles=False)(context, builder, full, [args[0], args[1], args[1], *args[2:]])
+        full = types.void(q, scales, scales, types.intp, types.intp, x, types.intp, types.intp, types.intp, out)
+        return _tile_codegen(False, 8, 1)(context, builder, full, [args[0], args[1], args[1], *args[2:5], _zero(), *args[5:]])
     return sig, codegen
+
+
+def _zero():
+    return _i64(0)
+
+
+# Tiles for several activation rows: TILE_W weight rows x 1..TILE_A activation rows (one
+# intrinsic per activation count; the accumulators, TILE_W * TILE_A vectors, must stay in
+# registers: 16 of AVX-512's 32).
+TILE_W, TILE_A = 4, 4
+
+
+def _tile_intrinsic(nibbles: bool, arows: int):
+    if nibbles:
+        def tile(typingctx, q, scales, offs, r, rn, x, a0, half, cshift, out):
+            sig = types.void(q, scales, offs, types.intp, types.intp, x, types.intp, types.intp, types.intp, out)
+            return sig, _tile_codegen(True, TILE_W, arows)
+    else:
+        def tile(typingctx, q, scales, r, rn, x, a0, group, cshift, out):
+            sig = types.void(q, scales, types.intp, types.intp, x, types.intp, types.intp, types.intp, out)
+
+            def codegen(context, builder, sig_, args):
+                full = types.void(q, scales, scales, types.intp, types.intp, x, types.intp, types.intp,
+                                  types.intp, out)
+                return _tile_codegen(False, TILE_W, arows)(context, builder, full, [args[0], args[1], *args[1:]])
+            return sig, codegen
+    tile.__name__ = tile.__qualname__ = f"_{'int4' if nibbles else 'q8'}_tile{arows}"
+    return intrinsic(tile)
+
+
+_int4_tile1, _int4_tile2, _int4_tile3, _int4_tile4 = (_tile_intrinsic(True, n) for n in range(1, TILE_A + 1))
+_q8_tile1, _q8_tile2, _q8_tile3, _q8_tile4 = (_tile_intrinsic(False, n) for n in range(1, TILE_A + 1))
+
+
+# The small reductions around the int4 dot products (group sums of x, the offset term, a tail
+# row's lane sum) are written out in one fixed order, without fastmath: a fastmath loop is
+# vectorized as LLVM sees fit in each function it is inlined into, so the same row could round
+# differently in the one-row kernel, the multi-row kernel and the fused MoE kernel. With a
+# written order every kernel computes a (weight row, activation row) pair with the same
+# operations, and batching never changes a bit (tests/kernels/test_rows.py).
+
+
+@njit(cache=True)
+def _group_sums_into(x, group, xs):
+    """xs[g] = sum of x's group g: eight interleaved partial sums, then a fixed tree."""
+    for g in range(xs.shape[0]):
+        x0 = g * group
+        a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
+        for k in range(0, group, 8):
+            a0 += x[x0 + k]
+            a1 += x[x0 + k + 1]
+            a2 += x[x0 + k + 2]
+            a3 += x[x0 + k + 3]
+            a4 += x[x0 + k + 4]
+            a5 += x[x0 + k + 5]
+            a6 += x[x0 + k + 6]
+            a7 += x[x0 + k + 7]
+        xs[g] = ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))
+
+
+@njit(cache=True)
+def _group_sums(x, group):
+    xs = np.empty(x.shape[0] // group, np.float32)
+    _group_sums_into(x, group, xs)
+    return xs
+
+
+@intrinsic
+def _offset_dot(typingctx, offs, r, xs):
+    """sum_g offs[r, g] * xs[g] in a fixed order: 16 lanes over the groups (a fused
+    multiply-add per 16 groups), the lanes summed by _hsum's tree, then the groups past the
+    last 16 in order. A loop in numba without fastmath is one dependency chain (a row has up
+    to hundreds of groups); with fastmath its order would depend on where it is inlined."""
+    def codegen(context, builder, sig, args):
+        oa = context.make_array(sig.args[0])(context, builder, args[0])
+        xa = context.make_array(sig.args[2])(context, builder, args[2])
+        r = args[1]
+        n = cgutils.unpack_tuple(builder, oa.shape, 2)[1]
+        obase = builder.gep(builder.bitcast(oa.data, _F32.as_pointer()), [builder.mul(r, n)])
+        xbase = builder.bitcast(xa.data, _F32.as_pointer())
+        fma16 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3),
+                                               "llvm.fmuladd.v16f32")
+        fma1 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * 3),
+                                              "llvm.fmuladd.f32")
+        acc = cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * 16))
+
+        def load16(base, i):
+            return builder.load(builder.bitcast(builder.gep(base, [i]), _V16F.as_pointer()), align=4)
+
+        nvec = builder.lshr(n, _i64(4))
+        with cgutils.for_range(builder, nvec) as loop:
+            i = builder.shl(loop.index, _i64(4))
+            builder.store(builder.call(fma16, [load16(obase, i), load16(xbase, i), builder.load(acc)]), acc)
+        total = cgutils.alloca_once_value(builder, _hsum(builder, builder.load(acc)))
+        with cgutils.for_range(builder, builder.sub(n, builder.shl(nvec, _i64(4)))) as loop:
+            g = builder.add(builder.shl(nvec, _i64(4)), loop.index)
+            o = builder.load(builder.gep(obase, [g]))
+            x = builder.load(builder.gep(xbase, [g]))
+            builder.store(builder.call(fma1, [o, x, builder.load(total)]), total)
+        return builder.load(total)
+    return types.float32(offs, types.intp, xs), codegen
+
+
+@njit(cache=True)
+def _with_offset(dot, offs, r, coef, xs):
+    """dot + coef * sum_g offs[r, g] * xs[g] (the offset term of q4_1's mins, or of the
+    symmetric schemes' -8)."""
+    return dot + coef * _offset_dot(offs, r, xs)
+
+
+@njit(cache=True)
+def _finish(acc, offs, r, coef, xs):
+    """A tail row: the sum of its lane accumulators in order, plus the offset term."""
+    a = np.float32(0.0)
+    for k in range(acc.shape[0]):
+        a += acc[k]
+    return _with_offset(a, offs, r, coef, xs)
 
 
 def _chunk_shift(group_bytes: int) -> int:
@@ -322,8 +437,9 @@ def _chunk_shift(group_bytes: int) -> int:
     return chunks.bit_length() - 1
 
 
-@njit(cache=True, fastmath=_FAST)
+@njit(cache=True)
 def _int4_row(q, scales, r, half, x, acc):
+    """A tail row's lane sums (rows past the last whole block; in the fixed order)."""
     acc[:] = 0.0
     for g in range(scales.shape[1]):
         b0 = g * half
@@ -334,36 +450,27 @@ def _int4_row(q, scales, r, half, x, acc):
             acc[k] += (_nib_lo(c) * x[x0 + k] + _nib_hi(c) * x[x0 + half + k]) * s
 
 
-@njit(cache=True, fastmath=_FAST)
-def _offset_dot(offs, r, xs):
-    o = np.float32(0.0)
-    for g in range(xs.shape[0]):
-        o += offs[r, g] * xs[g]
-    return o
-
-
-@njit(cache=True, fastmath=_FAST)
+@njit(cache=True)
 def _int4_rows8(q, scales, offs, coef, half, cshift, x, xs, r, d):
     """d[0:8] = rows r..r+7 of the int4 matvec (xs: group sums of x), the next block's rows
-    prefetched. Shared by the matvec here and the fused MoE kernel in moe.py; being fastmath
-    code inlined into each, it may round differently in each (see moe.py's docstring)."""
+    prefetched. Shared by the matvec here and the fused MoE kernel in moe.py."""
     out = q.shape[0]
     _int4_dot8(q, scales, offs, r, r + 8 if r + 16 <= out else r, x, half, cshift, d)
     for j in range(8):
-        d[j] = d[j] + coef * _offset_dot(offs, r + j, xs)
+        d[j] = _with_offset(d[j], offs, r + j, coef, xs)
 
 
-@njit(cache=True, fastmath=_FAST)
+@njit(cache=True)
 def _int4_tail_rows(q, scales, offs, coef, half, x, xs, y):
     """The last rows (out % 8) one at a time."""
     out = q.shape[0]
     acc1 = np.empty(half, np.float32)
     for r in range(out - out % 8, out):
         _int4_row(q, scales, r, half, x, acc1)
-        y[r] = _finish(acc1, offs[r], coef, xs)
+        y[r] = _finish(acc1, offs, r, coef, xs)
 
 
-@njit(parallel=True, cache=True, fastmath=_FAST)
+@njit(parallel=True, cache=True)
 def _matvec_int4(q, scales, offs, coef, half, cshift, x, y, nthreads):
     """int4_g64 / q4_0 / q4_1: y[r] = sum_g s[r,g] * dot(nib, x_g) + coef * dot(offs[r], xsum).
 
@@ -385,8 +492,48 @@ def _matvec_int4(q, scales, offs, coef, half, cshift, x, y, nthreads):
     _int4_tail_rows(q, scales, offs, coef, half, x, xs, y)
 
 
-@njit(cache=True, fastmath=_FAST)
+@njit(cache=True)
+def _int4_tile(q, scales, offs, r, rn, x, a0, na, half, cshift, d):
+    if na == 4:
+        _int4_tile4(q, scales, offs, r, rn, x, a0, half, cshift, d)
+    elif na == 3:
+        _int4_tile3(q, scales, offs, r, rn, x, a0, half, cshift, d)
+    elif na == 2:
+        _int4_tile2(q, scales, offs, r, rn, x, a0, half, cshift, d)
+    else:
+        _int4_tile1(q, scales, offs, r, rn, x, a0, half, cshift, d)
+
+
+@njit(parallel=True, cache=True)
+def _matmul_rows_int4(q, scales, offs, coef, half, cshift, x, y, nthreads):
+    """y [B, out] = x [B, n] @ W.T for a few tokens (batched decode, drafted tokens): row a of
+    y equals _matvec_int4(x[a]) bit for bit (_tile_codegen), each weight chunk unpacked once
+    per tile of TILE_W weight rows x up to TILE_A tokens."""
+    out, B = q.shape[0], x.shape[0]
+    xs = np.empty((B, scales.shape[1]), np.float32)
+    for a in range(B):
+        _group_sums_into(x[a], 2 * half, xs[a])
+    nblk = out // 8 * (8 // TILE_W)  # the one-row kernels' whole blocks of eight
+    per = (nblk + nthreads - 1) // nthreads
+    for t in prange(nthreads):
+        d = np.empty((TILE_A, TILE_W), np.float32)
+        for blk in range(t * per, min(nblk, (t + 1) * per)):
+            r = TILE_W * blk
+            rn = r + TILE_W if r + 2 * TILE_W <= out else r
+            for a0 in range(0, B, TILE_A):
+                na = min(TILE_A, B - a0)
+                _int4_tile(q, scales, offs, r, rn, x, a0, na, half, cshift, d)
+                for a in range(na):
+                    for j in range(TILE_W):
+                        y[a0 + a, r + j] = _with_offset(d[a, j], offs, r + j, coef, xs[a0 + a])
+    if out % 8:  # the rows past _matvec_int4's last block of eight: its tail code
+        for a in range(B):
+            _int4_tail_rows(q, scales, offs, coef, half, x[a], xs[a], y[a])
+
+
+@njit(cache=True)
 def _q8_row(q, scales, r, group, x, acc):
+    """A tail row's lane sums, in the fixed order."""
     acc[:] = 0.0
     for g in range(scales.shape[1]):
         x0 = g * group
@@ -395,21 +542,61 @@ def _q8_row(q, scales, r, group, x, acc):
             acc[k] += _i8(q[r, x0 + k]) * x[x0 + k] * s
 
 
-@njit(parallel=True, cache=True, fastmath=_FAST)
+@njit(cache=True)
+def _q8_tail_rows(q, scales, group, x, y):
+    out = q.shape[0]
+    xs = np.zeros(0, np.float32)
+    acc1 = np.empty(group, np.float32)
+    for r in range(out - out % 8, out):
+        _q8_row(q, scales, r, group, x, acc1)
+        y[r] = _finish(acc1, scales, r, np.float32(0.0), xs)
+
+
+@njit(parallel=True, cache=True)
 def _matvec_q8(q, scales, group, cshift, x, y, nthreads):
     """q8_0, shaped like _matvec_int4 (no offsets: w = q * d)."""
     out = q.shape[0]
-    xs = np.zeros(0, np.float32)
     nblk = out // 8
     per = (nblk + nthreads - 1) // nthreads
     for t in prange(nthreads):
         for blk in range(t * per, min(nblk, (t + 1) * per)):
             r = 8 * blk
             _q8_dot8(q, scales, r, r + 8 if r + 16 <= out else r, x, group, cshift, y[r:r + 8])
-    acc1 = np.empty(group, np.float32)
-    for r in range(8 * nblk, out):
-        _q8_row(q, scales, r, group, x, acc1)
-        y[r] = _finish(acc1, xs, np.float32(0.0), xs)
+    _q8_tail_rows(q, scales, group, x, y)
+
+
+@njit(cache=True)
+def _q8_tile(q, scales, r, rn, x, a0, na, group, cshift, d):
+    if na == 4:
+        _q8_tile4(q, scales, r, rn, x, a0, group, cshift, d)
+    elif na == 3:
+        _q8_tile3(q, scales, r, rn, x, a0, group, cshift, d)
+    elif na == 2:
+        _q8_tile2(q, scales, r, rn, x, a0, group, cshift, d)
+    else:
+        _q8_tile1(q, scales, r, rn, x, a0, group, cshift, d)
+
+
+@njit(parallel=True, cache=True)
+def _matmul_rows_q8(q, scales, group, cshift, x, y, nthreads):
+    """q8_0's _matmul_rows_int4: row a of y equals _matvec_q8(x[a]) bit for bit."""
+    out, B = q.shape[0], x.shape[0]
+    nblk = out // 8 * (8 // TILE_W)  # the one-row kernels' whole blocks of eight
+    per = (nblk + nthreads - 1) // nthreads
+    for t in prange(nthreads):
+        d = np.empty((TILE_A, TILE_W), np.float32)
+        for blk in range(t * per, min(nblk, (t + 1) * per)):
+            r = TILE_W * blk
+            rn = r + TILE_W if r + 2 * TILE_W <= out else r
+            for a0 in range(0, B, TILE_A):
+                na = min(TILE_A, B - a0)
+                _q8_tile(q, scales, r, rn, x, a0, na, group, cshift, d)
+                for a in range(na):
+                    for j in range(TILE_W):
+                        y[a0 + a, r + j] = d[a, j]
+    if out % 8:
+        for a in range(B):
+            _q8_tail_rows(q, scales, group, x[a], y[a])
 
 
 @njit(cache=True, fastmath=_FAST)
@@ -612,6 +799,26 @@ def matvec(t: QTensor, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarr
     return y
 
 
+def matvec_rows(t: QTensor, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """matvec(t, x[a]) for each row a of x [B, in] -> [B, out_features], the same bits row by
+    row, with the weights read once for all rows (batched decode, drafted tokens)."""
+    _check_tensor(t)
+    x = _activations(x, 2, t.shape[1], "matvec_rows")
+    y = _result(out, (x.shape[0], t.shape[0]), "matvec_rows")
+    if t.shape[0] == 0 or x.shape[0] == 0:
+        return y
+    s = t.scheme
+    if s in INT4_SCHEMES:
+        _matmul_rows_int4(*int4_weight(t), x, y, get_num_threads())
+    elif s == "q8_0":
+        group = GROUP_SIZE[s]
+        _matmul_rows_q8(t.q, t.scales, group, _chunk_shift(group), x, y, get_num_threads())
+    else:  # float weights: no unpacking to share
+        for a in range(x.shape[0]):
+            matvec(t, x[a], out=y[a])
+    return y
+
+
 def embedding(t: QTensor, ids: np.ndarray) -> np.ndarray:
     """Dequantized rows t[ids]: int [L] -> float32 [L, in], equal to dequantize(t)[ids]."""
     _check_tensor(t)
@@ -638,4 +845,4 @@ def embedding(t: QTensor, ids: np.ndarray) -> np.ndarray:
     return y
 
 
-__all__ = ["matvec", "embedding"]
+__all__ = ["matvec", "matvec_rows", "embedding"]

@@ -20,13 +20,21 @@ import numpy as np
 from numba import njit
 
 from . import ops
-from .idot import matvec_into
+from .idot import matmul_rows_into, matvec_into
 
 
 @njit(cache=True)
 def _mv(w, x, nthreads, act):
     y = np.empty(w[0].shape[0], np.float32)
     matvec_into(w, x, y, nthreads, act)
+    return y
+
+
+@njit(cache=True)
+def _mv_rows(w, x, nthreads, act):
+    """_mv of each row of x [B, n], the same bits, the weights read once for all rows."""
+    y = np.empty((x.shape[0], w[0].shape[0]), np.float32)
+    matmul_rows_into(w, x, y, nthreads, act)
     return y
 
 
@@ -54,6 +62,20 @@ def attention_block(x, norm_w, eps, qkv, qkv_bias, o, o_bias, cos, sin, rot,
     qkv_out = _mv(qkv, h[0], nthreads, act)
     if qkv_bias.shape[0]:
         qkv_out += qkv_bias
+    att = attend_row(qkv_out, cos, sin, rot, kc, vc, pos, n_heads, n_kv, head_dim, scale,
+                     qk_norm, q_norm, k_norm, norm_eps, clip)
+    out = _mv(o, att, nthreads, act)
+    if o_bias.shape[0]:
+        out += o_bias
+    return x + out.reshape((1, -1))
+
+
+@njit(cache=True)
+def attend_row(qkv_out, cos, sin, rot, kc, vc, pos, n_heads, n_kv, head_dim, scale,
+               qk_norm, q_norm, k_norm, norm_eps, clip):
+    """The middle of attention_block for one token: its fused q/k/v projection [(H + 2 KV) Dh]
+    (bias added) -> q/k norms, clipping, RoPE (cos/sin [1, rot]), K and V written at `pos`,
+    attention over the cache -> [H * Dh]."""
     nq, nk = n_heads * head_dim, n_kv * head_dim
     q = qkv_out[:nq].copy().reshape((1, nq))
     k = qkv_out[nq:nq + nk].copy().reshape((1, nk))
@@ -78,11 +100,42 @@ def attention_block(x, norm_w, eps, qkv, qkv_bias, o, o_bias, cos, sin, rot,
         for d in range(head_dim):
             kc[g, pos, d] = k3[0, g, d]
             vc[g, pos, d] = v[g * head_dim + d]
-    att = ops.attend_one(q3[0], kc, vc, pos + 1, scale)
-    out = _mv(o, att, nthreads, act)
+    return ops.attend_one(q3[0], kc, vc, pos + 1, scale)
+
+
+# Several tokens at once (DecoderModel.forward_rows: a batch of sequences, or drafted tokens):
+# attention_block cut where each token needs its own KV cache. qkv_rows and out_rows run the
+# projections of all rows through the multi-row kernels; the caller runs attend_row per row
+# in between. Each row's result is attention_block's, bit for bit (tests/models/harness.py).
+
+
+@njit(cache=True)
+def qkv_rows(x, norm_w, eps, qkv, qkv_bias, nthreads, act):
+    """x [B, D] -> each row's fused q/k/v projection of rms_norm(x), bias added: [B, (H + 2 KV) Dh]."""
+    y = _mv_rows(qkv, ops.rms_norm(x, norm_w, eps), nthreads, act)
+    if qkv_bias.shape[0]:
+        for a in range(y.shape[0]):
+            y[a] += qkv_bias
+    return y
+
+
+@njit(cache=True)
+def out_rows(x, att, o, o_bias, nthreads, act):
+    """x [B, D] + o_proj(att [B, H * Dh]) (+ bias), row by row."""
+    out = _mv_rows(o, att, nthreads, act)
     if o_bias.shape[0]:
-        out += o_bias
-    return x + out.reshape((1, -1))
+        for a in range(out.shape[0]):
+            out[a] += o_bias
+    return x + out
+
+
+@njit(cache=True)
+def mlp_rows(x, norm_w, eps, gate_up, n_inter, down, nthreads, act):
+    """mlp_block of each row of x [B, D], the same bits, the weights read once for all rows."""
+    h = ops.rms_norm(x, norm_w, eps)
+    gu = _mv_rows(gate_up, h, nthreads, act)
+    a = ops.silu_mul(gu, n_inter)
+    return x + _mv_rows(down, a, nthreads, act)
 
 
 @njit(cache=True)

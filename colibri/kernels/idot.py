@@ -44,7 +44,7 @@ from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .cpu import _activations, _group_sums, _int4_rows8, _matvec_int4, int4_weight
+from .cpu import _activations, _group_sums, _int4_rows8, _matmul_rows_int4, _matvec_int4, int4_weight
 from .quant import QTensor
 
 ACTIVATIONS = ("f32", "int8")
@@ -456,6 +456,12 @@ def matvec_into(w, x, y, nthreads, act):
     raise NotImplementedError("called from compiled code only")
 
 
+def matmul_rows_into(w, x, y, nthreads, act):
+    """y[a] = W @ x[a] for each row of x [B, n], the bits of matvec_into row by row, the weights
+    read once for all rows (compiled only)."""
+    raise NotImplementedError("called from compiled code only")
+
+
 def prepare(x, half, act):
     """What the row code needs of x: its group sums (exact) or its int8 form (compiled only)."""
     raise NotImplementedError("called from compiled code only")
@@ -491,6 +497,20 @@ def _matvec_into(w, x, y, nthreads, act):
     def exact(w, x, y, nthreads, act):
         q, scales, offs, coef, half, cshift = w
         _matvec_int4(q, scales, offs, coef, half, cshift, x, y, nthreads)
+    return exact
+
+
+@overload(matmul_rows_into)
+def _matmul_rows_into(w, x, y, nthreads, act):
+    if _int8(act):
+        def int8(w, x, y, nthreads, act):
+            q, scales, offs, coef, half, _ = w
+            matmul(q, scales, offs, coef, half, x, y, nthreads)
+        return int8
+
+    def exact(w, x, y, nthreads, act):
+        q, scales, offs, coef, half, cshift = w
+        _matmul_rows_int4(q, scales, offs, coef, half, cshift, x, y, nthreads)
     return exact
 
 

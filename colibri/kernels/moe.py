@@ -18,10 +18,10 @@ through this one compiled function, however its blob is held: a row's value depe
 its data (rows are computed 8 at a time by the same code whatever the thread split), and the
 experts' contributions are added in ascending expert id with plain float32 adds, so K experts
 in one call equal the same experts one call each, summed in that order, bit for bit
-(tests/kernels/test_moe.py). Two different compiled functions would not do: the row code is
-compiled with fastmath, and LLVM may reassociate or contract it differently in each caller it
-is inlined into; CI once saw 1-ulp differences between this kernel and the matvec kernel on a
-machine where they had agreed before.
+(tests/kernels/test_moe.py). The row code is vector IR with a written order plus fixed-order
+small sums (cpu.py), so it rounds the same in every caller; when it was fastmath numba, LLVM
+reassociated it differently per caller, and CI once saw 1-ulp differences between this kernel
+and the matvec kernel.
 
 `act` (colibri.kernels.idot.marker) picks the row code by its type: the exact rows above, or
 int4 x int8 integer dots (`--activations int8`), x quantized once for all K experts' gate and

@@ -19,7 +19,7 @@ from numba import get_num_threads
 from colibri.errors import ColibriError
 from colibri.kernels import decode, embedding, idot, matmul, matvec, ops
 from colibri.kernels.attention import causal_attention
-from colibri.kernels.cpu import int4_weight
+from colibri.kernels.cpu import int4_weight, matvec_rows
 from colibri.kernels.quant import INT4_SCHEMES, QTensor
 from colibri.profile import PHASES, clock
 
@@ -123,6 +123,14 @@ def linear(x: np.ndarray, w: QTensor, bias: np.ndarray | None = None) -> np.ndar
     if bias is not None:
         y += bias
     return y
+
+
+def linear_rows(x: np.ndarray, w: QTensor) -> np.ndarray:
+    """linear(x[r:r+1], w) for each row of x [B, in] -> [B, out], the same bits, with the
+    weights read once for all rows (several tokens decoded in one pass)."""
+    if w.scheme in INT4_SCHEMES and idot.current() == "int8":
+        return idot.matmul_q(w, x)
+    return matvec_rows(w, x)
 
 
 # ----------------------------------------------------------------------------- RoPE
@@ -546,13 +554,37 @@ class DecoderLayer:
             x = x + self.attn(rms_norm(x, self.input_norm, self.eps), cache, layer, pos0, cos, sin)
         return x
 
-    def mlp_rows(self, xs: list[np.ndarray]) -> list[np.ndarray]:
-        """mlp_one for each one-token row, the same bits; a MoE block runs the rows' experts
-        expert by expert, each read once (RoutedMoE.rows)."""
-        if len(xs) > 1 and isinstance(self.mlp, RoutedMoE):
-            outs = self.mlp.rows([rms_norm(x, self.post_norm, self.eps) for x in xs])
-            return [x + o for x, o in zip(xs, outs)]
-        return [self.mlp_one(x) for x in xs]
+    def attend_rows(self, x, caches: list, layer: int, pos: list[int], trig: list) -> np.ndarray:
+        """attend_one for each row of x [B, D] (row r at caches[r], position pos[r], rope
+        trig[r]), the same bits. Rows of one cache are consecutive positions in row order, so
+        each row sees the keys of the rows before it. The fused kernels run the projections
+        of all rows at once (decode.qkv_rows / out_rows) and attention row by row."""
+        attn_args, _ = self._fused if self._fused is not None else self._build_fused()
+        if attn_args is None or x.shape[0] == 1:
+            return np.concatenate([self.attend_one(x[r:r + 1], caches[r], layer, pos[r], *trig[r])
+                                   for r in range(x.shape[0])])
+        nthreads, act = get_num_threads(), idot.marker(idot.current())
+        eps, qkv, qkv_bias, o, o_bias, rot, h, kv, dh, scale, norms = attn_args
+        qkv_out = decode.qkv_rows(x, self.input_norm, eps, qkv, qkv_bias, nthreads, act)
+        att = np.empty((x.shape[0], h * dh), np.float32)
+        for r, cache in enumerate(caches):
+            cos, sin = trig[r]
+            att[r] = decode.attend_row(qkv_out[r], np.ascontiguousarray(cos, np.float32),
+                                       np.ascontiguousarray(sin, np.float32), rot, cache.k[layer],
+                                       cache.v[layer], pos[r], h, kv, dh, scale, *norms)
+        return decode.out_rows(x, att, o, o_bias, nthreads, act)
+
+    def mlp_rows(self, x: np.ndarray) -> np.ndarray:
+        """mlp_one for each one-token row of x [B, D], the same bits; a fused dense MLP runs
+        all rows through the multi-row kernels, a MoE block runs the rows' experts expert by
+        expert, each read once (RoutedMoE.rows)."""
+        if x.shape[0] > 1 and isinstance(self.mlp, RoutedMoE):
+            outs = self.mlp.rows([rms_norm(x[r:r + 1], self.post_norm, self.eps) for r in range(x.shape[0])])
+            return x + np.concatenate(outs)
+        _, mlp_args = self._fused if self._fused is not None else self._build_fused()
+        if mlp_args is not None and x.shape[0] > 1:
+            return decode.mlp_rows(x, self.post_norm, *mlp_args, get_num_threads(), idot.marker(idot.current()))
+        return np.concatenate([self.mlp_one(x[r:r + 1]) for r in range(x.shape[0])])
 
     def mlp_one(self, x):
         """One token's feed-forward block: one compiled call for a fused dense MLP."""
@@ -646,9 +678,10 @@ class DecoderModel:
 
         Layer by layer, each row makes exactly the calls forward([ids[r]], caches[r]) makes, on
         the same inputs, so its logits are the same bits as decoding that token alone: batching
-        and speculation never change a token. What the rows share is reading: each layer's
-        weights come from DRAM for the first row and from the CPU caches for the others, and a
-        MoE layer's routed experts are read once for all rows (RoutedMoE.rows)."""
+        and speculation never change a token. What the rows share is the weights: the fused
+        dense blocks and the head run all rows through the multi-row kernels, which unpack each
+        int4 or int8 weight once for all of them (kernels/cpu.py, _tile_codegen), and a MoE
+        layer's routed experts are read once for all rows (RoutedMoE.rows)."""
         B = len(ids)
         pos, end = [], {}
         for c in caches:
@@ -658,11 +691,10 @@ class DecoderModel:
         for c in caches:
             c.reserve(end[id(c)])
         trig = [self.rope.cos_sin(np.arange(p, p + 1)) for p in pos]
-        xs = [embedding(self.embed, np.array([t], dtype=np.int64)) for t in ids]
+        x = embedding(self.embed, np.asarray(ids, dtype=np.int64))  # [B, D]
         for i, layer in enumerate(self.layers):
-            for r in range(B):
-                xs[r] = layer.attend_one(xs[r], caches[r], i, pos[r], *trig[r])
-            xs = layer.mlp_rows(xs)
+            x = layer.attend_rows(x, caches, i, pos, trig)
+            x = layer.mlp_rows(x)
         for c in caches:
             c.length = end[id(c)]
-        return np.concatenate([linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head) for x in xs])
+        return linear_rows(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)

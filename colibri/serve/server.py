@@ -51,7 +51,7 @@ class ServeOptions:
     speculative: str = "off"          # draft tokens and check them in one pass: off | ngram | auto
     draft_tokens: int = 6             # drafts per pass
     activations: str = "f32"          # int4 matrices' activations: f32 (exact) | int8
-    max_batch: int = 1                # generations at once, sharing forward passes (each needs a KV slot)
+    max_batch: int | None = None      # generations at once, sharing forward passes (each needs a KV slot); None: sized here
     device: str = "cpu"               # where the dense forward runs: cpu | cuda | auto
     vram_gb: float | None = None      # --device cuda: the routed experts' VRAM tier (None: sized to the GPU)
     gpu_layers: int | None = None     # --device cuda: leading layers on the GPU (None: as many as fit)
@@ -72,7 +72,7 @@ def check(o: ServeOptions) -> None:
         raise ColibriError(f"--max-tokens must be >= 1, not {o.max_tokens}")
     if not 1 <= o.kv_slots <= 16:
         raise ColibriError(f"--kv-slots must be between 1 and 16, not {o.kv_slots}")
-    if not 1 <= o.max_batch <= 16:
+    if o.max_batch is not None and not 1 <= o.max_batch <= 16:
         raise ColibriError(f"--max-batch must be between 1 and 16, not {o.max_batch}")
     if o.max_connections < 1:
         raise ColibriError(f"--max-connections must be >= 1, not {o.max_connections}")
@@ -154,7 +154,9 @@ def url_of(host: str, port: int) -> str:
 
 
 def run(o: ServeOptions) -> None:
+    from colibri.batching import default_max_batch
     from colibri.engine import Engine
+    from colibri.io.experts import available_memory
     from colibri.io.kv_store import private_dir
     from colibri.serve.app import ServeConfig, create_app, default_state_dir
     from colibri.serve.metrics import ServeMetrics
@@ -168,20 +170,26 @@ def run(o: ServeOptions) -> None:
     scheduler = None
     try:
         # Every running generation holds a slot of its own: at least --max-batch slots.
-        kv_slots = max(o.kv_slots, o.max_batch)
+        kv_slots = max(o.kv_slots, o.max_batch or 1)
         engine = Engine.load(o.model, progress=True, kv_slots=kv_slots, max_context=o.max_context,
                              ram_gb=o.ram_gb, threads=o.threads, prefill_chunk=o.prefill_chunk,
                              speculative=o.speculative, draft_tokens=o.draft_tokens,
                              activations=o.activations, device=o.device, vram_gb=o.vram_gb,
                              gpu_layers=o.gpu_layers, cluster=o.cluster,
                              expert_workers=o.expert_workers)
+        max_batch = o.max_batch
+        if max_batch is None:
+            max_batch = default_max_batch(engine.slots[0].cache.bytes_per_token * engine.max_context,
+                                          available_memory())
+            engine.ensure_slots(max_batch)
+            kv_slots = len(engine.slots)
         state_dir = None
         if o.persist:
             state_dir = Path(o.state_dir) if o.state_dir else default_state_dir(engine)
             private_dir(state_dir)  # saved conversations: 0700, their files 0600
         metrics = ServeMetrics()
         scheduler = Scheduler(engine, max_queue=o.max_queue, state_dir=state_dir, metrics=metrics,
-                              max_batch=o.max_batch)
+                              max_batch=max_batch)
         metrics.attach(scheduler, engine)
         guard = ConnectionGuard(ConnectionLimits(o.max_connections, o.max_connections_per_ip, o.header_timeout))
         metrics.attach_connections(guard)
@@ -202,7 +210,7 @@ def run(o: ServeOptions) -> None:
         scheduler.start()
         model_id = o.model_id or engine.model_id
         print(f"colibri serve: {model_id} listening on {url_of(o.host, port)} ({kv_slots} KV slot(s) holding "
-              f"{sum(held)} tokens; up to {o.max_batch} generation(s) at once; state in {state_dir or 'memory only'})",
+              f"{sum(held)} tokens; up to {max_batch} generation(s) at once{'' if o.max_batch else ' (--max-batch sized to this machine)'}; state in {state_dir or 'memory only'})",
               file=sys.stderr, flush=True)
         server.run(sockets=[sock])
     finally:

@@ -27,8 +27,12 @@ class ServerProcess:
     """`python -m colibri.cli serve ...` with its log in a file; `url` once /health answers."""
 
     def __init__(self, model_dir: Path, workdir: Path, *args: str, api_key: str | None = None,
-                 state_dir: Path | None = None, port: int | None = None):
+                 state_dir: Path | None = None, port: int | None = None, max_batch: str | None = "1"):
         self.model_dir, self.workdir, self.args, self.api_key = model_dir, workdir, list(args), api_key
+        # Servers run one generation at a time unless a test asks (--max-batch on the command line
+        # wins over this): admission, queue and slot tests count generations one by one.
+        # max_batch=None leaves it unset, to the server's own sizing.
+        self.max_batch = max_batch
         self.state_dir = state_dir or workdir / "state"
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -43,6 +47,9 @@ class ServerProcess:
         # One kernel thread per server: the test process and up to three servers share the machine's
         # cores, and parallel kernels that wait for each other slow down many-fold when oversubscribed.
         env = {"NUMBA_NUM_THREADS": "1", **os.environ, "COLIBRI_HOME": str(self.workdir / "home")}
+        env.pop("COLI_MAX_BATCH", None)
+        if self.max_batch is not None:
+            env["COLI_MAX_BATCH"] = self.max_batch
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + STARTUP_TIMEOUT

@@ -76,3 +76,23 @@ def test_bad_max_batch_is_refused_before_loading(value, smollm2_container):
     p = subprocess.run([sys.executable, "-m", "colibri.cli", "serve", "--model", str(smollm2_container),
                         "--max-batch", value, "--port", "0"], capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "--max-batch must be between 1 and 16" in p.stderr
+
+
+def test_default_batch_is_one_kernel_tile_fewer_when_kv_memory_is_short():
+    from colibri.batching import KV_MEMORY_SHARE, default_max_batch
+    from colibri.kernels.cpu import TILE_A
+
+    slot = 100 << 20  # one full-context KV cache: 100 MiB
+    assert default_max_batch(slot, 64 << 30) == TILE_A
+    assert default_max_batch(slot, int(3 * slot / KV_MEMORY_SHARE)) == min(3, TILE_A)
+    assert default_max_batch(slot, slot) == 1  # not even one fits in the share: still serve one
+
+
+def test_serve_sizes_its_batch_when_not_told(start_server):
+    from colibri.kernels.cpu import TILE_A
+
+    s = start_server("--max-tokens", "16", max_batch=None)
+    assert f"up to {TILE_A} generation(s) at once (--max-batch sized to this machine)" in s.log()
+    got = together(s.url, [(p, 12) for p in PROMPTS])
+    assert [t for t, _ in got] == [complete(s.url, p, 12)[0] for p in PROMPTS]
+    assert "colibri_batch_rows_total" in httpx.get(s.url + "/metrics", timeout=30).text

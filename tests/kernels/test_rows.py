@@ -1,0 +1,76 @@
+"""matvec_rows, the multi-row decode kernel: each row equals matvec of that row bit for bit (the
+promise that batching and speculation never change a token rests on it), with any number of
+rows and threads, and stays within float32 rounding of the float64 reference."""
+import numpy as np
+import pytest
+from numba import get_num_threads, set_num_threads
+
+from colibri.kernels.cpu import TILE_A, matvec, matvec_rows
+from colibri.kernels.quant import SCHEMES, dequantize, quantize
+
+
+def make(scheme, shape, seed):
+    w = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    w[0, :32] *= 50.0  # groups of very different scale in one row
+    return quantize(w, scheme)
+
+# Row counts that are whole blocks of eight, blocks plus a tail (the one-row kernel's tail
+# code), fewer than a tile, and a q8/int4 width with many groups per row.
+SHAPES = [(64, 128), (13, 192), (37, 576), (8, 1536), (3, 64)]
+# Token counts: one, each partial tile, whole tiles, and tiles plus a remainder.
+ROWS = [1, 2, 3, TILE_A, TILE_A + 1, 2 * TILE_A + 3]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_every_row_is_the_one_row_kernel_bit_for_bit(scheme, shape):
+    t = make(scheme, shape, 5)
+    rng = np.random.default_rng(6)
+    for B in ROWS:
+        x = rng.standard_normal((B, shape[1])).astype(np.float32)
+        x[0] *= 1e3  # rows of very different magnitude share the tiles
+        y = matvec_rows(t, x)
+        assert y.shape == (B, shape[0]) and y.dtype == np.float32
+        for a in range(B):
+            assert np.array_equal(y[a], matvec(t, x[a])), f"row {a} of {B}"
+        w = dequantize(t).astype(np.float64)  # float32 rounding of the terms' magnitudes
+        np.testing.assert_allclose(y[-1], w @ x[-1], rtol=0, atol=1e-5 * (np.abs(w) @ np.abs(x[-1])).max())
+
+
+def test_rows_do_not_depend_on_the_thread_count():
+    t = make("q4_1", (40, 256), 7)
+    x = np.random.default_rng(8).standard_normal((6, 256)).astype(np.float32)
+    saved = get_num_threads()
+    try:
+        set_num_threads(1)
+        one = matvec_rows(t, x)
+        set_num_threads(saved)
+        many = matvec_rows(t, x)
+    finally:
+        set_num_threads(saved)
+    assert np.array_equal(one, many)
+
+
+def test_a_row_does_not_depend_on_its_neighbours():
+    """The same token gives the same bits whichever rows share its tile."""
+    t = make("int4_g64", (24, 320), 9)
+    rng = np.random.default_rng(10)
+    mine = rng.standard_normal(320).astype(np.float32)
+    for B, at in [(1, 0), (4, 2), (7, 6)]:
+        x = rng.standard_normal((B, 320)).astype(np.float32)
+        x[at] = mine
+        assert np.array_equal(matvec_rows(t, x)[at], matvec(t, mine))
+
+
+def test_out_argument_and_bad_inputs():
+    t = make("q4_0", (16, 64), 11)
+    x = np.ones((3, 64), np.float32)
+    out = np.empty((3, 16), np.float32)
+    assert matvec_rows(t, x, out=out) is out
+    with pytest.raises(ValueError, match=r"shape \[L, 64\]"):
+        matvec_rows(t, np.ones(64, np.float32))
+    with pytest.raises(ValueError, match="float32"):
+        matvec_rows(t, np.ones((2, 64)))
+    with pytest.raises(ValueError, match="out must be"):
+        matvec_rows(t, x, out=np.empty((2, 16), np.float32))
+    assert matvec_rows(t, np.ones((0, 64), np.float32)).shape == (0, 16)
