@@ -387,8 +387,9 @@ def _offset_dot(typingctx, offs, r, xs):
         oa = context.make_array(sig.args[0])(context, builder, args[0])
         xa = context.make_array(sig.args[2])(context, builder, args[2])
         r = args[1]
-        n = cgutils.unpack_tuple(builder, oa.shape, 2)[1]
-        obase = builder.gep(builder.bitcast(oa.data, _F32.as_pointer()), [builder.mul(r, n)])
+        stride = cgutils.unpack_tuple(builder, oa.shape, 2)[1]
+        n = cgutils.unpack_tuple(builder, xa.shape, 1)[0]  # 0 for q8_0, which has no offsets
+        obase = builder.gep(builder.bitcast(oa.data, _F32.as_pointer()), [builder.mul(r, stride)])
         xbase = builder.bitcast(xa.data, _F32.as_pointer())
         fma16 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3),
                                                "llvm.fmuladd.v16f32")
