@@ -158,8 +158,8 @@ def _deq_u16_row(wr, is_bf16, dst):
 # One-token decode uses 8 x 1 tiles; several tokens at once (a batch, drafted tokens) use
 # 4 x 4 tiles, so each weight byte is unpacked once for four tokens.
 # Every (weight row, activation row) pair gets the same operations in the same order whatever
-# the tile: per chunk t = fmuladd(hi, xh, lo * xl), acc = fmuladd(t, s, acc), then a fixed
-# tree over the lanes. So a token's result does not depend on the tile, the threads, or what
+# the tile: per chunk t = fmuladd(hi, xh, lo * xl), acc = fmuladd(t, s, acc) (int4), or
+# acc = fmuladd(q * s, x, acc) (int8), then a fixed tree over the lanes. So a token's result does not depend on the tile, the threads, or what
 # else shares its pass. Only generic LLVM vector operations are used, so this compiles for
 # whatever vector width the host has (LLVM splits <16 x float> into two AVX2 registers where
 # AVX-512 is missing).
@@ -279,9 +279,14 @@ def _tile_codegen(nibbles: bool, wrows: int, arows: int):
                 else:
                     lo = builder.sitofp(raw, _V16F)
                 s = _splat(builder, builder.load(builder.gep(srows[j], [g])), _V16F)
-                for a, (xl, xh) in enumerate(xs):
-                    t = builder.call(fma, [hi, xh, builder.fmul(lo, xl)]) if nibbles else builder.fmul(lo, xl)
-                    builder.store(builder.call(fma, [t, s, builder.load(accs[j][a])]), accs[j][a])
+                if nibbles:
+                    for a, (xl, xh) in enumerate(xs):
+                        t = builder.call(fma, [hi, xh, builder.fmul(lo, xl)])
+                        builder.store(builder.call(fma, [t, s, builder.load(accs[j][a])]), accs[j][a])
+                else:  # int8: scaled once per weight row, then one fused multiply-add per pair
+                    w = builder.fmul(lo, s)
+                    for a, (xl, _) in enumerate(xs):
+                        builder.store(builder.call(fma, [w, xl, builder.load(accs[j][a])]), accs[j][a])
         for j in range(wrows):
             for a in range(arows):
                 at = _i64(j) if ocols is None else builder.add(builder.mul(_i64(a), ocols), _i64(j))
