@@ -676,13 +676,13 @@ class DecoderModel:
         a cache: they are then consecutive positions of one sequence, in row order (drafted
         tokens being verified). Different caches are different sequences (a batch).
 
-        Layer by layer, each row makes exactly the calls forward([ids[r]], caches[r]) makes, on
-        the same inputs, so its logits are the same bits as decoding that token alone: batching
-        and speculation never change a token. What the rows share is the weights: the fused
+        Layer by layer, each row goes through the operations forward([ids[r]], caches[r]) runs,
+        in the same order (the multi-row kernels compute each row as the one-row kernels do), so
+        its logits are the same bits as decoding that token alone: batching and speculation
+        never change a token (tests/models/harness.py). What the rows share is the weights: the fused
         dense blocks and the head run all rows through the multi-row kernels, which unpack each
         int4 or int8 weight once for all of them (kernels/cpu.py, _tile_codegen), and a MoE
         layer's routed experts are read once for all rows (RoutedMoE.rows)."""
-        B = len(ids)
         pos, end = [], {}
         for c in caches:
             p = end.get(id(c), c.length)
