@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit
+from numba.typed import List
 
 from . import ops
 from .idot import matmul_rows_into, matvec_into
@@ -62,20 +63,26 @@ def attention_block(x, norm_w, eps, qkv, qkv_bias, o, o_bias, cos, sin, rot,
     qkv_out = _mv(qkv, h[0], nthreads, act)
     if qkv_bias.shape[0]:
         qkv_out += qkv_bias
-    att = attend_row(qkv_out, cos, sin, rot, kc, vc, pos, n_heads, n_kv, head_dim, scale,
-                     qk_norm, q_norm, k_norm, norm_eps, clip)
-    out = _mv(o, att, nthreads, act)
+    q = np.empty((1, n_heads, head_dim), np.float32)
+    _prepare_row(qkv_out, cos, sin, rot, kc, vc, pos, n_heads, n_kv, head_dim, qk_norm, q_norm, k_norm,
+                 norm_eps, clip, q[0])
+    kcs, vcs = List(), List()  # one token's attention is attention_rows' with one row: both round alike
+    kcs.append(kc)
+    vcs.append(vc)
+    ends = np.empty(1, np.int64)
+    ends[0] = pos + 1
+    att = ops.attend_rows(q, kcs, vcs, ends, scale)
+    out = _mv(o, att[0], nthreads, act)
     if o_bias.shape[0]:
         out += o_bias
     return x + out.reshape((1, -1))
 
 
 @njit(cache=True)
-def attend_row(qkv_out, cos, sin, rot, kc, vc, pos, n_heads, n_kv, head_dim, scale,
-               qk_norm, q_norm, k_norm, norm_eps, clip):
-    """The middle of attention_block for one token: its fused q/k/v projection [(H + 2 KV) Dh]
-    (bias added) -> q/k norms, clipping, RoPE (cos/sin [1, rot]), K and V written at `pos`,
-    attention over the cache -> [H * Dh]."""
+def _prepare_row(qkv_out, cos, sin, rot, kc, vc, pos, n_heads, n_kv, head_dim, qk_norm, q_norm, k_norm,
+                 norm_eps, clip, q_out):
+    """One token's fused q/k/v projection [(H + 2 KV) Dh] (bias added) -> q/k norms, clipping,
+    RoPE (cos/sin [1, rot]); K and V written to the cache at `pos`, q into q_out [H, Dh]."""
     nq, nk = n_heads * head_dim, n_kv * head_dim
     q = qkv_out[:nq].copy().reshape((1, nq))
     k = qkv_out[nq:nq + nk].copy().reshape((1, nk))
@@ -100,13 +107,32 @@ def attend_row(qkv_out, cos, sin, rot, kc, vc, pos, n_heads, n_kv, head_dim, sca
         for d in range(head_dim):
             kc[g, pos, d] = k3[0, g, d]
             vc[g, pos, d] = v[g * head_dim + d]
-    return ops.attend_one(q3[0], kc, vc, pos + 1, scale)
+    for hh in range(n_heads):
+        for d in range(head_dim):
+            q_out[hh, d] = q3[0, hh, d]
 
 
 # Several tokens at once (DecoderModel.forward_rows: a batch of sequences, or drafted tokens):
-# attention_block cut where each token needs its own KV cache. qkv_rows and out_rows run the
-# projections of all rows through the multi-row kernels; the caller runs attend_row per row
-# in between. Each row's result is attention_block's, bit for bit (tests/models/harness.py).
+# attention_rows runs the projections of all rows through the multi-row kernels, prepares each
+# row on its own cache, and attends all rows in one parallel region. Each row's result is
+# attention_block's, bit for bit (tests/models/harness.py).
+
+
+@njit(cache=True)
+def attention_rows(x, norm_w, eps, qkv, qkv_bias, o, o_bias, cos, sin, rot, kcs, vcs, pos,
+                   n_heads, n_kv, head_dim, scale, nthreads, qk_norm, q_norm, k_norm, norm_eps, clip, act):
+    """attention_block for each row of x [B, D]: row r at position pos[r] of the cache kcs[r] /
+    vcs[r] (numba typed lists of [KV, cap, Dh] arrays), with cos/sin [B, rot]. Rows sharing a
+    cache are consecutive positions in row order; every row's K and V are written before any
+    row attends, and row r attends to its first pos[r] + 1 keys only."""
+    qkv_out = qkv_rows(x, norm_w, eps, qkv, qkv_bias, nthreads, act)
+    B = x.shape[0]
+    q = np.empty((B, n_heads, head_dim), np.float32)
+    for r in range(B):
+        _prepare_row(qkv_out[r], cos[r:r + 1], sin[r:r + 1], rot, kcs[r], vcs[r], pos[r], n_heads, n_kv,
+                     head_dim, qk_norm, q_norm, k_norm, norm_eps, clip, q[r])
+    att = ops.attend_rows(q, kcs, vcs, pos + 1, scale)
+    return out_rows(x, att, o, o_bias, nthreads, act)
 
 
 @njit(cache=True)

@@ -140,8 +140,17 @@ def attend_one(q, k, v, n, scale):
         _attend_chunk(q, k, v, kv, c * C, min(n - c * C, C), scale, scratch[item], ms[kv, c], ls[kv, c],
                       accs[kv, c])
     out = np.empty(H * Dv, np.float32)
+    _merge_chunks(ms, ls, accs, nc, out)
+    return out
+
+
+@njit(cache=True, fastmath={"reassoc", "contract", "nsz"})
+def _merge_chunks(ms, ls, accs, nc, out):
+    """One query's chunks merged in order (online softmax): ms/ls [KV, >= nc, G], accs
+    [KV, >= nc, G, Dv] -> out [H * Dv]."""
+    KV, _, G, Dv = accs.shape
     row = np.empty(Dv, np.float32)
-    for h in range(H):
+    for h in range(KV * G):
         kv = h // G
         g = h - kv * G
         top = np.float32(-np.inf)
@@ -158,6 +167,43 @@ def attend_one(q, k, v, n, scale):
         inv = np.float32(1.0) / total
         for d in range(Dv):
             out[h * Dv + d] = row[d] * inv
+
+
+@njit(cache=True, parallel=True, fastmath={"reassoc", "contract", "nsz"})
+def attend_rows(q, kcs, vcs, n, scale):
+    """attend_one for several queries at once (the fused decode blocks, one token or several):
+    q [B, H, Dk]; query r over the first n[r] keys of kcs[r] / vcs[r] (numba typed lists of
+    [KV, cap, D] arrays; rows may share a cache) -> [B, H * Dv]. One parallel region for all
+    rows' (KV head, chunk) work items, so a few short rows do not each pay a region's start.
+    A row's result does not depend on the other rows: the same items, merged in the same order,
+    whatever B is; one token and a batch both go through here."""
+    B, H, _ = q.shape
+    KV, _, Dv = vcs[0].shape
+    G = H // KV
+    C = ATTEND_CHUNK
+    nc = np.empty(B, np.int64)
+    first = np.zeros(B + 1, np.int64)  # rows' first work items
+    for r in range(B):
+        nc[r] = (n[r] + C - 1) // C
+        first[r + 1] = first[r] + KV * nc[r]
+    most = 0
+    for r in range(B):
+        most = max(most, nc[r])
+    ms = np.empty((B, KV, most, G), np.float32)
+    ls = np.empty((B, KV, most, G), np.float32)
+    accs = np.zeros((B, KV, most, G, Dv), np.float32)
+    scratch = np.empty((first[B], G, C), np.float32)
+    for item in prange(first[B]):
+        r = 0
+        while first[r + 1] <= item:
+            r += 1
+        kv = (item - first[r]) // nc[r]
+        c = item - first[r] - kv * nc[r]
+        _attend_chunk(q[r], kcs[r], vcs[r], kv, c * C, min(n[r] - c * C, C), scale, scratch[item],
+                      ms[r, kv, c], ls[r, kv, c], accs[r, kv, c])
+    out = np.empty((B, H * Dv), np.float32)
+    for r in range(B):
+        _merge_chunks(ms[r], ls[r], accs[r], nc[r], out[r])
     return out
 
 

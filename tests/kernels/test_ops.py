@@ -73,6 +73,26 @@ def test_attend_one_same_bits_with_any_thread_count():
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
 
 
+def test_attend_rows_is_attend_one_per_row_and_independent_of_the_others():
+    """Several queries on their own caches (or one cache at several lengths: drafted tokens) in
+    one call: each row equals attend_one's result to float32 rounding, and is the same bits as
+    attending that row alone, whatever shares the call."""
+    from numba.typed import List
+
+    caches = [(rng.normal(size=(3, cap, 64)).astype(np.float32), rng.normal(size=(3, cap, 64)).astype(np.float32))
+              for cap in (300, 64, 300)]
+    caches.append(caches[0])  # a fourth row on the first row's cache, further along
+    ends = np.array([290, 1, 130, 291], np.int64)
+    q = rng.normal(size=(4, 9, 64)).astype(np.float32)
+    scale = np.float32(0.125)
+    kcs, vcs = List([k for k, _ in caches]), List([v for _, v in caches])
+    rows = ops.attend_rows(q, kcs, vcs, ends, scale)
+    for r, (k, v) in enumerate(caches):
+        close(rows[r], ops.attend_one(q[r], k, v, int(ends[r]), scale), rtol=1e-5)
+        alone = ops.attend_rows(q[r:r + 1], List([k]), List([v]), ends[r:r + 1], scale)
+        assert np.array_equal(rows[r], alone[0])
+
+
 @pytest.mark.parametrize("L,n", [(1, 1), (1, 1536), (6, 33)])
 def test_silu_mul(L, n):
     gu = rng.normal(scale=3, size=(L, 2 * n)).astype(np.float32)
