@@ -3,7 +3,7 @@ acceptance, and (on a model whose experts stream from disk) MB of experts read p
 token. Modes run interleaved (off, ngram, auto, off, ...), each generation from an empty slot;
 the tokens are checked to be identical across modes. Benchmark only: no asserts.
 
-    python bench/speculative.py [--repeats 3] [--tokens 200]                # SmolLM2: copy-edit and free-form prompts
+    python bench/speculative.py [--repeats 3] [--tokens 200]                # SmolLM2: edit/repeat and free-form prompts
     python bench/speculative.py --model /work/medium-moe --ram-gb 0.14      # streamed experts (random ids prompt)
     python bench/speculative.py --row-cost                                  # ms of one forward_rows pass, 1-9 rows
 """
@@ -32,9 +32,16 @@ def save_config(path, data):
     with open(path, "w") as f:
         json.dump(data, f, indent=2)
 '''
+TODO = ("- buy milk\n- call the bank\n- water the plants\n- book train tickets\n- pay the electricity bill\n"
+        "- send the report to Anna\n- fix the bike tyre\n- return the library books")
+# Prompts that ask to repeat and edit a given text, and one that does not. How much of the
+# answer a drafter can find depends on how faithfully the model copies: SmolLM2-135M drops and
+# rewrites lines when asked for type hints, and copies when asked to repeat.
 PROMPTS = {
     "copy-edit": "Rewrite this Python code with type hints added to every function. Keep everything else "
                  "exactly the same.\n\n" + CODE,
+    "repeat-doc": "Repeat the following code exactly, then add a docstring to each function.\n\n" + CODE,
+    "list-edit": "Copy this list and add [ ] before each item:\n\n" + TODO,
     "free-form": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
 }
 
@@ -46,6 +53,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--draft-tokens", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-eos", dest="stop_at_eos", action="store_false",
+                    help="generate --tokens tokens past the end of the answer (default: stop at it)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--row-cost", action="store_true", help="time DecoderModel.forward_rows with 1-9 rows instead")
     a = ap.parse_args()
@@ -63,6 +72,7 @@ def main() -> None:
         # Random-weight MoE shapes have no meaningful text: random ids; their greedy output
         # falls into loops after a while, which is what lookup drafts find.
         prompts = {"random ids": np.random.default_rng(1).integers(0, engine.vocab_size, 16).tolist()}
+        a.stop_at_eos = False  # a random model's end token means nothing: always --tokens tokens
     else:
         prompts = PROMPTS
     modes = ["off", "ngram", "auto"]
@@ -76,7 +86,7 @@ def main() -> None:
                 for i in range(len(engine.slots)):
                     engine.reset(i)
                 before = engine.expert_stats
-                g = engine.generate(prompt, max_tokens=a.tokens, stop_at_eos=False, speculative=m,
+                g = engine.generate(prompt, max_tokens=a.tokens, stop_at_eos=a.stop_at_eos, speculative=m,
                                     draft_tokens=a.draft_tokens)
                 after = engine.expert_stats
                 read = (after["bytes_read"] - before["bytes_read"]) / len(g.token_ids) / 1e6 if after else None

@@ -20,7 +20,10 @@ def test_lookup_follows_the_latest_earlier_match():
     assert d.propose(8) == [9, 9, 1, 2, 3]  # "1 2 3" last seen at 5; the followers run to the end
     assert NgramDrafter([1, 2, 3]).propose(4) == []
     assert NgramDrafter([7]).propose(4) == []
-    assert NgramDrafter([7, 7]).propose(4) == [7]
+    assert NgramDrafter([7, 7, 7]).propose(4) == [7]
+    # One matching token is not enough to draft on, unless asked
+    assert NgramDrafter([5, 7, 6, 7]).propose(4) == []
+    assert NgramDrafter([5, 7, 6, 7], min_ngram=1).propose(4) == [6, 7]
 
 
 @pytest.fixture(scope="module")
