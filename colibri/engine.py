@@ -200,6 +200,20 @@ class Engine:
         return None if b is None else {"steps": b.steps, "rows": b.rows_run,
                                        "mean_rows": round(b.rows_run / b.steps, 3) if b.steps else 0.0}
 
+    def _speculator(self, ids: list[int], mode: str, draft_tokens: int) -> spec.Speculator:
+        """Drafts from the model's MTP layer for "mtp" (and "auto" where there is one), else by
+        prompt lookup. MTP drafts read the hidden states forward_rows leaves on the model, which
+        a batching step shares between streams: while batching, every mode looks up the prompt."""
+        head = getattr(self.model, "mtp", None)
+        if mode == "mtp" and head is None:
+            raise ColibriError("speculative 'mtp' needs a model with a multi-token-prediction layer "
+                               "(num_nextn_predict_layers, with its weights in the container); this one has "
+                               "none: use 'ngram' or 'auto'")
+        mtp = None
+        if mode in ("mtp", "auto") and head is not None and self._batcher is None:
+            mtp = spec.MTPDrafter(self.model, ids, self.max_context)
+        return spec.Speculator(self._rows, ids, mode, draft_tokens, mtp=mtp)
+
     def _rows(self, tokens: list[int], caches: list) -> np.ndarray:
         """forward_rows, through the batcher when batching (shared with other streams)."""
         if self._batcher is not None:
@@ -440,7 +454,7 @@ class Engine:
         t_prefill0 = time.perf_counter()
         ttft = prefill_s = 0.0
         t_decode0 = t_prefill0
-        drafts = spec.Speculator(self._rows, ids, speculative, draft_tokens) if speculative != "off" else None
+        drafts = self._speculator(ids, speculative, draft_tokens) if speculative != "off" else None
         batcher = self._batcher
         if batcher is not None:
             batcher.join()

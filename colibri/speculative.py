@@ -31,7 +31,7 @@ import numpy as np
 
 from colibri.errors import ColibriError
 
-MODES = ("off", "ngram", "auto")
+MODES = ("off", "ngram", "mtp", "auto")
 DEFAULT_DRAFT_TOKENS = 6
 MAX_DRAFT_TOKENS = 32
 
@@ -83,6 +83,79 @@ class NgramDrafter:
         return []
 
 
+class MTPDrafter:
+    """Drafts from the model's MTP layer (models/mtp.py): the row at position c - 1 (the main
+    model's hidden state there and the token just sampled at c) predicts the token at c + 1;
+    each further draft feeds the previous row's output and draft back in.
+
+    The MTP layer keeps its own one-layer cache, filled with "true" rows only: row p from the
+    main model's hidden state at p, which the pass that computed position p leaves in
+    model.rows_hidden (every step of a speculating generation goes through forward_rows). Rows
+    past the last true one are drafting scratch, cut off after each proposal. The cache covers
+    the positions since this drafter started (the prompt's hidden states are not kept); where
+    a hidden state is missing it starts again."""
+
+    KEEP = 256  # hidden states held before they are fed to the cache anyway (memory stays bounded)
+
+    def __init__(self, model, context: list[int], max_tokens: int):
+        self.model, self.head = model, model.mtp
+        self.seq = list(context)   # every token so far: the prompt, then each one sampled
+        self.hidden: dict[int, np.ndarray] = {}  # position -> the main model's hidden state there
+        self.cache = self.head.new_cache(max_tokens)
+        self.start = 0             # position of the cache's first row
+        self.next = None           # position of the first row not yet in the cache (None: empty)
+
+    def extend(self, tokens: list[int]) -> None:
+        self.seq.extend(tokens)
+
+    def observed(self, first: int, rows: int) -> None:
+        """forward_rows just ran `rows` rows from position `first`: keep their hidden states
+        (those of drafts that are not taken are dropped at the next proposal)."""
+        h = self.model.rows_hidden
+        for r in range(rows):
+            self.hidden[first + r] = np.array(h[r])
+        # A long run of plain steps: feed the rows whose next token is known (before `first`).
+        if len(self.hidden) > self.KEEP and first - 1 in self.hidden:
+            self._feed(first)
+
+    def propose(self, committed: int, k: int) -> list[int]:
+        """Up to k drafts for the positions after `committed` (the position of the token just
+        sampled, seq[committed]); [] without the main model's hidden state at committed - 1."""
+        c = committed
+        for p in [p for p in self.hidden if p >= c]:  # rows of drafts that were not taken
+            del self.hidden[p]
+        if k < 1 or c - 1 not in self.hidden:
+            return []
+        if self.next == c:  # row c - 1 is in (observed fed it), but its outputs are needed: again
+            self.next = c - 1
+        logits, x = self._feed(c)
+        drafts = [int(np.argmax(logits))]
+        h = x[-1:]
+        for i in range(1, k):
+            p = c + i - 1
+            logits, h = self.head(h, [drafts[-1]], np.array([p]), self.cache, p - self.start)
+            drafts.append(int(np.argmax(logits)))
+        self.cache.truncate(c - self.start)
+        return drafts
+
+    def _feed(self, upto: int):
+        """Rows next .. upto - 1 into the cache (restarting it at the longest run of known
+        states ending at upto - 1 when one is missing); the last row's (logits, outputs)."""
+        if self.next is None or any(p not in self.hidden for p in range(self.next, upto)):
+            first = upto - 1
+            while first - 1 in self.hidden:
+                first -= 1
+            self.start, self.next = first, first
+            self.cache.truncate(0)
+        todo = list(range(self.next, upto))
+        out = self.head(np.stack([self.hidden[p] for p in todo]), [self.seq[p + 1] for p in todo],
+                        np.asarray(todo), self.cache, self.next - self.start)
+        for p in todo[:-1]:  # the last stays: a proposal may need its row again
+            del self.hidden[p]
+        self.next = upto
+        return out
+
+
 @dataclass
 class SpecStats:
     passes: int = 0     # multi-row passes run
@@ -110,11 +183,12 @@ class Speculator:
 
     PROBE_EVERY = 16
 
-    def __init__(self, forward_rows, context: list[int], mode: str, draft_tokens: int):
+    def __init__(self, forward_rows, context: list[int], mode: str, draft_tokens: int, mtp: MTPDrafter | None = None):
         self.forward_rows = forward_rows  # DecoderModel.forward_rows, or the engine's batched version
         self.mode = mode
         self.k = draft_tokens
-        self.drafter = NgramDrafter(context)
+        # "mtp" (and "auto" on a model with an MTP layer) draft from it, else by prompt lookup
+        self.drafter = mtp if mtp is not None else NgramDrafter(context)
         self.stats = SpecStats()
         self._ahead: list[tuple[int, np.ndarray]] = []  # (draft token, logits after it)
         self._rejections = 0      # passes that ended at a draft the sampler did not take
@@ -136,10 +210,15 @@ class Speculator:
             self._rejections += 1
             cache.truncate(committed)
         k = min(self._draft_count(), room, cache.max_tokens - committed - 1)
-        draft = self.drafter.propose(k) if k > 0 else []
-        t0 = time.perf_counter()
+        t0 = time.perf_counter()  # drafting counts in a pass's cost (an MTP draft is a layer and a head)
+        if isinstance(self.drafter, MTPDrafter):
+            draft = self.drafter.propose(committed, k)
+        else:
+            draft = self.drafter.propose(k) if k > 0 else []
         rows = self.forward_rows([tok, *draft], [cache] * (len(draft) + 1))
         seconds = time.perf_counter() - t0
+        if isinstance(self.drafter, MTPDrafter):
+            self.drafter.observed(committed, len(draft) + 1)
         if not draft:
             self._plain[0] += seconds
             self._plain[1] += 1
@@ -159,7 +238,7 @@ class Speculator:
 
     def _draft_count(self) -> int:
         """How many tokens to draft for the next step (0: a plain step)."""
-        if self.mode == "ngram":
+        if self.mode in ("ngram", "mtp"):
             return self.k
         if self._plain[1] < 2:  # auto: first the cost of a plain step
             return 0

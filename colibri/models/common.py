@@ -631,6 +631,8 @@ class DecoderModel:
     """Embedding -> decoder layers -> final norm -> lm_head. Families build the layers."""
 
     activations = "f32"  # or "int8" (EngineConfig.activations): int4 matrices' activations
+    mtp = None           # the first multi-token-prediction layer, where the family has one (models/mtp.py)
+    rows_hidden = None   # forward_rows' final hidden states (after the final norm) [B, D]: MTP drafts read them
 
     def __init__(self, args: ModelArgs, w, layers: list, rope: Rope):
         self.args = args
@@ -721,4 +723,5 @@ class DecoderModel:
             x = layer.mlp_rows(x)
         for c in caches:
             c.length = end[id(c)]
-        return linear_rows(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)
+        self.rows_hidden = h = rms_norm(x, self.norm, self.args.rms_norm_eps)
+        return linear_rows(h, self.lm_head)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from colibri.errors import ColibriError
-from colibri.models import common
+from colibri.models import common, mtp
 from colibri.models.routing import GroupedMoEArgs, build_mlp
 
 
@@ -34,9 +34,14 @@ class ModelArgs(GroupedMoEArgs):
 def build(config: dict, weights, experts) -> common.DecoderModel:
     args = ModelArgs.from_dict(config)
     rope = common.build_rope(args)
-    layers = []
-    for i in range(args.num_hidden_layers):  # MTP layers after these stay unused in the container
+
+    def layer(i: int) -> common.DecoderLayer:
         p = f"model.layers.{i}"
         attn = common.Attention(args, weights, f"{p}.self_attn", rope, qk_norm="head" if args.use_qk_norm else None)
-        layers.append(common.DecoderLayer(args, attn, build_mlp(args, weights, experts, i), p, weights))
-    return common.DecoderModel(args, weights, layers, rope)
+        return common.DecoderLayer(args, attn, build_mlp(args, weights, experts, i), p, weights)
+
+    model = common.DecoderModel(args, weights, [layer(i) for i in range(args.num_hidden_layers)], rope)
+    # The first MTP layer after the decoder layers, as a drafter (models/mtp.py), when present.
+    mtp.attach(model, args, weights, layer,
+               lambda n: common.KVCache(1, args.num_key_value_heads, args.head_dim, n))
+    return model

@@ -27,7 +27,7 @@ from colibri.errors import ColibriError
 from colibri.kernels.attention import OnlineSoftmax, key_block
 from colibri.kernels.tasks import run_tasks, split
 from colibri.kernels.quant import dequantize
-from colibri.models import common
+from colibri.models import common, mtp
 from colibri.models.common import KVCache, linear, rms_norm
 from colibri.models.routing import GroupedMoEArgs, build_mlp
 
@@ -248,10 +248,14 @@ class MLAModel(common.DecoderModel):
 
 
 def build_mla_model(args: MLAArgs, w, experts, make_attention, index_dim: int = 0) -> MLAModel:
-    """Decoder layers 0 .. num_hidden_layers-1; MTP layers after them stay unused in the container."""
+    """Decoder layers 0 .. num_hidden_layers-1, and the first MTP layer after them as a drafter
+    (models/mtp.py) when the container holds it."""
     rope = common.build_rope(args, head_dim=args.qk_rope_head_dim)
-    layers = []
-    for i in range(args.num_hidden_layers):
-        attn = make_attention(i, rope)
-        layers.append(common.DecoderLayer(args, attn, build_mlp(args, w, experts, i), f"model.layers.{i}", w))
-    return MLAModel(args, w, layers, rope, index_dim)
+
+    def layer(i: int) -> common.DecoderLayer:
+        return common.DecoderLayer(args, make_attention(i, rope), build_mlp(args, w, experts, i), f"model.layers.{i}", w)
+
+    model = MLAModel(args, w, [layer(i) for i in range(args.num_hidden_layers)], rope, index_dim)
+    mtp.attach(model, args, w, layer,
+               lambda n: MLACache(1, args.kv_lora_rank, args.qk_rope_head_dim, n, index_dim))
+    return model
