@@ -263,13 +263,17 @@ def _tile_codegen(nibbles: bool, wrows: int, arows: int):
                 xs = [(load_x(row, xo), load_x(row, builder.add(xo, gbytes))) for row in xrows]
             else:
                 xs = [(load_x(row, b), None) for row in xrows]
-            for j in range(wrows):
-                prefetch(nrows[j], b)
-            for j in range(wrows):
-                prefetch(nsrows[j], g)
-            with builder.if_then(has_offs):
+            # One prefetch per row per 64-byte line (every 4th chunk), not per chunk: a
+            # prefetch is an instruction like any other, and 24 per chunk were a third of the
+            # one-token tile's.
+            with builder.if_then(builder.icmp_unsigned("==", builder.and_(i, _i64(3)), _i64(0))):
                 for j in range(wrows):
-                    prefetch(nmrows[j], g)
+                    prefetch(nrows[j], b)
+                for j in range(wrows):
+                    prefetch(nsrows[j], g)
+                with builder.if_then(has_offs):
+                    for j in range(wrows):
+                        prefetch(nmrows[j], g)
             for j in range(wrows):
                 raw = builder.load(builder.bitcast(builder.gep(qrows[j], [b]), _V16B.as_pointer()), align=1)
                 if nibbles:
