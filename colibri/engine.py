@@ -204,13 +204,13 @@ class Engine:
         """Drafts from the model's MTP layer for "mtp" (and "auto" where there is one), else by
         prompt lookup. MTP drafts read the hidden states forward_rows leaves on the model, which
         a batching step shares between streams: while batching, every mode looks up the prompt."""
-        head = getattr(self.model, "mtp", None)
-        if mode == "mtp" and head is None:
+        has_mtp = getattr(self.model, "has_mtp", False)
+        if mode == "mtp" and not has_mtp:
             raise ColibriError("speculative 'mtp' needs a model with a multi-token-prediction layer "
                                "(num_nextn_predict_layers, with its weights in the container); this one has "
                                "none: use 'ngram' or 'auto'")
         mtp = None
-        if mode in ("mtp", "auto") and head is not None and self._batcher is None:
+        if mode in ("mtp", "auto") and has_mtp and self._batcher is None:
             mtp = spec.MTPDrafter(self.model, ids, self.max_context)
         return spec.Speculator(self._rows, ids, mode, draft_tokens, mtp=mtp)
 

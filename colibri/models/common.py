@@ -631,7 +631,7 @@ class DecoderModel:
     """Embedding -> decoder layers -> final norm -> lm_head. Families build the layers."""
 
     activations = "f32"  # or "int8" (EngineConfig.activations): int4 matrices' activations
-    mtp = None           # the first multi-token-prediction layer, where the family has one (models/mtp.py)
+    build_mtp = None     # () -> the first multi-token-prediction layer, where the family has one (models/mtp.py)
     rows_hidden = None   # forward_rows' final hidden states (after the final norm) [B, D]: MTP drafts read them
 
     def __init__(self, args: ModelArgs, w, layers: list, rope: Rope):
@@ -643,6 +643,15 @@ class DecoderModel:
         self.lm_head = w.tensor("lm_head.weight") if w.has("lm_head.weight") else self.embed
         self.prefetch = False  # set by the engine when experts stream from disk
         self._kv_memo = None   # (rows' caches, typed lists of their K/V arrays per layer): _kv_lists
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.build_mtp is not None
+
+    @functools.cached_property
+    def mtp(self):
+        """The MTP layer (models/mtp.MTPHead), built on first use; None where there is none."""
+        return self.build_mtp() if self.build_mtp is not None else None
 
     def new_cache(self, max_tokens: int) -> KVCache:
         a = self.args

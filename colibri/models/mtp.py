@@ -62,13 +62,14 @@ class MTPHead:
 
 
 def attach(model, args, w, make_layer, new_cache) -> None:
-    """Give `model` its first MTP layer (model.mtp) when the config declares one and the container
-    holds its weights; make_layer(i) builds decoder layer i as the family does, new_cache(n) a
-    one-layer cache of that family's kind."""
+    """Let `model` build its first MTP layer (model.mtp_head()) when the config declares one and
+    the container holds its weights; make_layer(i) builds decoder layer i as the family does,
+    new_cache(n) a one-layer cache of that family's kind. Built on first use, not at load: the
+    layer and its copy of the head are ~1 GB of RAM at DeepSeek-V3's size, which a model that
+    never drafts with it should not spend."""
     n = int(args.num_nextn_predict_layers or 0)
     prefix = f"model.layers.{args.num_hidden_layers}"
     if n < 1 or not w.has(f"{prefix}.eh_proj.weight"):
-        model.mtp = None
         return
-    model.mtp = MTPHead(args, w, make_layer(args.num_hidden_layers), prefix, model.embed, model.lm_head,
-                        model.rope, new_cache)
+    model.build_mtp = lambda: MTPHead(args, w, make_layer(args.num_hidden_layers), prefix, model.embed,
+                                      model.lm_head, model.rope, new_cache)

@@ -35,9 +35,12 @@ def engine(request, tmp_path_factory):
     return Engine.load(convert(hf, tmp / "c", bits=4, progress=False))
 
 
-def test_the_model_gets_its_mtp_layer(engine):
-    assert engine.model.mtp is not None
-    assert engine.model.mtp.prefix == f"model.layers.{len(engine.model.layers)}"
+def test_the_model_gets_its_mtp_layer_when_it_first_drafts(engine):
+    fresh = Engine.load(engine.container.dir)
+    assert fresh.model.has_mtp and "mtp" not in vars(fresh.model)  # not loaded with the model
+    fresh.generate([1, 2, 3], max_tokens=3, speculative="mtp")
+    assert "mtp" in vars(fresh.model)
+    assert fresh.model.mtp.prefix == f"model.layers.{len(fresh.model.layers)}"
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(temperature=0.9, top_p=0.95, seed=4)], ids=["greedy", "sampled"])
