@@ -107,3 +107,27 @@ def test_bad_settings_are_refused(engine, smollm2_container):
         engine.generate("hi", max_tokens=2, speculative="ngram", draft_tokens=0)
     with pytest.raises(ColibriError, match="draft tokens must be between"):
         Engine.load(smollm2_container, speculative="ngram", draft_tokens=33)
+
+
+def test_auto_drafts_from_its_first_steps_before_any_probe():
+    """Before a drafted pass is timed, auto assumes an extra row costs ROW_COST_PRIOR of a step
+    (the multi-row kernels' measured 0.3-0.45): with the prior acceptance of 1/2 a first draft
+    pays, so text that repeats is drafted at once, not after PROBE_EVERY plain steps."""
+    from colibri.speculative import Speculator
+
+    class Cache:
+        max_tokens = 1000
+
+        def truncate(self, n):
+            pass
+
+    passes = []
+
+    def rows(tokens, caches):
+        passes.append(len(tokens))
+        return np.zeros((len(tokens), 8), np.float32)
+
+    s = Speculator(rows, [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], "auto", 4)
+    for i, tok in enumerate([3, 4, 1]):
+        s.step(Cache(), 10 + i, tok, room=100)
+    assert passes[:2] == [1, 1] and passes[2] > 1  # two plain steps to time one, then drafts
