@@ -18,9 +18,10 @@ and a rejected position keeps the target's sample.)
 
 Drafters: prompt lookup ("ngram": the tokens that followed the latest earlier occurrence of the
 context's last n tokens, n = 3 or 2; it pays on text that repeats or edits what the prompt
-holds: code refactors, reformatting, quoting). Modes: "off", "ngram" (draft K whenever the
-lookup finds something) and "auto" (ngram with as many drafts as the measured costs and
-acceptance say pay, none when nothing does; see Speculator).
+holds: code refactors, reformatting, quoting) and the model's own multi-token-prediction layer
+("mtp": DeepSeek-V3, GLM-4.5; MTPDrafter). Modes: "off", "ngram" and "mtp" (draft K whenever
+the drafter has something) and "auto" (MTP where the model has it, else lookup, with as many
+drafts as the measured costs and acceptance say pay, none when nothing does; see Speculator).
 """
 from __future__ import annotations
 
@@ -65,6 +66,13 @@ class NgramDrafter:
             self._buf = grown
         self._buf[self.n : need] = tokens
         self.n = need
+
+    def draft(self, committed: int, k: int) -> list[int]:
+        """The drafters' common step: up to k drafts after position `committed`."""
+        return self.propose(k) if k > 0 else []
+
+    def observed(self, first: int, rows: int) -> None:
+        """A pass ran (the lookup needs nothing from it)."""
 
     def propose(self, k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the last n tokens
@@ -117,6 +125,9 @@ class MTPDrafter:
         # A long run of plain steps: feed the rows whose next token is known (before `first`).
         if len(self.hidden) > self.KEEP and first - 1 in self.hidden:
             self._feed(first)
+
+    def draft(self, committed: int, k: int) -> list[int]:
+        return self.propose(committed, k)
 
     def propose(self, committed: int, k: int) -> list[int]:
         """Up to k drafts for the positions after `committed` (the position of the token just
@@ -212,14 +223,10 @@ class Speculator:
             cache.truncate(committed)
         k = min(self._draft_count(), room, cache.max_tokens - committed - 1)
         t0 = time.perf_counter()  # drafting counts in a pass's cost (an MTP draft is a layer and a head)
-        if isinstance(self.drafter, MTPDrafter):
-            draft = self.drafter.propose(committed, k)
-        else:
-            draft = self.drafter.propose(k) if k > 0 else []
+        draft = self.drafter.draft(committed, k)
         rows = self.forward_rows([tok, *draft], [cache] * (len(draft) + 1))
         seconds = time.perf_counter() - t0
-        if isinstance(self.drafter, MTPDrafter):
-            self.drafter.observed(committed, len(draft) + 1)
+        self.drafter.observed(committed, len(draft) + 1)
         if not draft:
             self._plain[0] += seconds
             self._plain[1] += 1
