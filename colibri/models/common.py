@@ -563,8 +563,10 @@ class DecoderLayer:
         order, so each row sees the keys of the rows before it. Fused attention runs all rows
         in one compiled call (decode.attention_rows; kv_lists: the rows' K and V arrays of this
         layer as numba typed lists, DecoderModel._kv_lists)."""
+        if x.shape[0] == 1:  # one token: the one-token path as it is (no copies around it)
+            return self.attend_one(x, caches[0], layer, int(pos[0]), cos, sin)
         attn_args, _ = self._fused if self._fused is not None else self._build_fused()
-        if attn_args is None or x.shape[0] == 1:
+        if attn_args is None:
             return np.concatenate([self.attend_one(x[r:r + 1], caches[r], layer, int(pos[r]), cos[r:r + 1],
                                                    sin[r:r + 1]) for r in range(x.shape[0])])
         eps, qkv, qkv_bias, o, o_bias, rot, h, kv, dh, scale, norms = attn_args
@@ -577,11 +579,13 @@ class DecoderLayer:
         """mlp_one for each one-token row of x [B, D], the same bits; a fused dense MLP runs
         all rows through the multi-row kernels, a MoE block runs the rows' experts expert by
         expert, each read once (RoutedMoE.rows)."""
-        if x.shape[0] > 1 and isinstance(self.mlp, RoutedMoE):
+        if x.shape[0] == 1:
+            return self.mlp_one(x)
+        if isinstance(self.mlp, RoutedMoE):
             outs = self.mlp.rows([rms_norm(x[r:r + 1], self.post_norm, self.eps) for r in range(x.shape[0])])
             return x + np.concatenate(outs)
         _, mlp_args = self._fused if self._fused is not None else self._build_fused()
-        if mlp_args is not None and x.shape[0] > 1:
+        if mlp_args is not None:
             return decode.mlp_rows(x, self.post_norm, *mlp_args, get_num_threads(), idot.marker(idot.current()))
         return np.concatenate([self.mlp_one(x[r:r + 1]) for r in range(x.shape[0])])
 
