@@ -150,28 +150,36 @@ def main() -> None:
         engines.append((f"llama-server --parallel {top}",
                         [a.llama_server, "-m", gguf, "--parallel", str(top), "-c", str(top * 1024), "-t", str(a.threads),
                          "-tb", str(a.threads), "--alias", "m", "--no-webui", "-cb"]))
-    rows = []
-    for name, cmd in engines:
-        port = free_port()
-        cmd = cmd + ["--port", str(port)]
-        srv = Server(cmd, port, env, logs / f"{name.split()[0]}-{port}.log")
-        try:
-            measure(srv.url, "m", 1, 8)  # warm: kernels, caches
-            for c in counts:
-                runs = []
-                for _ in range(a.rounds):
+    # Every server stays up for the whole run and the rounds interleave them (round 1: each
+    # server at each client count, then round 2, ...): this VM's speed drifts by ~10% over
+    # minutes, and one server measured after another would carry the drift into the ratios.
+    servers = []
+    try:
+        for name, cmd in engines:
+            port = free_port()
+            servers.append((name, Server(cmd + ["--port", str(port)], port, env, logs / f"{name.split()[0]}-{port}.log")))
+            measure(servers[-1][1].url, "m", 1, 8)  # warm: kernels, caches
+        runs: dict[tuple[str, int], list] = {}
+        for _ in range(a.rounds):
+            for name, srv in servers:
+                for c in counts:
                     before = expert_bytes(srv.url) if name.startswith("colibri") else None
                     r = measure(srv.url, "m", c, a.tokens)
                     after = expert_bytes(srv.url) if before is not None else None
                     r["gb_per_token"] = (after - before) / r["tokens"] / 1e9 if after is not None else None
-                    runs.append(r)
-                r = sorted(runs, key=lambda x: x["aggregate_tok_s"])[len(runs) // 2]  # the median run
-                rows.append((name, r))
-                print(f"{name:28} clients {c}: {r['aggregate_tok_s']:6.1f} tok/s, gap p50 {r['gap_p50_ms']:.1f} ms "
-                      f"p99 {r['gap_p99_ms']:.1f} ms" + (f", {r['gb_per_token']:.4f} GB/token" if r["gb_per_token"] is not None else ""),
-                      flush=True)
-        finally:
+                    runs.setdefault((name, c), []).append(r)
+    finally:
+        for _, srv in servers:
             srv.stop()
+    rows = []
+    for name, _ in engines:
+        for c in counts:
+            got = runs[(name, c)]
+            r = sorted(got, key=lambda x: x["aggregate_tok_s"])[len(got) // 2]  # the median run
+            rows.append((name, r))
+            print(f"{name:28} clients {c}: {r['aggregate_tok_s']:6.1f} tok/s, gap p50 {r['gap_p50_ms']:.1f} ms "
+                  f"p99 {r['gap_p99_ms']:.1f} ms" + (f", {r['gb_per_token']:.4f} GB/token" if r["gb_per_token"] is not None else ""),
+                  flush=True)
     # "x 1 client": against this configuration's own single client; "x best 1": against the
     # fastest single client of the same program in any configuration (colibri --max-batch 1
     # skips the batching machinery)
