@@ -1,5 +1,6 @@
-"""CPU kernels (numba) over QTensor: matvec for decode, embedding lookup (prefill's matmul is
-in gemm.py).
+"""CPU kernels (numba) over QTensor: matvec for decode (one token, or a few at once with
+matvec_rows, each token's result the same bits), embedding lookup (prefill's matmul is in
+gemm.py).
 Each is checked against `quant.dequantize` (tests/kernels/test_cpu.py); DESIGN.md section 6.
 
 Why the loops look as they do (timings: this repo's 2-core AMD EPYC sandbox, one thread):
