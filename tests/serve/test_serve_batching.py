@@ -89,10 +89,16 @@ def test_default_batch_is_one_kernel_tile_fewer_when_kv_memory_is_short():
 
 
 def test_serve_sizes_its_batch_when_not_told(start_server):
+    import re
+
+    from colibri.io.experts import available_memory
     from colibri.kernels.cpu import TILE_A
 
     s = start_server("--max-tokens", "16", max_batch=None)
-    assert f"up to {TILE_A} generation(s) at once (--max-batch sized to this machine)" in s.log()
+    n = int(re.search(r"up to (\d+) generation\(s\) at once \(--max-batch sized to this machine\)", s.log()).group(1))
+    assert 1 <= n <= TILE_A
+    if available_memory() > 8 << 30:  # SmolLM2's 4 full-context caches take ~1.5 GB
+        assert n == TILE_A
     got = together(s.url, [(p, 12) for p in PROMPTS])
     assert [t for t, _ in got] == [complete(s.url, p, 12)[0] for p in PROMPTS]
     assert "colibri_batch_rows_total" in httpx.get(s.url + "/metrics", timeout=30).text
