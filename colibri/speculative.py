@@ -137,8 +137,6 @@ class MTPDrafter:
             del self.hidden[p]
         if k < 1 or c - 1 not in self.hidden:
             return []
-        if self.next == c:  # row c - 1 is in (observed fed it), but its outputs are needed: again
-            self.next = c - 1
         logits, x = self._feed(c)
         drafts = [int(np.argmax(logits))]
         h = x[-1:]
@@ -161,7 +159,7 @@ class MTPDrafter:
         todo = list(range(self.next, upto))
         out = self.head(np.stack([self.hidden[p] for p in todo]), [self.seq[p + 1] for p in todo],
                         np.asarray(todo), self.cache, self.next - self.start)
-        for p in todo[:-1]:  # the last stays: a proposal may need its row again
+        for p in todo:
             del self.hidden[p]
         self.next = upto
         return out

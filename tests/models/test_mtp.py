@@ -124,3 +124,19 @@ def test_mtp_on_a_model_without_the_layer_is_refused(smollm2_container):
     with pytest.raises(ColibriError, match="multi-token-prediction"):
         engine.generate("hi", max_tokens=2, speculative="mtp")
     assert engine.generate("hi", max_tokens=2, speculative="auto").token_ids  # auto: prompt lookup
+
+
+def test_the_drafter_holds_only_the_hidden_states_it_has_not_fed(engine, monkeypatch):
+    drafters = []
+    init = MTPDrafter.__init__
+
+    def keep(self, *a, **kw):
+        init(self, *a, **kw)
+        drafters.append(self)
+
+    monkeypatch.setattr(MTPDrafter, "__init__", keep)
+    prompt = prompts_for(engine.vocab_size, 8, lengths=(5,))[0]
+    engine.generate(prompt, max_tokens=60, stop_at_eos=False, speculative="mtp", draft_tokens=3)
+    (d,) = drafters
+    assert len(d.hidden) <= 3 + 1  # the last pass's rows, nothing older
+    assert d.next - d.start > 40   # fed as it went
