@@ -54,6 +54,28 @@ def test_attend_one(H, KV, Dk, Dv, n, cap):
     close(ops.attend_one(q, k, v, n, scale), ref.reshape(-1).astype(np.float32), rtol=1e-5)
 
 
+def test_attend_one_online_softmax_when_the_max_moves():
+    """Decode attention keeps a running max per 16 keys: scores that rise along the context
+    (every block raises the max, the sums already held are rescaled) and a sharp peak early on
+    (no later block raises it) both give the full softmax's result."""
+    H, KV, D, n = 4, 2, 64, 700
+    q = rng.normal(size=(H, D)).astype(np.float32)
+    v = rng.normal(size=(KV, n, D)).astype(np.float32)
+    scale = np.float32(D ** -0.5)
+    rising = np.linspace(0.1, 6.0, n, dtype=np.float32)[None, :, None] * rng.normal(size=(KV, n, D)).astype(np.float32)
+    rising[:, :, :] += np.linspace(-4, 4, n, dtype=np.float32)[None, :, None] * np.sign(np.repeat(q[::2][:, None], n, 1))
+    peak = rng.normal(size=(KV, n, D)).astype(np.float32)
+    peak[:, 3] = 20 * np.sign(q[::2])
+    for k in (rising, peak):
+        k = np.ascontiguousarray(k, dtype=np.float32)
+        ref = np.empty((H, D), np.float64)
+        for h in range(H):
+            s = (k[h // 2].astype(np.float64) @ q[h]) * scale
+            p = np.exp(s - s.max())
+            ref[h] = (p / p.sum()) @ v[h // 2]
+        np.testing.assert_allclose(ops.attend_one(q, k, v, n, scale), ref.reshape(-1), rtol=1e-4, atol=1e-5)
+
+
 def test_attend_one_same_bits_with_any_thread_count():
     """Chunks of keys are fixed and merged in order, so threads never change the result (and
     so never change a token)."""
