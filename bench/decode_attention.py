@@ -4,6 +4,7 @@ and the K/V bytes it reads per second. Separate arrays per layer (as the cache h
 layer's K/V comes from memory, not from the CPU caches. Benchmark only: no asserts.
 
     python bench/decode_attention.py [--contexts 1024,4096,8192] [--heads 9 --kv-heads 3 --head-dim 64 --layers 30]
+                                     [--kv-cache f32,f16]
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--kv-cache", default="f32,f16", help="cache element types to time (f16: --kv-cache f16)")
     a = ap.parse_args()
 
     from colibri.kernels import ops
@@ -32,13 +34,16 @@ def main() -> None:
     lengths = [int(x) for x in a.contexts.split(",")]
     cap = max(lengths)
     rng = np.random.default_rng(0)
-    k = [rng.standard_normal((a.kv_heads, cap, a.head_dim), dtype=np.float32) for _ in range(a.layers)]
-    v = [rng.standard_normal((a.kv_heads, cap, a.head_dim), dtype=np.float32) for _ in range(a.layers)]
+    k32 = [rng.standard_normal((a.kv_heads, cap, a.head_dim), dtype=np.float32) for _ in range(a.layers)]
+    v32 = [rng.standard_normal((a.kv_heads, cap, a.head_dim), dtype=np.float32) for _ in range(a.layers)]
+    caches = {"f32": (k32, v32),
+              "f16": ([x.astype(np.float16).view(np.uint16) for x in k32], [x.astype(np.float16).view(np.uint16) for x in v32])}
     q = rng.standard_normal((a.heads, a.head_dim), dtype=np.float32)
     scale = np.float32(a.head_dim ** -0.5)
     print(f"{a.heads} heads over {a.kv_heads} KV heads of {a.head_dim}, {a.layers} layers; best of {a.repeats}")
-    print(f"{'context':>7} {'ms/token':>9} {'K+V GB/s':>9}")
-    for n in lengths:
+    print(f"{'cache':>5} {'context':>7} {'ms/token':>9} {'K+V GB/s':>9}")
+    for kind, n in [(kind, n) for kind in a.kv_cache.split(",") for n in lengths]:
+        k, v = caches[kind]
         ops.attend_one(q, k[0], v[0], n, scale)
         best = float("inf")
         for _ in range(a.repeats):
@@ -46,8 +51,8 @@ def main() -> None:
             for layer in range(a.layers):
                 ops.attend_one(q, k[layer], v[layer], n, scale)
             best = min(best, time.perf_counter() - t0)
-        read = a.layers * a.kv_heads * n * a.head_dim * 4 * 2
-        print(f"{n:7} {best * 1e3:9.2f} {read / best / 1e9:9.1f}")
+        read = a.layers * a.kv_heads * n * a.head_dim * k[0].itemsize * 2
+        print(f"{kind:>5} {n:7} {best * 1e3:9.2f} {read / best / 1e9:9.1f}")
 
 
 if __name__ == "__main__":

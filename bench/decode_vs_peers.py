@@ -49,7 +49,7 @@ def rss() -> int:
 def child_colibri(a) -> dict:
     from colibri import Engine
 
-    e = Engine.load(a.container, activations=_activations(a))
+    e = Engine.load(a.container, activations=_activations(a), kv_cache=_kv_cache(a))
     g = e.generate(SHORT, max_tokens=1)
     first = time.time()
     ids = e.tokenizer.encode(long_prompt(a.prompt_words), add_special_tokens=False)
@@ -65,6 +65,10 @@ def child_colibri(a) -> dict:
 
 def _activations(a) -> str:
     return "int8" if a.child == "colibri-int8" else "f32"
+
+
+def _kv_cache(a) -> str:
+    return "f16" if a.child == "colibri-f16kv" else "f32"
 
 
 def context_ids(tokenize, n: int) -> list[int]:
@@ -84,7 +88,8 @@ def child_colibri_contexts(a) -> dict:
     from colibri.kernels import ops
 
     lengths = [int(x) for x in a.contexts.split(",")]
-    e = Engine.load(a.container, max_context=max(lengths) + a.tokens, activations=_activations(a))
+    e = Engine.load(a.container, max_context=max(lengths) + a.tokens, activations=_activations(a),
+                    kv_cache=_kv_cache(a))
     ids = context_ids(lambda t: e.tokenizer.encode(t, add_special_tokens=False), max(lengths))
     args, cache = e.model.args, e.cache
     rows = []
@@ -220,13 +225,16 @@ def main() -> None:
     ap.add_argument("--prompt-words", type=int, default=420, help="words in the prefill prompt (420: ~480 tokens)")
     ap.add_argument("--contexts", default=None, help="e.g. 1024,4096,8160: decode after contexts this long")
     ap.add_argument("--int8", action="store_true", help="also colibri with --activations int8 (colibri-int8)")
-    ap.add_argument("--child", choices=["colibri", "colibri-int8", "llama", "transformers"])
+    ap.add_argument("--f16-kv", action="store_true", help="also colibri with --kv-cache f16 (colibri-f16kv)")
+    ap.add_argument("--child", choices=["colibri", "colibri-int8", "colibri-f16kv", "llama", "transformers"])
     a = ap.parse_args()
     if a.child:
-        fn = {"colibri": child_colibri, "colibri-int8": child_colibri, "llama": child_llama,
+        fn = {"colibri": child_colibri, "colibri-int8": child_colibri, "colibri-f16kv": child_colibri,
+              "llama": child_llama,
               "transformers": child_transformers}[a.child]
         if a.contexts:
             fn = {"colibri": child_colibri_contexts, "colibri-int8": child_colibri_contexts,
+                  "colibri-f16kv": child_colibri_contexts,
                   "llama": child_llama_contexts}[a.child]
         print(json.dumps(fn(a)))
         return
@@ -247,6 +255,8 @@ def main() -> None:
     engines = [("colibri", sys.executable)]
     if a.int8:
         engines.append(("colibri-int8", sys.executable))
+    if a.f16_kv:
+        engines.append(("colibri-f16kv", sys.executable))
     if a.llama_python:
         engines.append(("llama", a.llama_python))
     if not a.no_transformers and not a.contexts:
@@ -308,7 +318,8 @@ def main() -> None:
 
 def report_contexts(a, c, results, engines, bw, weight_bytes) -> None:
     """Decode tok/s by context length. The roof counts the KV cache read per token as well as the
-    weights: colibri keeps K and V in float32 (exact against transformers), llama.cpp in f16."""
+    weights: colibri keeps K and V in float32 (exact against transformers) unless --kv-cache f16,
+    llama.cpp in f16."""
     cfg = c.config
     kv_row = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * (cfg["hidden_size"] // cfg["num_attention_heads"])
     print(f"machine: {os.cpu_count()} cores; threads {a.threads}; {Path(a.gguf).name}; {a.tokens} tokens decoded at "
@@ -321,7 +332,7 @@ def report_contexts(a, c, results, engines, bw, weight_bytes) -> None:
                 continue
             rows = [r["rows"][i] for r in results[name]]
             d = statistics.median(r["decode_tok_s"] for r in rows)
-            kv_bytes = n * kv_row * (4 if name.startswith("colibri") else 2)
+            kv_bytes = n * kv_row * (4 if name in ("colibri", "colibri-int8") else 2)
             roof = bw / (weight_bytes + kv_bytes)
             share = (f"{100 * statistics.median(r['attention_s'] * r['decode_tok_s'] for r in rows):14.0f}%"
                      if "attention_s" in rows[0] else f"{'':15}")
@@ -330,6 +341,10 @@ def report_contexts(a, c, results, engines, bw, weight_bytes) -> None:
             ratio = (statistics.median(r["rows"][i]["decode_tok_s"] for r in results["colibri"])
                      / statistics.median(r["rows"][i]["decode_tok_s"] for r in results["llama"]))
             print(f"{n:7} colibri / llama.cpp: {ratio:.2f}x")
+            if results.get("colibri-f16kv"):
+                f16 = (statistics.median(r["rows"][i]["decode_tok_s"] for r in results["colibri-f16kv"])
+                       / statistics.median(r["rows"][i]["decode_tok_s"] for r in results["llama"]))
+                print(f"{n:7} colibri --kv-cache f16 / llama.cpp: {f16:.2f}x")
 
 
 if __name__ == "__main__":

@@ -100,7 +100,7 @@ def run_bench(model_dir=None, tokens: int = 32, prompt_tokens: int = 256, **engi
     warm = _measure(engine, seq, prompt)
     c = engine.container
     return {"version": BENCH_VERSION, "model": str(c.dir), "model_type": engine.model_type,
-            "activations": engine.config.activations,
+            "activations": engine.config.activations, "kv_cache": engine.config.kv_cache,
             "dense_gb": c.dense_bytes / 1e9, "expert_gb": c.expert_bytes / 1e9,
             "expert_store": type(engine.experts).__name__, "load_s": load_s,
             "cold_cache_dropped": cold_ok, "tokens": tokens, "prompt_tokens": prompt_tokens,
@@ -113,7 +113,8 @@ def render(report: dict, console) -> None:
 
     t = Table(title=f"colibri bench: {Path(report['model']).name} ({report['model_type']}, "
                     f"dense {report['dense_gb']:.2f} GB, experts {report['expert_gb']:.2f} GB"
-                    + (", int8 activations)" if report.get("activations") == "int8" else ")"))
+                    + (", int8 activations" if report.get("activations") == "int8" else "")
+                    + (", f16 KV cache" if report.get("kv_cache") == "f16" else "") + ")")
     t.add_column("state")
     for col in ("decode tok/s", "prefill tok/s", "TTFT s", "hit rate", "GB read/token", "disk wait"):
         t.add_column(col, justify="right")

@@ -85,6 +85,21 @@ def activations_option(**kw):
                         "bottleneck, not exact; README: Quality).", **kw)
 
 
+def check_kv_cache(kind: str) -> str:
+    from colibri.models.common import KV_CACHE_TYPES
+
+    if kind not in KV_CACHE_TYPES:
+        raise ColibriError(f"--kv-cache must be one of {', '.join(KV_CACHE_TYPES)}, not {kind!r}")
+    return kind
+
+
+def kv_cache_option(**kw):
+    """--kv-cache for every command that loads a model."""
+    return typer.Option("f32", "--kv-cache", callback=check_kv_cache, help="KV cache element type: f32 (exact, "
+                        "the default) or f16 (half the memory and the bytes read per token at long contexts, "
+                        "as llama.cpp's default cache; not exact).", **kw)
+
+
 def tiers(model, ram_gb: float | None, vram_gb: float | None, auto_tier: bool) -> tuple:
     """(--ram-gb, --vram-gb): as given; with --auto-tier and no --ram-gb, the plan's budgets for
     both (a --vram-gb given still wins)."""
@@ -191,6 +206,7 @@ def run(
     speculative: str = speculative_option(),
     draft_tokens: int = draft_tokens_option(),
     activations: str = activations_option(),
+    kv_cache: str = kv_cache_option(),
     device: str = device_option(),
     vram_gb: Optional[float] = vram_gb_option(),
     gpu_layers: Optional[int] = gpu_layers_option(),
@@ -209,7 +225,8 @@ def run(
     ram_gb, vram_gb = tiers(model, ram_gb, vram_gb, auto_tier)
     engine = Engine.load(model, progress=True, max_context=max_context, ram_gb=ram_gb, expert_io=expert_io,
                          prefetch=prefetch, threads=threads, speculative=speculative, draft_tokens=draft_tokens,
-                         activations=activations, cluster=cluster, expert_workers=expert_workers, device=device,
+                         activations=activations, kv_cache=kv_cache, cluster=cluster, expert_workers=expert_workers,
+                         device=device,
                          vram_gb=vram_gb, gpu_layers=gpu_layers)
     fit_max_tokens(engine, prompt, max_tokens, raw=raw, system=system)
     for ev in engine.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
@@ -271,6 +288,7 @@ def chat(
     speculative: str = speculative_option(),
     draft_tokens: int = draft_tokens_option(),
     activations: str = activations_option(),
+    kv_cache: str = kv_cache_option(),
     device: str = device_option(),
     vram_gb: Optional[float] = vram_gb_option(),
     gpu_layers: Optional[int] = gpu_layers_option(),
@@ -292,7 +310,8 @@ def chat(
     if threads is not None and not attach:
         options["threads"] = threads
     if not attach:
-        options.update(speculative=speculative, draft_tokens=draft_tokens, activations=activations, device=device)
+        options.update(speculative=speculative, draft_tokens=draft_tokens, activations=activations,
+                       kv_cache=kv_cache, device=device)
         options.update({k: v for k, v in (("vram_gb", vram_gb), ("gpu_layers", gpu_layers)) if v is not None})
     if cluster and not attach:
         options.update(cluster=cluster, expert_workers=expert_workers)
@@ -424,6 +443,7 @@ def serve(
     speculative: str = speculative_option(envvar="COLI_SPECULATIVE"),
     draft_tokens: int = draft_tokens_option(envvar="COLI_DRAFT_TOKENS"),
     activations: str = activations_option(envvar="COLI_ACTIVATIONS"),
+    kv_cache: str = kv_cache_option(envvar="COLI_KV_CACHE"),
     device: str = device_option(envvar="COLI_DEVICE"),
     vram_gb: Optional[float] = vram_gb_option(envvar="COLI_VRAM_GB"),
     gpu_layers: Optional[int] = gpu_layers_option(envvar="COLI_GPU_LAYERS"),
@@ -448,7 +468,8 @@ def serve(
                             read_timeout=read_timeout,
                             drain_timeout=drain_timeout, log_level=log_level, ram_gb=ram_gb, threads=threads,
                             prefill_chunk=prefill_chunk, speculative=speculative, draft_tokens=draft_tokens,
-                            max_batch=max_batch, activations=activations, device=device, vram_gb=vram_gb,
+                            max_batch=max_batch, activations=activations, kv_cache=kv_cache, device=device,
+                            vram_gb=vram_gb,
                             gpu_layers=gpu_layers,
                             cluster=cluster,
                             expert_workers=expert_workers))
@@ -466,6 +487,7 @@ def bench(
     threads: Optional[int] = threads_option(),
     auto_tier: bool = typer.Option(False, "--auto-tier", help="Apply `colibri plan` where --ram-gb is not given."),
     activations: str = activations_option(),
+    kv_cache: str = kv_cache_option(),
     device: str = device_option(),
     vram_gb: Optional[float] = vram_gb_option(),
     gpu_layers: Optional[int] = gpu_layers_option(),
@@ -487,7 +509,7 @@ def bench(
     model = model_dir(model)
     ram_gb, vram_gb = tiers(model, ram_gb, vram_gb, auto_tier)
     report = run_bench(model, tokens=tokens, prompt_tokens=prompt_tokens, ram_gb=ram_gb, expert_io=expert_io, prefetch=prefetch,
-                       hot_set=hot_set, threads=threads, activations=activations, cluster=cluster,
+                       hot_set=hot_set, threads=threads, activations=activations, kv_cache=kv_cache, cluster=cluster,
                        expert_workers=expert_workers, device=device, vram_gb=vram_gb, gpu_layers=gpu_layers)
     if as_json:
         print(json.dumps(report, indent=1))
@@ -509,6 +531,7 @@ def perplexity(
     ram_gb: Optional[float] = typer.Option(None, "--ram-gb", help="RAM budget for weights (dense + cached experts)."),
     threads: Optional[int] = threads_option(),
     activations: str = activations_option(),
+    kv_cache: str = kv_cache_option(),
     device: str = device_option(),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ):
@@ -527,7 +550,7 @@ def perplexity(
     model = model_dir(model)
     need_tokenizer(model)
     engine = Engine.load(model, progress=not as_json, ram_gb=ram_gb, threads=threads, max_context=ctx,
-                         activations=activations, device=device)
+                         activations=activations, kv_cache=kv_cache, device=device)
     trained = engine.container.config.get("max_position_embeddings")
     if trained and ctx > int(trained):
         raise ColibriError(f"--ctx {ctx} is longer than the context {engine.model_id} was trained for ({trained})")

@@ -24,6 +24,7 @@ from colibri.kernels.idot import ACTIVATIONS
 from colibri.io.expert_store import ExpertStore, load_history, shown
 from colibri.io.experts import open_experts
 from colibri.models import family
+from colibri.models.common import KV_CACHE_TYPES
 from colibri.threads import ThreadPolicy, run_apart
 from colibri.tokenizer import Tokenizer
 from colibri.warmup import compile_kernels
@@ -57,6 +58,10 @@ class EngineConfig:
     # int8 per weight group and dotted in integer arithmetic: faster where the CPU is the
     # bottleneck, at the fidelity cost the README measures; colibri/kernels/idot.py).
     activations: str = "f32"
+    # The KV cache's element type: "f32" (exact) or "f16" (half the bytes decode attention
+    # reads per token at long contexts, as llama.cpp's default cache; K and V rounded to
+    # float16). GQA attention on the CPU; MLA's latent cache and the GPU path stay float32.
+    kv_cache: str = "f32"
     # Where the dense forward runs: "cpu", "cuda" (weights and KV cache in GPU memory,
     # colibri/models/device.py; an error without a GPU or for a model it does not cover) or
     # "auto" (cuda when a GPU is there and covers the model, else cpu).
@@ -135,6 +140,11 @@ class KVSlot:
     last_used: float = 0.0
 
 
+def _check_kv_cache(kind: str) -> None:
+    if kind not in KV_CACHE_TYPES:
+        raise ColibriError(f"kv_cache must be one of {', '.join(KV_CACHE_TYPES)}, not {kind!r}")
+
+
 def _check_activations(mode: str) -> None:
     if mode not in ACTIVATIONS:
         raise ColibriError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {mode!r}")
@@ -160,7 +170,12 @@ class Engine:
         spec.check_mode(config.speculative, config.draft_tokens)
         _check_activations(config.activations)
         model.activations = config.activations
+        _check_kv_cache(config.kv_cache)
+        model.kv_cache = config.kv_cache
         self.slots = [KVSlot(model.new_cache(self.max_context)) for _ in range(config.kv_slots)]
+        if getattr(self.slots[0].cache, "dtype", "f32") != config.kv_cache:
+            raise ColibriError(f"--kv-cache {config.kv_cache} covers grouped-query attention on the CPU; "
+                               f"this model's cache ({type(self.slots[0].cache).__name__}) is float32 only")
         self._local = threading.local()  # `last`, per thread: concurrent streams (batching) each see their own
         self._threads = ThreadPolicy(config.threads)  # kernel threads: explicit, else adapted to the machine's load
         self._batcher: StepBatcher | None = None
@@ -290,6 +305,8 @@ class Engine:
             model = place(model, config.device, container, experts, vram,
                           load_history(history_path(container.dir)), config.gpu_layers)
         model.activations = config.activations  # before the warm-up compiles its kernels
+        _check_kv_cache(config.kv_cache)
+        model.kv_cache = config.kv_cache
         if progress:  # in a thread of its own: see run_apart (the server generates on another thread)
             run_apart(compile_kernels, model, model_dir=container.dir)
         tok_path = Path(model_dir) / "tokenizer.json"

@@ -303,6 +303,7 @@ def test_piped_chat_prints_plain_text(smollm2_container, tmp_path):
     (["--stats", "loud"], "--stats must be one of"),
     (["--max-tokens", "0"], "--max-tokens"),
     (["--threads", "0"], "--threads must be >= 1"),
+    (["--kv-cache", "f8"], "--kv-cache must be one of f32, f16, not 'f8'"),
     (["--model", "{tmp}/weights.bin"], "-m takes a model directory (from `colibri convert`) or a .gguf file"),
 ])
 def test_chat_bad_input(tmp_path, args, needle):

@@ -79,6 +79,8 @@ def load_kv(path: str | os.PathLike, cache, model_id: str) -> list[int]:
             if int(z["version"]) != FORMAT_VERSION or str(z["model_id"]) != model_id:
                 raise ColibriError(f"{path}: KV file is for another model or format")
             ids = z["ids"].tolist()
+            if len(cache.k) and z["k0"].dtype != cache.k[0].dtype:
+                raise ColibriError(f"{path}: KV file was saved with another --kv-cache")
             cache.truncate(0)
             cache.reserve(len(ids))
             for i in range(len(cache.k)):

@@ -105,8 +105,8 @@ def _prepare_row(qkv_out, cos, sin, rot, kc, vc, pos, n_heads, n_kv, head_dim, q
     # error path, ~5 s of the first start's compile for the same stores.
     for g in range(n_kv):
         for d in range(head_dim):
-            kc[g, pos, d] = k3[0, g, d]
-            vc[g, pos, d] = v[g * head_dim + d]
+            ops.kv_put(kc, g, pos, d, k3[0, g, d])
+            ops.kv_put(vc, g, pos, d, v[g * head_dim + d])
     for hh in range(n_heads):
         for d in range(head_dim):
             q_out[hh, d] = q3[0, hh, d]

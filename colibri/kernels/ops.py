@@ -11,7 +11,7 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 
 @intrinsic
@@ -94,6 +94,7 @@ ATTEND_CHUNK = 128
 _F32 = ir.FloatType()
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
+_I16 = ir.IntType(16)
 _V16F = ir.VectorType(_F32, 16)
 _ROWS = 16  # keys per step of the intrinsics
 
@@ -106,18 +107,33 @@ def _v16_ptr(builder, base, offset):
     return builder.bitcast(builder.gep(base, [offset]), _V16F.as_pointer())
 
 
+def _elements(builder, ary, dtype):
+    """The data pointer of a float32 array, or of a float16 cache (its bits held as uint16:
+    numba has no float16)."""
+    return builder.bitcast(ary.data, (_I16 if dtype == types.uint16 else _F32).as_pointer())
+
+
+def _load16(builder, base, offset, dtype):
+    """16 floats from base + offset (elements): float32, or float16 widened (vcvtph2ps)."""
+    if dtype != types.uint16:
+        return builder.load(_v16_ptr(builder, base, offset), align=4)
+    halves = builder.load(builder.bitcast(builder.gep(base, [offset]), ir.VectorType(_I16, 16).as_pointer()), align=2)
+    return builder.fpext(builder.bitcast(halves, ir.VectorType(ir.HalfType(), 16)), _V16F)
+
+
 def _splat16(builder, value):
     v = builder.insert_element(ir.Constant(_V16F, ir.Undefined), value, ir.Constant(_I32, 0))
     return builder.shuffle_vector(v, ir.Constant(_V16F, ir.Undefined), ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
 
 
-def _prefetch_rows(builder, rows, width):
-    """Prefetch _ROWS contiguous rows of `width` floats from `rows`, one per 64-byte line."""
+def _prefetch_rows(builder, rows, width, dtype):
+    """Prefetch _ROWS contiguous rows of `width` elements from `rows`, one per 64-byte line."""
     pf = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), _I32, _I32, _I32]),
         "llvm.prefetch.p0")
-    with cgutils.for_range(builder, builder.lshr(builder.mul(width, _c64(_ROWS)), _c64(4))) as line:
-        p = builder.gep(rows, [builder.shl(line.index, _c64(4))])
+    per_line = 32 if dtype == types.uint16 else 16
+    with cgutils.for_range(builder, builder.udiv(builder.mul(width, _c64(_ROWS)), _c64(per_line))) as line:
+        p = builder.gep(rows, [builder.mul(line.index, _c64(per_line))])
         # read, keep in all cache levels (a non-temporal hint measured 2x slower), data
         builder.call(pf, [builder.bitcast(p, ir.IntType(8).as_pointer()), ir.Constant(_I32, 0),
                           ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
@@ -142,11 +158,63 @@ def _is_c_f32(a, ndim) -> bool:
     return isinstance(a, types.Array) and a.dtype == types.float32 and a.ndim == ndim and a.layout == "C"
 
 
+def _is_kv(a) -> bool:
+    """A KV cache array: [KV, capacity, D], float32 or float16 bits (uint16)."""
+    return isinstance(a, types.Array) and a.dtype in (types.float32, types.uint16) and a.ndim == 3 \
+        and a.layout == "C"
+
+
+# An opt-in float16 KV cache (EngineConfig.kv_cache = "f16") halves the bytes decode attention
+# reads at long contexts (llama.cpp's default cache is float16 too); numba has no float16, so
+# its arrays hold the bits as uint16, widened on load (vcvtph2ps) and rounded to nearest even
+# on store (vcvtps2ph, as numpy's astype(np.float16) rounds prompt rows). The kernels compile
+# for either dtype.
+@intrinsic
+def _half_bits_to_f32(typingctx, h):
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), _F32)
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def _f32_to_half_bits(typingctx, x):
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), _I16)
+    return types.uint16(types.float32), codegen
+
+
+def kv_get(a, g, t, d):
+    """a[g, t, d] of a KV cache array as float32 (float32 or float16 bits)."""
+
+
+def kv_put(a, g, t, d, x):
+    """a[g, t, d] = x (float32), rounded to float16 in a float16 cache."""
+
+
+@overload(kv_get, inline="always")
+def _kv_get(a, g, t, d):
+    if a.dtype == types.uint16:
+        return lambda a, g, t, d: _half_bits_to_f32(a[g, t, d])
+    return lambda a, g, t, d: a[g, t, d]
+
+
+@overload(kv_put, inline="always")
+def _kv_put(a, g, t, d, x):
+    if a.dtype == types.uint16:
+        def put_half(a, g, t, d, x):
+            a[g, t, d] = _f32_to_half_bits(np.float32(x))
+        return put_half
+
+    def put(a, g, t, d, x):
+        a[g, t, d] = x
+    return put
+
+
 @intrinsic
 def _scores16(typingctx, q, k, kv, t, scale, s, j):
     """s[g, j + i] = scale * dot(q[kv * G + g], k[kv, t + i]) for i < 16 and every g < G =
     s.shape[0]; Dk (q.shape[1]) a multiple of 16. Prefetches K rows t + 16 .. t + 31."""
-    if not (_is_c_f32(q, 2) and _is_c_f32(k, 3) and _is_c_f32(s, 2)):
+    if not (_is_c_f32(q, 2) and _is_kv(k) and _is_c_f32(s, 2)):
         return None
 
     def codegen(context, builder, sig, args):
@@ -155,9 +223,9 @@ def _scores16(typingctx, q, k, kv, t, scale, s, j):
         Dk = cgutils.unpack_tuple(builder, qa.shape, 2)[1]
         cap = cgutils.unpack_tuple(builder, ka.shape, 3)[1]
         G, C = cgutils.unpack_tuple(builder, sa.shape, 2)
-        krows = builder.gep(builder.bitcast(ka.data, _F32.as_pointer()),
-                            [builder.mul(builder.add(builder.mul(kv, cap), t), Dk)])
-        _prefetch_rows(builder, builder.gep(krows, [builder.mul(_c64(_ROWS), Dk)]), Dk)
+        kdt = sig.args[1].dtype
+        krows = builder.gep(_elements(builder, ka, kdt), [builder.mul(builder.add(builder.mul(kv, cap), t), Dk)])
+        _prefetch_rows(builder, builder.gep(krows, [builder.mul(_c64(_ROWS), Dk)]), Dk, kdt)
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3),
                                              "llvm.fmuladd.v16f32")
         qbase = builder.bitcast(qa.data, _F32.as_pointer())
@@ -171,7 +239,7 @@ def _scores16(typingctx, q, k, kv, t, scale, s, j):
                 off = builder.shl(chunk.index, _c64(4))
                 qv = builder.load(_v16_ptr(builder, qrow, off), align=4)
                 for i, acc in enumerate(accs):
-                    kv16 = builder.load(_v16_ptr(builder, krows, builder.add(builder.mul(_c64(i), Dk), off)), align=4)
+                    kv16 = _load16(builder, krows, builder.add(builder.mul(_c64(i), Dk), off), kdt)
                     builder.store(builder.call(fma, [qv, kv16, builder.load(acc)]), acc)
             dots = _transposed_sums(builder, [builder.load(a) for a in accs])
             dst = builder.gep(sbase, [builder.add(builder.mul(g, C), j)])
@@ -185,7 +253,7 @@ def _values16(typingctx, v, kv, t, s, j, accs):
     """accs[g] += sum_i s[g, j + i] * v[kv, t + i] for i < 16 and every g; Dv a multiple of 16.
     Even and odd keys go to two chains (one chain of dependent multiply-adds ran at half the
     rate), added at the end. Prefetches V rows t + 16 .. t + 31."""
-    if not (_is_c_f32(v, 3) and _is_c_f32(s, 2) and _is_c_f32(accs, 2)):
+    if not (_is_kv(v) and _is_c_f32(s, 2) and _is_c_f32(accs, 2)):
         return None
 
     def codegen(context, builder, sig, args):
@@ -193,9 +261,9 @@ def _values16(typingctx, v, kv, t, s, j, accs):
         kv, t, j = args[1], args[2], args[4]
         cap, Dv = cgutils.unpack_tuple(builder, va.shape, 3)[1:]
         G, C = cgutils.unpack_tuple(builder, sa.shape, 2)
-        vrows = builder.gep(builder.bitcast(va.data, _F32.as_pointer()),
-                            [builder.mul(builder.add(builder.mul(kv, cap), t), Dv)])
-        _prefetch_rows(builder, builder.gep(vrows, [builder.mul(_c64(_ROWS), Dv)]), Dv)
+        vdt = sig.args[0].dtype
+        vrows = builder.gep(_elements(builder, va, vdt), [builder.mul(builder.add(builder.mul(kv, cap), t), Dv)])
+        _prefetch_rows(builder, builder.gep(vrows, [builder.mul(_c64(_ROWS), Dv)]), Dv, vdt)
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3),
                                              "llvm.fmuladd.v16f32")
         sbase = builder.bitcast(sa.data, _F32.as_pointer())
@@ -210,8 +278,8 @@ def _values16(typingctx, v, kv, t, s, j, accs):
                 even = builder.load(_v16_ptr(builder, arow, off), align=4)
                 odd = ir.Constant(_V16F, [0.0] * 16)
                 for i in range(0, _ROWS, 2):
-                    v0 = builder.load(_v16_ptr(builder, vrows, builder.add(builder.mul(_c64(i), Dv), off)), align=4)
-                    v1 = builder.load(_v16_ptr(builder, vrows, builder.add(builder.mul(_c64(i + 1), Dv), off)), align=4)
+                    v0 = _load16(builder, vrows, builder.add(builder.mul(_c64(i), Dv), off), vdt)
+                    v1 = _load16(builder, vrows, builder.add(builder.mul(_c64(i + 1), Dv), off), vdt)
                     even = builder.call(fma, [ps[i], v0, even])
                     odd = builder.call(fma, [ps[i + 1], v1, odd])
                 builder.store(builder.fadd(even, odd), _v16_ptr(builder, arow, off), align=4)
@@ -259,7 +327,7 @@ def _attend_chunk(q, k, v, kv, t0, m_len, scale, s, ms, ls, accs):
         for g in range(G):
             a = np.float32(0.0)
             for d in range(Dk):
-                a += q[kv * G + g, d] * k[kv, t, d]
+                a += q[kv * G + g, d] * kv_get(k, kv, t, d)
             a *= scale
             if a > ms[g]:
                 c = expf(ms[g] - a)
@@ -270,7 +338,7 @@ def _attend_chunk(q, k, v, kv, t0, m_len, scale, s, ms, ls, accs):
             e = expf(a - ms[g])
             ls[g] += e
             for d in range(Dv):
-                accs[g, d] += e * v[kv, t, d]
+                accs[g, d] += e * kv_get(v, kv, t, d)
         j += 1
 
 

@@ -228,16 +228,29 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rotary_dim: int)
 
 # ----------------------------------------------------------------------------- KV cache
 
-class KVCache:
-    """Per-layer K and V for one sequence, grown by doubling up to `max_tokens`."""
+KV_CACHE_TYPES = {"f32": np.float32, "f16": np.uint16}  # f16: float16 bits (numba has no float16)
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_tokens: int, v_dim: int | None = None):
+
+class KVCache:
+    """Per-layer K and V for one sequence, grown by doubling up to `max_tokens`.
+
+    dtype "f32" keeps K and V as computed (the reference's function); "f16" rounds them to
+    float16, half the bytes decode attention reads per token at long contexts (the kernels
+    widen them on load; kernels/ops.py). Write and read through write_rows / keys / values,
+    which convert; the arrays k[layer], v[layer] go to the kernels as they are."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_tokens: int, v_dim: int | None = None,
+                 dtype: str = "f32"):
+        if dtype not in KV_CACHE_TYPES:
+            raise ColibriError(f"kv cache type must be one of {', '.join(KV_CACHE_TYPES)}, not {dtype!r}")
         self.max_tokens = max_tokens
         self.length = 0
+        self.dtype = dtype
+        self._np = KV_CACHE_TYPES[dtype]
         self._shape = (num_kv_heads, head_dim, v_dim or head_dim)
         cap = min(max_tokens, 256)
-        self.k = [np.zeros((num_kv_heads, cap, head_dim), np.float32) for _ in range(num_layers)]
-        self.v = [np.zeros((num_kv_heads, cap, v_dim or head_dim), np.float32) for _ in range(num_layers)]
+        self.k = [np.zeros((num_kv_heads, cap, head_dim), self._np) for _ in range(num_layers)]
+        self.v = [np.zeros((num_kv_heads, cap, v_dim or head_dim), self._np) for _ in range(num_layers)]
 
     @property
     def capacity(self) -> int:
@@ -251,9 +264,27 @@ class KVCache:
         cap = min(self.max_tokens, max(n, 2 * self.capacity))
         for store in (self.k, self.v):
             for i, a in enumerate(store):
-                grown = np.zeros((a.shape[0], cap, a.shape[2]), np.float32)
+                grown = np.zeros((a.shape[0], cap, a.shape[2]), self._np)
                 grown[:, : self.length] = a[:, : self.length]
                 store[i] = grown
+
+    def write_rows(self, layer: int, pos0: int, k: np.ndarray, v: np.ndarray) -> None:
+        """K and V of positions pos0 .. pos0 + L, given as float32 [KV, L, D]."""
+        L = k.shape[1]
+        if self.dtype == "f16":
+            k, v = k.astype(np.float16).view(np.uint16), v.astype(np.float16).view(np.uint16)
+        self.k[layer][:, pos0:pos0 + L] = k
+        self.v[layer][:, pos0:pos0 + L] = v
+
+    def keys(self, layer: int, n: int) -> np.ndarray:
+        """The first n positions' K as float32 [KV, n, Dk] (a view of a float32 cache)."""
+        return self._float32(self.k[layer][:, :n])
+
+    def values(self, layer: int, n: int) -> np.ndarray:
+        return self._float32(self.v[layer][:, :n])
+
+    def _float32(self, a: np.ndarray) -> np.ndarray:
+        return a.view(np.float16).astype(np.float32) if self.dtype == "f16" else a
 
     def truncate(self, n: int) -> None:
         """Keep the first n positions (prefix reuse)."""
@@ -262,7 +293,7 @@ class KVCache:
     @property
     def bytes_per_token(self) -> int:
         kvh, dk, dv = self._shape
-        return len(self.k) * kvh * (dk + dv) * 4
+        return len(self.k) * kvh * (dk + dv) * np.dtype(self._np).itemsize
 
 
 # ----------------------------------------------------------------------------- blocks
@@ -313,13 +344,11 @@ class Attention:
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         q = apply_rope(q, cos, sin, self.rope.rotary_dim)
         k = apply_rope(k, cos, sin, self.rope.rotary_dim)
-        kc, vc = cache.k[layer], cache.v[layer]
-        kc[:, pos0 : pos0 + L] = k.transpose(1, 0, 2)
-        vc[:, pos0 : pos0 + L] = v.reshape(L, self.kv, self.dh).transpose(1, 0, 2)
+        cache.write_rows(layer, pos0, k.transpose(1, 0, 2), v.reshape(L, self.kv, self.dh).transpose(1, 0, 2))
         if L == 1:  # decode: one fused kernel over the cache
-            out = ops.attend_one(q[0], kc, vc, pos0 + 1, self.scale)[None, :]
+            out = ops.attend_one(q[0], cache.k[layer], cache.v[layer], pos0 + 1, self.scale)[None, :]
         else:
-            out = causal_attention(q, kc[:, : pos0 + L], vc[:, : pos0 + L], pos0, self.scale,
+            out = causal_attention(q, cache.keys(layer, pos0 + L), cache.values(layer, pos0 + L), pos0, self.scale,
                                    get_num_threads())  # [L, H*Dh]
         return linear(out, self.o_proj, self.o_bias)
 
@@ -635,6 +664,7 @@ class DecoderModel:
     """Embedding -> decoder layers -> final norm -> lm_head. Families build the layers."""
 
     activations = "f32"  # or "int8" (EngineConfig.activations): int4 matrices' activations
+    kv_cache = "f32"     # or "f16" (EngineConfig.kv_cache): the KV cache's element type
     build_mtp = None     # () -> the first multi-token-prediction layer, where the family has one (models/mtp.py)
     rows_hidden = None   # forward_rows' final hidden states (after the final norm) [B, D]: MTP drafts read them
 
@@ -659,7 +689,7 @@ class DecoderModel:
 
     def new_cache(self, max_tokens: int) -> KVCache:
         a = self.args
-        return KVCache(len(self.layers), a.num_key_value_heads, a.head_dim, max_tokens)
+        return KVCache(len(self.layers), a.num_key_value_heads, a.head_dim, max_tokens, dtype=self.kv_cache)
 
     @_in_activation_mode
     def forward(self, ids: np.ndarray, cache: KVCache, all_logits: bool = False) -> np.ndarray:

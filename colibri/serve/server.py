@@ -51,6 +51,7 @@ class ServeOptions:
     speculative: str = "off"          # draft tokens and check them in one pass: off | ngram | auto
     draft_tokens: int = 6             # drafts per pass
     activations: str = "f32"          # int4 matrices' activations: f32 (exact) | int8
+    kv_cache: str = "f32"             # KV cache element type: f32 (exact) | f16
     max_batch: int | None = None      # generations at once, sharing forward passes (each needs a KV slot); None: sized here
     device: str = "cpu"               # where the dense forward runs: cpu | cuda | auto
     vram_gb: float | None = None      # --device cuda: the routed experts' VRAM tier (None: sized to the GPU)
@@ -174,7 +175,7 @@ def run(o: ServeOptions) -> None:
         engine = Engine.load(o.model, progress=True, kv_slots=kv_slots, max_context=o.max_context,
                              ram_gb=o.ram_gb, threads=o.threads, prefill_chunk=o.prefill_chunk,
                              speculative=o.speculative, draft_tokens=o.draft_tokens,
-                             activations=o.activations, device=o.device, vram_gb=o.vram_gb,
+                             activations=o.activations, kv_cache=o.kv_cache, device=o.device, vram_gb=o.vram_gb,
                              gpu_layers=o.gpu_layers, cluster=o.cluster,
                              expert_workers=o.expert_workers)
         max_batch = o.max_batch

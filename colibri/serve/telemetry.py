@@ -63,7 +63,8 @@ class Telemetry:
         out = {
             "time": time.time(), "uptime_s": round(time.time() - self.started, 1),
             "model": {"id": self.state.model_id, "type": engine.model_type, "max_context": engine.max_context,
-                      "activations": engine.config.activations, "max_tokens": self.state.config.max_tokens},
+                      "activations": engine.config.activations,
+                      "kv_cache": engine.config.kv_cache, "max_tokens": self.state.config.max_tokens},
             "tiers": tiers(engine),
             "rates": self.rates(),
             "scheduler": {
