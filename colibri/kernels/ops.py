@@ -139,6 +139,19 @@ def _prefetch_rows(builder, rows, width, dtype):
                           ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
 
 
+def _cache_rows(builder, ary, dtype, kv, t):
+    """Pointer to row t of KV head kv of a [KV, capacity, D] cache array, and D; the _ROWS rows
+    after the _ROWS from t on are prefetched (the next step's)."""
+    cap, width = cgutils.unpack_tuple(builder, ary.shape, 3)[1:]
+    rows = builder.gep(_elements(builder, ary, dtype), [builder.mul(builder.add(builder.mul(kv, cap), t), width)])
+    _prefetch_rows(builder, builder.gep(rows, [builder.mul(_c64(_ROWS), width)]), width, dtype)
+    return rows, width
+
+
+def _fma16(builder):
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fmuladd.v16f32")
+
+
 def _transposed_sums(builder, vs):
     """16 vectors of 16 lanes -> one vector whose lane i is the sum of vs[i]'s lanes: four
     levels of pairwise shuffles and adds (30 shuffles for 16 sums, where a horizontal sum per
@@ -220,14 +233,10 @@ def _scores16(typingctx, q, k, kv, t, scale, s, j):
     def codegen(context, builder, sig, args):
         qa, ka, sa = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 1, 5))
         kv, t, scale, j = args[2], args[3], args[4], args[6]
-        Dk = cgutils.unpack_tuple(builder, qa.shape, 2)[1]
-        cap = cgutils.unpack_tuple(builder, ka.shape, 3)[1]
         G, C = cgutils.unpack_tuple(builder, sa.shape, 2)
         kdt = sig.args[1].dtype
-        krows = builder.gep(_elements(builder, ka, kdt), [builder.mul(builder.add(builder.mul(kv, cap), t), Dk)])
-        _prefetch_rows(builder, builder.gep(krows, [builder.mul(_c64(_ROWS), Dk)]), Dk, kdt)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3),
-                                             "llvm.fmuladd.v16f32")
+        krows, Dk = _cache_rows(builder, ka, kdt, kv, t)
+        fma = _fma16(builder)
         qbase = builder.bitcast(qa.data, _F32.as_pointer())
         sbase = builder.bitcast(sa.data, _F32.as_pointer())
         scale16 = _splat16(builder, scale)
@@ -259,13 +268,10 @@ def _values16(typingctx, v, kv, t, s, j, accs):
     def codegen(context, builder, sig, args):
         va, sa, aa = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 3, 5))
         kv, t, j = args[1], args[2], args[4]
-        cap, Dv = cgutils.unpack_tuple(builder, va.shape, 3)[1:]
         G, C = cgutils.unpack_tuple(builder, sa.shape, 2)
         vdt = sig.args[0].dtype
-        vrows = builder.gep(_elements(builder, va, vdt), [builder.mul(builder.add(builder.mul(kv, cap), t), Dv)])
-        _prefetch_rows(builder, builder.gep(vrows, [builder.mul(_c64(_ROWS), Dv)]), Dv, vdt)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3),
-                                             "llvm.fmuladd.v16f32")
+        vrows, Dv = _cache_rows(builder, va, vdt, kv, t)
+        fma = _fma16(builder)
         sbase = builder.bitcast(sa.data, _F32.as_pointer())
         abase = builder.bitcast(aa.data, _F32.as_pointer())
         with cgutils.for_range(builder, G) as head:
