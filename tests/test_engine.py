@@ -99,6 +99,17 @@ def test_closing_a_stream_early_keeps_the_cache_consistent(engine):
     assert g.prompt_tokens_reused == g.prompt_tokens - 1
 
 
+def test_the_cache_is_sized_once_for_the_whole_generation(engine):
+    """The slot's cache takes room for prompt + max_tokens before prefill, so neither the prompt
+    nor the answer stops to double it (and copy what it holds); growing on demand gave 1024
+    rows here, two copies."""
+    engine.reset()
+    prompt = list(range(100, 400))  # 300 tokens
+    g = engine.generate(prompt, max_tokens=300, stop_at_eos=False, slot=1)
+    assert g.prompt_tokens == 300 and len(g.token_ids) == 300
+    assert engine.slots[1].cache.capacity == 600
+
+
 # ---------------------------------------------------------------- sampling controls, scoring
 def test_prompt_logprobs_score_every_prompt_token(engine):
     """Teacher-forced scores equal the log-softmax of the model's logits at each position, also
