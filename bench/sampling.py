@@ -1,8 +1,9 @@
 """Sampled decode against greedy: what the sampler costs per token at SmolLM2's 49152 and
-Qwen3's 151936 vocabulary, and SmolLM2 decode tok/s greedy vs sampled (temperature 0.8, top-p
-0.95, top-k 40), interleaved runs.
+Qwen3's 151936 vocabulary, and a model's decode tok/s greedy vs sampled (temperature 0.8, top-p
+0.95, top-k 40), interleaved runs. --model takes any container (default: the embedded SmolLM2);
+one without a tokenizer (the synthetic models) gets a fixed prompt of token ids.
 
-    python bench/sampling.py [--repeats 3] [--tokens 128]
+    python bench/sampling.py [--repeats 3] [--tokens 128] [--model DIR]
 """
 from __future__ import annotations
 
@@ -34,13 +35,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--model", default=None, help="container (default: the embedded SmolLM2)")
     a = ap.parse_args()
     for vocab in (49152, 151936):
         for name, p in (("T 0.8, top-p 0.95, top-k 40", SamplingParams(**SAMPLED)),
                         ("T 0.8, top-p 0.95", SamplingParams(0.8, 0.95)), ("T 1.0", SamplingParams(1.0))):
             print(f"sampler at {vocab} tokens, {name}: {per_token_ms(vocab, p):.2f} ms/token")
-    engine = Engine.load(default_model_dir())
-    ids = engine.encode_prompt("Write a short story about a lighthouse keeper.")
+    engine = Engine.load(a.model or default_model_dir())
+    if engine.tokenizer is not None:
+        ids = engine.encode_prompt("Write a short story about a lighthouse keeper.")
+    else:
+        ids = np.random.default_rng(0).integers(100, engine.vocab_size, 32).tolist()
     engine.generate(ids, max_tokens=8)
     runs = {"greedy": [], "sampled": []}
     for _ in range(a.repeats):
@@ -49,7 +54,7 @@ def main() -> None:
             g = engine.generate(ids, max_tokens=a.tokens, stop_at_eos=False, seed=1, **kw)
             runs[kind].append(g.decode_tok_s)
     greedy, sampled = (statistics.median(runs[k]) for k in ("greedy", "sampled"))
-    print(f"SmolLM2 decode, median of {a.repeats}: greedy {greedy:.1f} tok/s, sampled {sampled:.1f} tok/s "
+    print(f"{engine.model_id} ({engine.vocab_size} tokens) decode, median of {a.repeats}: greedy {greedy:.1f} tok/s, sampled {sampled:.1f} tok/s "
           f"({sampled / greedy:.1%} of greedy); runs {runs}")
 
 
