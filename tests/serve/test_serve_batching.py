@@ -71,6 +71,17 @@ def test_a_client_leaving_mid_batch_leaves_the_others_alone(srv):
     assert srv.health()["status"] == "ok"
 
 
+def test_a_float16_cache_server_batches_to_its_solo_tokens(start_server):
+    """--kv-cache f16 reaches the engine through serve (COLI_KV_CACHE alike): the telemetry
+    says so, and concurrent clients still get the tokens each gets alone on that server."""
+    s = start_server("--max-batch", "4", "--max-tokens", "32", "--kv-cache", "f16")
+    assert httpx.get(s.url + "/v1/telemetry", timeout=30).json()["model"]["kv_cache"] == "f16"
+    alone = [complete(s.url, p, 16)[0] for p in PROMPTS[:3]]
+    got = together(s.url, [(p, 16) for p in PROMPTS[:3]])
+    assert [t for t, _ in got] == alone
+    s.stop()
+
+
 @pytest.mark.parametrize("value", ["0", "17"])
 def test_bad_max_batch_is_refused_before_loading(value, smollm2_container):
     p = subprocess.run([sys.executable, "-m", "colibri.cli", "serve", "--model", str(smollm2_container),
