@@ -331,6 +331,28 @@ def test_plan_reserves_the_prefill_workspace_bounded_by_the_chunk():
     assert prefill_workspace_bytes(dsa, 512, 32768, 2) > prefill_workspace_bytes(dsa, 512, 8192, 2)
 
 
+def test_plan_suggests_the_float16_kv_cache_where_the_cache_rivals_the_weights(tmp_path, deepseek_v3_config):
+    """GQA attention whose full-context cache is large next to the dense weights gets the
+    `--kv-cache f16` hint; MLA (its latent cache stays float32) and a small cache do not."""
+    transformers = pytest.importorskip("transformers")
+    qwen = tmp_path / "qwen3"
+    qwen.mkdir()
+    # Qwen3-30B-A3B's shapes (transformers' defaults are a smaller model)
+    cfg = transformers.Qwen3MoeConfig(num_hidden_layers=48, hidden_size=2048, head_dim=128, num_attention_heads=32,
+                                      num_key_value_heads=4, moe_intermediate_size=768, num_experts=128,
+                                      num_experts_per_tok=8, vocab_size=151936)
+    (qwen / "config.json").write_text(json.dumps(cfg.to_dict()))
+    desktop = read_machines("default")[0]
+
+    def hinted(model_dir, **kw) -> bool:
+        plan = build_plan(analyze_model(model_dir), desktop, **kw)
+        return any("--kv-cache f16" in w["message"] for w in plan["warnings"])
+
+    assert hinted(qwen)  # 8192 tokens: 1.6 GB of float32 K/V against ~1.3 GB of dense weights
+    assert not hinted(qwen, max_context=512)
+    assert not hinted(deepseek_v3_config)
+
+
 # ----------------------------------------------------------------------------- frontier scale
 
 DEFAULT_NAMES = ["desktop-64g", "workstation-128g-24gvram", "server-512g"]
