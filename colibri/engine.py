@@ -22,7 +22,7 @@ from colibri.errors import ColibriError, EngineFault
 from colibri.io.container import Container
 from colibri.kernels.idot import ACTIVATIONS
 from colibri.io.expert_store import ExpertStore, load_history, shown
-from colibri.io.experts import open_experts
+from colibri.io.experts import ResidentExperts, experts_fit, open_experts, verify_reads
 from colibri.models import family
 from colibri.models.common import KV_CACHE_TYPES
 from colibri.threads import ThreadPolicy, run_apart
@@ -138,6 +138,26 @@ class KVSlot:
     cache: object
     ids: list[int] = field(default_factory=list)
     last_used: float = 0.0
+
+
+def _load_resident(container: Container, config: EngineConfig, module, show):
+    """(model, ResidentExperts): every expert read into RAM by background readers while this
+    thread reads and builds the dense weights, one display for both. Either failing stops the
+    other: a build error cancels the reads, a read error surfaces once the build is done."""
+    total = container.expert_bytes + container.dense_bytes
+    with shown(show, f"reading {container.dir.name} (experts and dense weights)", total) as reading:
+        add = reading.add if reading else None
+        experts = ResidentExperts(container, verify=verify_reads(config), on_read=add, background=True)
+        container.on_read = add
+        try:
+            model = module.build(container.config, container, experts)
+        except BaseException:
+            experts.cancel()
+            raise
+        finally:
+            container.on_read = None
+        experts.wait()
+    return model, experts
 
 
 def _check_kv_cache(kind: str) -> None:
@@ -289,14 +309,19 @@ class Engine:
 
             experts = open_cluster_experts(container, config, history_file=history_path(container.dir),
                                            out=sys.stderr if progress else None)
+        elif experts_fit(container, config):
+            experts = None  # read beside the dense weights, below
         else:
             experts = open_experts(container, config, show=show, history_file=history_path(container.dir))
-        with shown(show, f"reading the dense weights of {container.dir.name}", container.dense_bytes) as reading:
-            container.on_read = reading.add if reading else None
-            try:
-                model = module.build(container.config, container, experts)
-            finally:
-                container.on_read = None
+        if experts is None:
+            model, experts = _load_resident(container, config, module, show)
+        else:
+            with shown(show, f"reading the dense weights of {container.dir.name}", container.dense_bytes) as reading:
+                container.on_read = reading.add if reading else None
+                try:
+                    model = module.build(container.config, container, experts)
+                finally:
+                    container.on_read = None
         model.prefetch = isinstance(experts, ExpertStore) and config.prefetch
         if config.device != "cpu":
             from colibri.models.device import place

@@ -163,18 +163,20 @@ def test_one_lru_over_all_layers_lets_a_busy_layer_use_idle_slots(synthetic):
 
 def test_load_shows_each_long_read_phase(synthetic, monkeypatch, capsys):
     """Engine.load(progress=True) names every read phase large enough to take a second (here the
-    threshold is lowered to 0 so the tiny model's phases count): resident experts, then the
-    dense weights; with a budget, the hot set being pinned. Not a terminal: one line each."""
+    threshold is lowered to 0 so the tiny model's phases count): resident experts and the dense
+    weights, read at the same time, as one; the dense weights alone when experts stream; with a
+    budget, the hot set being pinned. Not a terminal: one line each."""
     from colibri.io import expert_store
 
     monkeypatch.setattr(expert_store, "SHOW_BYTES", 0)
     Engine.load(synthetic, stream_experts=False, progress=True)
     err = capsys.readouterr().err
     c = Container(synthetic)
-    assert f"reading the experts of m ({c.expert_bytes / 1e9:.1f} GB)... done: " in err
-    assert "reading the dense weights of m" in err and "GB/s)" in err
+    both = (c.expert_bytes + c.dense_bytes) / 1e9
+    assert f"reading m (experts and dense weights) ({both:.1f} GB)... done: " in err and "GB/s)" in err
     warm = Engine.load(synthetic, ram_gb=budget_gb(synthetic, 4), stream_experts=True)
     warm.generate(SEQ[:5], max_tokens=4, stop_at_eos=False)  # routing history: a hot set to pin
     capsys.readouterr()
     Engine.load(synthetic, ram_gb=budget_gb(synthetic, 4), stream_experts=True, progress=True)
-    assert "pinning the hot set" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "pinning the hot set" in err and "reading the dense weights of m" in err

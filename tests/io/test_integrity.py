@@ -139,6 +139,25 @@ def test_damaged_expert_fails_a_resident_load(pristine, routes, tmp_path):
     assert_names_file_and_expert(err.value, path, victim, "checksum")
 
 
+def test_background_resident_load_reads_the_same_and_can_be_cancelled(pristine):
+    """Engine.load reads resident experts in the background while it builds the dense weights
+    (ResidentExperts(background=True)): after wait() the arena holds what a load in the
+    foreground reads; cancel() stops the readers and leaves no thread behind."""
+    import threading
+
+    from colibri.io.experts import ResidentExperts
+
+    c = Container(pristine)
+    here = ResidentExperts(c)
+    there = ResidentExperts(c, background=True)
+    there.wait()
+    assert all(np.array_equal(here._blobs[p], there._blobs[p]) for p in here._blobs)
+    stopped = ResidentExperts(Container(pristine), background=True)
+    stopped.cancel()
+    stopped.wait()  # nothing failed: the reads were stopped, not broken
+    assert not any(t.name == "colibri-expert-load" for t in threading.enumerate())
+
+
 def test_damaged_hot_expert_fails_the_load_that_pins_it(pristine, routes, tmp_path):
     """The hot set is read at start: a damaged pinned expert is reported then, not mid-answer."""
     victim = routes[0]
