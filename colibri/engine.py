@@ -140,6 +140,16 @@ class KVSlot:
     last_used: float = 0.0
 
 
+def _build_dense(container: Container, module, experts, show):
+    """The family's model over `experts`, its dense weights read now (shown when large)."""
+    with shown(show, f"reading the dense weights of {container.dir.name}", container.dense_bytes) as reading:
+        container.on_read = reading.add if reading else None
+        try:
+            return module.build(container.config, container, experts)
+        finally:
+            container.on_read = None
+
+
 def _load_resident(container: Container, config: EngineConfig, module, show):
     """(model, ResidentExperts): every expert read into RAM by background readers while this
     thread reads and builds the dense weights, one display for both. Either failing stops the
@@ -309,19 +319,12 @@ class Engine:
 
             experts = open_cluster_experts(container, config, history_file=history_path(container.dir),
                                            out=sys.stderr if progress else None)
-        elif experts_fit(container, config):
-            experts = None  # read beside the dense weights, below
-        else:
-            experts = open_experts(container, config, show=show, history_file=history_path(container.dir))
-        if experts is None:
+            model = _build_dense(container, module, experts, show)
+        elif experts_fit(container, config):  # every expert in RAM, read beside the dense weights
             model, experts = _load_resident(container, config, module, show)
         else:
-            with shown(show, f"reading the dense weights of {container.dir.name}", container.dense_bytes) as reading:
-                container.on_read = reading.add if reading else None
-                try:
-                    model = module.build(container.config, container, experts)
-                finally:
-                    container.on_read = None
+            experts = open_experts(container, config, show=show, history_file=history_path(container.dir))
+            model = _build_dense(container, module, experts, show)
         model.prefetch = isinstance(experts, ExpertStore) and config.prefetch
         if config.device != "cpu":
             from colibri.models.device import place
