@@ -4,7 +4,9 @@ Each generation runs Engine.stream in its own thread, exactly as it would alone;
 pass it needs (a decode step, drafted rows to check, a prefill chunk) goes to the StepBatcher,
 and the thread waits for its logits. The batcher's thread runs one step at a time:
 
-- every decode row waiting, of every generation, in one DecoderModel.forward_rows pass. Each
+- every decode row waiting, of every generation, in one DecoderModel.forward_rows pass (a
+  speculating generation's drafts are made first, on this thread: an MTP draft is a pass of
+  the model's MTP layer, which must not run beside the step on another thread). Each
   row gets the same bits as decoding it alone, so a sequence's tokens never depend on what
   else shares its steps (batch invariance); what the rows share is reading each layer's
   weights once and each routed expert once (the union of the rows' experts);
@@ -43,11 +45,13 @@ def default_max_batch(kv_bytes_per_slot: int, available_bytes: int) -> int:
 
 
 class _Request:
-    __slots__ = ("tokens", "caches", "chunk", "all_logits", "done", "result", "error")
+    __slots__ = ("tokens", "caches", "chunk", "all_logits", "draft", "done", "result", "hidden", "error")
 
-    def __init__(self, tokens: list[int], caches: list, chunk: bool = False, all_logits: bool = False):
+    def __init__(self, tokens: list[int], caches: list, chunk: bool = False, all_logits: bool = False,
+                 draft: Callable[[], list[int]] | None = None):
         self.tokens, self.caches, self.chunk, self.all_logits = tokens, caches, chunk, all_logits
-        self.done, self.result, self.error = False, None, None
+        self.draft = draft  # rows: called on the batcher's thread; its tokens follow `tokens` in the step
+        self.done, self.result, self.hidden, self.error = False, None, None, None
 
 
 class StepBatcher:
@@ -79,6 +83,14 @@ class StepBatcher:
     def rows(self, tokens: list[int], caches: list) -> np.ndarray:
         """DecoderModel.forward_rows(tokens, caches), run in the next step with other rows."""
         return self._submit(_Request(list(tokens), list(caches)))
+
+    def drafted_rows(self, tok: int, cache, draft: Callable[[], list[int]]) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """One speculating generation's pass: draft() runs on the batcher's thread at the start of
+        the next step, then [tok, *drafts] in one cache go through forward_rows with the other
+        rows. -> (drafts, their logits rows, the model's final hidden states for them)."""
+        req = _Request([tok], [cache], draft=draft)
+        rows = self._submit(req)
+        return req.tokens[1:], rows, req.hidden
 
     def chunk(self, ids: list[int], cache, all_logits: bool = False) -> np.ndarray:
         """DecoderModel.forward(ids, cache, all_logits), run as the prefill chunk of a step."""
@@ -124,6 +136,7 @@ class StepBatcher:
                 taken = decode + chunks
             if self._before_step is not None:
                 self._before_step()
+            decode = [r for r in decode if self._draft(r)]
             if decode:
                 self._run_rows(decode)
             for r in chunks:
@@ -135,6 +148,20 @@ class StepBatcher:
                     r.done = True
                 self._cv.notify_all()
 
+    @staticmethod
+    def _draft(r: _Request) -> bool:
+        """Add a request's drafts to its rows (False: drafting failed, the request has its error)."""
+        if r.draft is None:
+            return True
+        try:
+            drafts = r.draft()
+        except Exception as e:  # noqa: BLE001 - it belongs to this request alone
+            r.error = e
+            return False
+        r.tokens += drafts
+        r.caches += r.caches[:1] * len(drafts)
+        return True
+
     def _run_rows(self, reqs: list[_Request]) -> None:
         if len(reqs) == 1:
             self._run_one(reqs[0])
@@ -145,9 +172,12 @@ class StepBatcher:
             for r in reqs:
                 self._run_one(r)
             return
+        hidden = self.model.rows_hidden
         at = 0
         for r in reqs:
             r.result = out[at : at + len(r.tokens)]
+            if r.draft is not None:
+                r.hidden = np.array(hidden[at : at + len(r.tokens)])
             at += len(r.tokens)
 
     def _run_one(self, r: _Request) -> None:
@@ -156,5 +186,7 @@ class StepBatcher:
                 r.result = self.model.forward(np.asarray(r.tokens, dtype=np.int64), r.caches[0], all_logits=r.all_logits)
             else:
                 r.result = self.model.forward_rows(r.tokens, r.caches)
+                if r.draft is not None:
+                    r.hidden = np.array(self.model.rows_hidden)
         except Exception as e:
             r.error = e

@@ -247,23 +247,25 @@ class Engine:
 
     def _speculator(self, ids: list[int], mode: str, draft_tokens: int) -> spec.Speculator:
         """Drafts from the model's MTP layer for "mtp" (and "auto" where there is one), else by
-        prompt lookup. MTP drafts read the hidden states forward_rows leaves on the model, which
-        a batching step shares between streams: while batching, every mode looks up the prompt."""
+        prompt lookup. Batched or not: the batcher hands each generation its own rows' hidden
+        states and runs its MTP passes on its own thread, between steps."""
         has_mtp = getattr(self.model, "has_mtp", False)
         if mode == "mtp" and not has_mtp:
             raise ColibriError("speculative 'mtp' needs a model with a multi-token-prediction layer "
                                "(num_nextn_predict_layers, with its weights in the container); this one has "
                                "none: use 'ngram' or 'auto'")
-        mtp = None
-        if mode in ("mtp", "auto") and has_mtp and self._batcher is None:
-            mtp = spec.MTPDrafter(self.model, ids, self.max_context)
-        return spec.Speculator(self._rows, ids, mode, draft_tokens, mtp=mtp)
+        mtp = spec.MTPDrafter(self.model, ids, self.max_context) if mode in ("mtp", "auto") and has_mtp else None
+        return spec.Speculator(self._drafted_rows, ids, mode, draft_tokens, mtp=mtp)
 
-    def _rows(self, tokens: list[int], caches: list) -> np.ndarray:
-        """forward_rows, through the batcher when batching (shared with other streams)."""
+    def _drafted_rows(self, tok: int, cache, draft) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """draft(), then forward_rows over [tok, *drafts] in one cache -> (drafts, logits rows,
+        final hidden states); through the batcher when batching (both on its thread, the pass
+        shared with other streams)."""
         if self._batcher is not None:
-            return self._batcher.rows(tokens, caches)
-        return self.model.forward_rows(tokens, caches)
+            return self._batcher.drafted_rows(tok, cache, draft)
+        drafts = draft()
+        rows = self.model.forward_rows([tok, *drafts], [cache] * (len(drafts) + 1))
+        return drafts, rows, self.model.rows_hidden
 
     def _decode(self, cache, tok: int) -> np.ndarray:
         if self._batcher is not None:

@@ -71,7 +71,7 @@ class NgramDrafter:
         """The drafters' common step: up to k drafts after position `committed`."""
         return self.propose(k) if k > 0 else []
 
-    def observed(self, first: int, rows: int) -> None:
+    def observed(self, first: int, hidden: np.ndarray) -> None:
         """A pass ran (the lookup needs nothing from it)."""
 
     def propose(self, k: int) -> list[int]:
@@ -97,8 +97,8 @@ class MTPDrafter:
     each further draft feeds the previous row's output and draft back in.
 
     The MTP layer keeps its own one-layer cache, filled with "true" rows only: row p from the
-    main model's hidden state at p, which the pass that computed position p leaves in
-    model.rows_hidden (every step of a speculating generation goes through forward_rows). Rows
+    main model's hidden state at p, which the pass that computed position p hands to observed()
+    (every step of a speculating generation goes through forward_rows, alone or batched). Rows
     past the last true one are drafting scratch, cut off after each proposal. The cache covers
     the positions since this drafter started (the prompt's hidden states are not kept); where
     a hidden state is missing it starts again."""
@@ -116,12 +116,12 @@ class MTPDrafter:
     def extend(self, tokens: list[int]) -> None:
         self.seq.extend(tokens)
 
-    def observed(self, first: int, rows: int) -> None:
-        """forward_rows just ran `rows` rows from position `first`: keep their hidden states
-        (those of drafts that are not taken are dropped at the next proposal)."""
-        h = self.model.rows_hidden
-        for r in range(rows):
-            self.hidden[first + r] = np.array(h[r])
+    def observed(self, first: int, hidden: np.ndarray) -> None:
+        """forward_rows just ran rows from position `first`, with these final hidden states
+        [rows, D]: keep them (those of drafts that are not taken are dropped at the next
+        proposal)."""
+        for r in range(hidden.shape[0]):
+            self.hidden[first + r] = np.array(hidden[r])
         # A long run of plain steps: feed the rows whose next token is known (before `first`).
         if len(self.hidden) > self.KEEP and first - 1 in self.hidden:
             self._feed(first)
@@ -193,8 +193,11 @@ class Speculator:
     PROBE_EVERY = 16
     ROW_COST_PRIOR = 0.4
 
-    def __init__(self, forward_rows, context: list[int], mode: str, draft_tokens: int, mtp: MTPDrafter | None = None):
-        self.forward_rows = forward_rows  # DecoderModel.forward_rows, or the engine's batched version
+    def __init__(self, drafted_rows, context: list[int], mode: str, draft_tokens: int, mtp: MTPDrafter | None = None):
+        # (tok, cache, draft) -> (drafts, logits rows, hidden states): draft() is called, then
+        # [tok, *drafts] run in one forward_rows pass (Engine._drafted_rows; when batching, both
+        # on the batcher's thread, the pass shared with other generations' rows)
+        self.drafted_rows = drafted_rows
         self.mode = mode
         self.k = draft_tokens
         # "mtp" (and "auto" on a model with an MTP layer) draft from it, else by prompt lookup
@@ -221,10 +224,9 @@ class Speculator:
             cache.truncate(committed)
         k = min(self._draft_count(), room, cache.max_tokens - committed - 1)
         t0 = time.perf_counter()  # drafting counts in a pass's cost (an MTP draft is a layer and a head)
-        draft = self.drafter.draft(committed, k)
-        rows = self.forward_rows([tok, *draft], [cache] * (len(draft) + 1))
+        draft, rows, hidden = self.drafted_rows(tok, cache, lambda: self.drafter.draft(committed, k))
         seconds = time.perf_counter() - t0
-        self.drafter.observed(committed, len(draft) + 1)
+        self.drafter.observed(committed, hidden)
         if not draft:
             self._plain[0] += seconds
             self._plain[1] += 1

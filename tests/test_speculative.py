@@ -123,11 +123,12 @@ def test_auto_drafts_from_its_first_steps_before_any_probe():
 
     passes = []
 
-    def rows(tokens, caches):
-        passes.append(len(tokens))
-        return np.zeros((len(tokens), 8), np.float32)
+    def drafted_rows(tok, cache, draft):
+        drafts = draft()
+        passes.append(1 + len(drafts))
+        return drafts, np.zeros((1 + len(drafts), 8), np.float32), np.zeros((1 + len(drafts), 4), np.float32)
 
-    s = Speculator(rows, [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], "auto", 4)
+    s = Speculator(drafted_rows, [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], "auto", 4)
     for i, tok in enumerate([3, 4, 1]):
         s.step(Cache(), 10 + i, tok, room=100)
     assert passes[:2] == [1, 1] and passes[2] > 1  # two plain steps to time one, then drafts

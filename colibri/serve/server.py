@@ -48,7 +48,7 @@ class ServeOptions:
     ram_gb: float | None = None       # engine budget for resident weights (None: planned)
     threads: int | None = None        # kernel threads (None: all cores)
     prefill_chunk: int = 512          # prompt tokens per forward pass (memory bound, cancellation point)
-    speculative: str = "off"          # draft tokens and check them in one pass: off | ngram | auto
+    speculative: str = "off"          # draft tokens and check them in one pass: off | ngram | mtp | auto
     draft_tokens: int = 6             # drafts per pass
     activations: str = "f32"          # int4 matrices' activations: f32 (exact) | int8
     kv_cache: str = "f32"             # KV cache element type: f32 (exact) | f16
