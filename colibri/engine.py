@@ -46,6 +46,11 @@ class EngineConfig:
     read_threads: int = 2           # readahead threads
     threads: int | None = None      # kernel threads (default: all cores; 1 when cores are busy elsewhere)
     verify_experts: bool = True     # check each expert read from disk against the container's checksum
+    # Resident experts (all in RAM): True, load() returns once the dense weights are in and the
+    # experts go on loading in the background, answers waiting only for the experts their
+    # tokens route to (ResidentExperts); False, load() returns when every expert is in (benches
+    # that time a warm model).
+    experts_in_background: bool = True
     # Prompt tokens per forward pass. Bounds a prompt's working memory (activations, MoE token
     # groups, attention score blocks) by O(chunk x context) instead of O(prompt x context), and is
     # where a prefill can be cancelled. 512 keeps the weights' reads amortized over many tokens.
@@ -152,21 +157,28 @@ def _build_dense(container: Container, module, experts, show):
 
 def _load_resident(container: Container, config: EngineConfig, module, show):
     """(model, ResidentExperts): every expert read into RAM by background readers while this
-    thread reads and builds the dense weights, one display for both. Either failing stops the
-    other: a build error cancels the reads, a read error surfaces once the build is done."""
-    total = container.expert_bytes + container.dense_bytes
-    with shown(show, f"reading {container.dir.name} (experts and dense weights)", total) as reading:
-        add = reading.add if reading else None
-        experts = ResidentExperts(container, verify=verify_reads(config), on_read=add, background=True)
-        container.on_read = add
-        try:
-            model = module.build(container.config, container, experts)
-        except BaseException:
-            experts.cancel()
-            raise
-        finally:
-            container.on_read = None
-        experts.wait()
+    thread reads and builds the dense weights. Then either return at once, the experts loading
+    on (config.experts_in_background: a forward reads or waits for the experts it needs), or
+    wait for them, still shown. A build error cancels the reads; with the wait, a read error
+    surfaces once the build is done."""
+    experts = ResidentExperts(container, verify=verify_reads(config), background=True)
+    try:
+        model = _build_dense(container, module, experts, show)
+    except BaseException:
+        experts.cancel()
+        raise
+    if config.experts_in_background:
+        if show is not None and not experts.complete and hasattr(show, "note"):
+            show.note(f"the experts of {container.dir.name} ({container.expert_bytes / 1e9:.1f} GB) go on loading in "
+                      "the background: an answer waits only for the experts it routes to")
+    else:
+        left = container.expert_bytes - experts.loaded_bytes
+        with shown(show, f"reading the experts of {container.dir.name}", left) as reading:
+            experts.on_read = reading.add if reading else None
+            try:
+                experts.wait()
+            finally:
+                experts.on_read = None
     return model, experts
 
 
@@ -327,7 +339,10 @@ class Engine:
         else:
             experts = open_experts(container, config, show=show, history_file=history_path(container.dir))
             model = _build_dense(container, module, experts, show)
-        model.prefetch = isinstance(experts, ExpertStore) and config.prefetch
+        # Prefetch: the store's readahead when asked for; resident experts still loading take a
+        # layer's coming experts first (RoutedMoE.wants_prefetch stops it once all are in).
+        model.prefetch = (isinstance(experts, ExpertStore) and config.prefetch) or (
+            isinstance(experts, ResidentExperts) and not experts.complete)
         if config.device != "cpu":
             from colibri.models.device import place
 

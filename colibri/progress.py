@@ -24,6 +24,17 @@ class ByteProgress:
         with self._lock:
             self.done += nbytes
 
+    @staticmethod
+    def note(text: str, out=None) -> None:
+        """One line about a phase that goes on in the background (nothing to wait for here)."""
+        console = _console(out)
+        if console is not None:
+            console.print(text, highlight=False)
+        else:
+            stream = _stream(out)
+            stream.write(text + "\n")
+            stream.flush()
+
     def __rich__(self) -> str:
         s = time.perf_counter() - self._t0
         rate = self.done / s / 1e9 if s > 0 else 0.0

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -39,14 +39,23 @@ def _open_direct(path) -> int:
         return os.open(path, os.O_RDONLY)
 
 
+# An expert's state in ResidentExperts while it loads.
+_PENDING, _READING, _READY, _FAILED = 0, 1, 2, 3
+
+
 class ResidentExperts:
     def __init__(self, container: Container, verify: bool = True,
                  on_read: Callable[[int], None] | None = None, background: bool = False):
-        """Every expert of `container` read into RAM now; `on_read(nbytes)` after each one (a
-        progress display). With `background`, the reads go on in a thread of their own while
-        the caller loads the rest (the dense weights: on the Qwen3-30B-A3B-shaped synthetic,
-        cold, 12.5-15.8 s for both instead of 15.4-16.9 one after the other); wait() then
-        blocks until they are done and raises what stopped them, cancel() stops them."""
+        """Every expert of `container` read into RAM by READ_THREADS reader threads, `on_read(nbytes)`
+        after each one (a progress display). Without `background` this returns when all are in.
+
+        With `background` it returns at once and the experts serve while the rest load: a forward
+        that asks for experts not read yet reads them itself (or waits for the reader that has
+        one), and prefetch() moves a layer's coming experts to the front of the readers' queue,
+        so an engine answers before its experts are in, waiting only for those its tokens route
+        to (the same bytes in the same places, so the same tokens). A failed read fails the
+        forward that needs that expert, and is tried again by the next one. wait() blocks until
+        the load ends and raises its first failure; cancel() stops the readers."""
         self.layers: dict[str, list] = {}
         self._stacked: dict[str, StackedExperts | None] = {}
         self._blobs: dict[str, np.ndarray] = {}
@@ -61,67 +70,144 @@ class ResidentExperts:
             self._stacked[prefix] = StackedExperts.view(store, layout.blob_bytes, layout.num_experts,
                                                         layout.projections)
             self.bytes_resident += store.nbytes
+        self._container, self._verify, self.on_read = container, verify, on_read
+        self._state = {p: np.full(b.shape[0], _PENDING, np.uint8) for p, b in self._blobs.items()}
+        self._errors: dict[tuple[str, int], BaseException] = {}
+        self._left = sum(b.shape[0] for b in self._blobs.values())  # experts not yet ready
+        self.complete = self._left == 0
+        self._queue = deque((p, e) for p, b in self._blobs.items() for e in range(b.shape[0]))
+        self._cv = threading.Condition()
+        self._fds: dict[str, int] = {}
         self._cancelled = threading.Event()
-        self._failure: BaseException | None = None
-        self._reader: threading.Thread | None = None
-        if background:
-            self._reader = threading.Thread(target=self._read_in_background, args=(container, verify, on_read),
-                                            name="colibri-expert-load", daemon=True)
-            self._reader.start()
-        else:
-            self._read_all(container, verify, on_read)
+        self._readers = [threading.Thread(target=self._read_queue, name=f"colibri-expert-load-{i}", daemon=True)
+                         for i in range(min(READ_THREADS, self._left))]
+        for t in self._readers:
+            t.start()
+        if not background:
+            self.wait()
 
     def wait(self) -> None:
-        """Until a background load is done; raises what stopped it."""
-        if self._reader is not None:
-            self._reader.join()
-            self._reader = None
-        if self._failure is not None:
-            raise self._failure
+        """Until the readers are done; raises the first expert (layer, then id) that failed and
+        was not read since."""
+        for t in self._readers:
+            t.join()
+        self._readers = []
+        with self._cv:
+            failed = sorted(self._errors)
+            if failed:
+                raise self._errors[failed[0]]
 
     def cancel(self) -> None:
-        """Stop a background load (the reads in flight finish) and wait for its threads."""
+        """Stop the readers (the reads in flight finish) and wait for them. Experts not read by
+        then are read when a forward asks for them."""
         self._cancelled.set()
-        if self._reader is not None:
-            self._reader.join()
-            self._reader = None
+        for t in self._readers:
+            t.join()
+        self._readers = []
 
-    def _read_in_background(self, container: Container, verify: bool, on_read) -> None:
-        try:
-            self._read_all(container, verify, on_read)
-        except BaseException as e:  # handed to wait(), in the loading thread
-            self._failure = e
+    @property
+    def loaded_bytes(self) -> int:
+        with self._cv:
+            return sum(int((st == _READY).sum()) * self._blobs[p].shape[1] for p, st in self._state.items())
 
-    def _read_all(self, container: Container, verify: bool, on_read) -> None:
-        fds = {p: _open_direct(container.expert_file(p).path) for p in self._blobs}
-
-        def read(job: tuple[str, int]) -> None:
-            if self._cancelled.is_set():
+    def _read_queue(self) -> None:
+        while not self._cancelled.is_set():
+            with self._cv:
+                job = None
+                while self._queue and job is None:
+                    p, e = self._queue.popleft()
+                    if self._state[p][e] == _PENDING:
+                        self._state[p][e] = _READING
+                        job = (p, e)
+            if job is None:
                 return
-            prefix, e = job
-            nbytes = read_expert(container, fds[prefix], prefix, e, self._blobs[prefix][e], verify)
-            if on_read is not None:
-                on_read(nbytes)
+            try:
+                self._read(*job)
+            except BaseException:  # noqa: BLE001 - kept for the forward that needs it, and for wait()
+                pass
 
-        jobs = [(p, e) for p, blobs in self._blobs.items() for e in range(blobs.shape[0])]
+    def _read(self, prefix: str, e: int) -> None:
+        """Read expert e (its state set to _READING by the caller); _READY or _FAILED after."""
         try:
-            with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="colibri-expert-read") as pool:
-                for _ in pool.map(read, jobs):  # the first failure, in layer and expert order, raises
-                    pass
-        finally:
-            for fd in fds.values():
-                os.close(fd)
+            nbytes = read_expert(self._container, self._fd(prefix), prefix, e, self._blobs[prefix][e], self._verify)
+        except BaseException as err:
+            with self._cv:
+                self._state[prefix][e] = _FAILED
+                self._errors[(prefix, e)] = err
+                self._cv.notify_all()
+            raise
+        with self._cv:
+            self._state[prefix][e] = _READY
+            self._errors.pop((prefix, e), None)
+            self._left -= 1
+            if self._left == 0:  # nothing is read any more: the files can close
+                self.complete = True
+                for fd in self._fds.values():
+                    os.close(fd)
+                self._fds.clear()
+            self._cv.notify_all()
+        on_read = self.on_read
+        if on_read is not None:
+            on_read(nbytes)
+
+    def _fd(self, prefix: str) -> int:
+        with self._cv:
+            fd = self._fds.get(prefix)
+            if fd is None:
+                fd = self._fds[prefix] = _open_direct(self._container.expert_file(prefix).path)
+            return fd
+
+    def _ready(self, prefix: str, ids: list[int]):
+        """Yield each of ids once it is in RAM: those already in first, then those nobody is
+        reading, read here, then those a reader has, as it finishes them. A failed read raises."""
+        if self.complete:
+            yield from ids
+            return
+        state = self._state[prefix]
+        waiting = []
+        for e in ids:
+            if state[e] == _READY:
+                yield e
+            else:
+                waiting.append(e)
+        later = []
+        for e in waiting:
+            with self._cv:
+                mine = state[e] in (_PENDING, _FAILED)
+                if mine:
+                    state[e] = _READING
+            if mine:
+                self._read(prefix, e)
+                yield e
+            else:
+                later.append(e)
+        for e in later:
+            with self._cv:
+                while state[e] == _READING:
+                    self._cv.wait()
+                mine = state[e] == _FAILED  # the reader's read failed: try once more, here
+                if mine:
+                    state[e] = _READING
+            if mine:
+                self._read(prefix, e)
+            yield e
 
     # ------------------------------------------------------------------ the expert source contract
     def iter_experts(self, prefix: str, ids: list[int], blobs: bool = False):
-        """Yield (expert id, {projection: QTensor}), or (expert id, its uint8 blob) with `blobs`."""
+        """Yield (expert id, {projection: QTensor}), or (expert id, its uint8 blob) with `blobs`,
+        in the order they are ready (while the load goes on: see _ready)."""
         experts = self._blobs[prefix] if blobs else self.layers[prefix]
         self._counts[prefix][ids] += 1
-        for e in ids:
+        for e in self._ready(prefix, ids):
             yield e, experts[e]
 
     def prefetch(self, prefix: str, ids) -> None:
-        """Everything is resident: nothing to fetch ahead."""
+        """While the load goes on: the readers take these experts next."""
+        if self.complete:
+            return
+        with self._cv:
+            state = self._state[prefix]
+            self._queue.extendleft((prefix, e) for e in ids if state[e] == _PENDING)
 
     def fused(self, prefix: str) -> FusedExperts | None:
         """The fused decode kernel for this layer's blob format (None: the format needs the
@@ -133,8 +219,8 @@ class ResidentExperts:
         """(StackedExperts, slot of each id) for the fused decode kernel: every expert is in
         place, at slot = its id; None where the layer's format does not fit the kernel."""
         view = self._stacked.get(prefix)
-        if view is None:
-            return None
+        if view is None or not (self.complete or (self._state[prefix][ids] == _READY).all()):
+            return None  # (not all read yet: the caller goes expert by expert, through iter_experts)
         slots = np.asarray(ids, dtype=np.int64)
         self._counts[prefix][slots] += 1
         return view, slots

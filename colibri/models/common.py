@@ -401,6 +401,10 @@ class RoutedMoE:
     def shared_out(self, x: np.ndarray) -> np.ndarray | None:
         return None
 
+    def wants_prefetch(self) -> bool:
+        """False once the source has nothing left to read (resident experts, all loaded)."""
+        return not getattr(self.experts, "complete", False)
+
     def prefetch_for(self, x: np.ndarray, norm: np.ndarray, eps: float) -> None:
         """Before this layer's attention runs, guess its experts by routing the residual stream
         as it enters the layer (attention changes it a little), and start reading them."""
@@ -703,7 +707,7 @@ class DecoderModel:
         if t0:
             PHASES.add("embed", -1, t0)
         for i, layer in enumerate(self.layers):
-            if self.prefetch and isinstance(layer.mlp, RoutedMoE):
+            if self.prefetch and isinstance(layer.mlp, RoutedMoE) and layer.mlp.wants_prefetch():
                 layer.mlp.prefetch_for(x, layer.post_norm, self.args.rms_norm_eps)
             x = layer(x, cache, i, pos0, cos, sin)
         cache.length = pos0 + L

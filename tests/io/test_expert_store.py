@@ -2,6 +2,7 @@
 upcycled SmolLM2-MoE speaks as the dense model does; faults give clear errors; history persists."""
 import json
 import shutil
+import time
 import warnings
 from pathlib import Path
 
@@ -163,17 +164,33 @@ def test_one_lru_over_all_layers_lets_a_busy_layer_use_idle_slots(synthetic):
 
 def test_load_shows_each_long_read_phase(synthetic, monkeypatch, capsys):
     """Engine.load(progress=True) names every read phase large enough to take a second (here the
-    threshold is lowered to 0 so the tiny model's phases count): resident experts and the dense
-    weights, read at the same time, as one; the dense weights alone when experts stream; with a
-    budget, the hot set being pinned. Not a terminal: one line each."""
+    threshold is lowered to 0 so the tiny model's phases count): resident experts, the dense
+    weights then the experts the readers have not finished (when the load waits for them), or
+    the dense weights and a line saying the experts load on in the background; the dense
+    weights alone when experts stream; with a budget, the hot set being pinned. Not a terminal:
+    one line each."""
+    import colibri.io.experts as ex
     from colibri.io import expert_store
 
     monkeypatch.setattr(expert_store, "SHOW_BYTES", 0)
-    Engine.load(synthetic, stream_experts=False, progress=True)
-    err = capsys.readouterr().err
     c = Container(synthetic)
-    both = (c.expert_bytes + c.dense_bytes) / 1e9
-    assert f"reading m (experts and dense weights) ({both:.1f} GB)... done: " in err and "GB/s)" in err
+    Engine.load(synthetic, stream_experts=False, progress=True, experts_in_background=False)
+    err = capsys.readouterr().err
+    assert f"reading the dense weights of m ({c.dense_bytes / 1e9:.1f} GB)... done: " in err and "GB/s)" in err
+    assert "reading the experts of m (" in err
+    read = ex.read_expert
+
+    def slow(*a, **kw):  # the readers are still at it when the dense weights are in
+        time.sleep(0.2)
+        return read(*a, **kw)
+
+    monkeypatch.setattr(ex, "read_expert", slow)
+    e = Engine.load(synthetic, stream_experts=False, progress=True)
+    err = capsys.readouterr().err
+    assert f"reading the dense weights of m ({c.dense_bytes / 1e9:.1f} GB)... done: " in err
+    assert f"the experts of m ({c.expert_bytes / 1e9:.1f} GB) go on loading in the background" in err
+    e.experts.cancel()
+    monkeypatch.setattr(ex, "read_expert", read)
     warm = Engine.load(synthetic, ram_gb=budget_gb(synthetic, 4), stream_experts=True)
     warm.generate(SEQ[:5], max_tokens=4, stop_at_eos=False)  # routing history: a hot set to pin
     capsys.readouterr()

@@ -130,19 +130,40 @@ def test_truncated_expert_file_is_an_engine_fault_naming_file_and_expert(pristin
 
 # ----------------------------------------------------------------------------- damage at load
 
-def test_damaged_expert_fails_a_resident_load(pristine, routes, tmp_path):
+def test_damaged_expert_fails_a_resident_load_that_waits_for_its_experts(pristine, routes, tmp_path):
     victim = routes[0]
     model = copy_of(pristine, tmp_path)
     path, _ = flip(model, victim, at=5)
-    with pytest.raises(EngineFault) as err:
-        Engine.load(model, stream_experts=False)  # every expert fits: all are read, and checked, now
+    with pytest.raises(EngineFault) as err:  # every expert fits: all are read, and checked, now
+        Engine.load(model, stream_experts=False, experts_in_background=False)
     assert_names_file_and_expert(err.value, path, victim, "checksum")
 
 
+def test_damaged_expert_loading_in_the_background_fails_only_the_answers_that_use_it(pristine, routes, tmp_path):
+    """Experts loading in the background (the default): the load returns, the damage fails the
+    generation that routes to the expert, as an EngineFault naming file and expert; a prompt
+    that avoids it still gets the intact model's tokens; the load's wait() reports it too; and
+    once the file is restored the same engine reads it again and answers as the intact model."""
+    victim, tokens, other, other_tokens = routes
+    model = copy_of(pristine, tmp_path)
+    path, original = flip(model, victim, at=5)
+    e = Engine.load(model, stream_experts=False)
+    assert e.generate(other, max_tokens=1, stop_at_eos=False).token_ids == other_tokens
+    with pytest.raises(EngineFault) as err:
+        e.generate(PROMPT, max_tokens=4, stop_at_eos=False)
+    assert_names_file_and_expert(err.value, path, victim, "checksum")
+    with pytest.raises(EngineFault, match="checksum"):
+        e.experts.wait()
+    path.write_bytes(original)
+    assert e.generate(PROMPT, max_tokens=4, stop_at_eos=False).token_ids == tokens
+    e.experts.wait()  # nothing failed any more
+    assert e.experts.complete
+
+
 def test_background_resident_load_reads_the_same_and_can_be_cancelled(pristine):
-    """Engine.load reads resident experts in the background while it builds the dense weights
-    (ResidentExperts(background=True)): after wait() the arena holds what a load in the
-    foreground reads; cancel() stops the readers and leaves no thread behind."""
+    """ResidentExperts(background=True) returns at once, its readers going on: after wait() the
+    arena holds what a load in the foreground reads; cancel() stops the readers and leaves no
+    thread behind, and the experts not read by then are read when asked for."""
     import threading
 
     from colibri.io.experts import ResidentExperts
@@ -151,11 +172,46 @@ def test_background_resident_load_reads_the_same_and_can_be_cancelled(pristine):
     here = ResidentExperts(c)
     there = ResidentExperts(c, background=True)
     there.wait()
-    assert all(np.array_equal(here._blobs[p], there._blobs[p]) for p in here._blobs)
+    assert there.complete and all(np.array_equal(here._blobs[p], there._blobs[p]) for p in here._blobs)
     stopped = ResidentExperts(Container(pristine), background=True)
     stopped.cancel()
     stopped.wait()  # nothing failed: the reads were stopped, not broken
-    assert not any(t.name == "colibri-expert-load" for t in threading.enumerate())
+    assert not any(t.name.startswith("colibri-expert-load") for t in threading.enumerate())
+    for p in here._blobs:
+        got = dict(stopped.iter_experts(p, list(range(here._blobs[p].shape[0])), blobs=True))
+        assert all(np.array_equal(got[e], here._blobs[p][e]) for e in got)
+    assert stopped.complete
+
+
+def test_an_engine_answers_before_its_experts_are_in_with_the_same_tokens(pristine, routes, monkeypatch):
+    """Readers slowed down: the load returns with most experts still on disk, the first answer
+    reads the ones it routes to itself (or waits for a reader's), prefill and decode alike, and
+    its tokens equal those of an engine whose experts were all in before it started."""
+    import colibri.io.experts as ex
+
+    import threading
+    import time
+
+    victim, tokens, _, _ = routes
+    read = ex.read_expert
+    on_demand = []
+
+    def slow(*a, **kw):
+        if threading.current_thread().name.startswith("colibri-expert-load"):
+            time.sleep(0.5)
+        else:
+            on_demand.append(a[2:4])  # (layer, expert) read by the generating thread itself
+        return read(*a, **kw)
+
+    monkeypatch.setattr(ex, "read_expert", slow)
+    e = Engine.load(pristine, stream_experts=False)
+    assert isinstance(e.experts, ex.ResidentExperts) and not e.experts.complete
+    assert e.model.prefetch  # the coming layers' experts go to the front of the readers' queue
+    assert e.generate(PROMPT, max_tokens=4, stop_at_eos=False).token_ids == tokens
+    assert on_demand  # it did not wait for the load to end
+    e.experts.wait()
+    assert e.experts.complete and not any(layer.mlp.wants_prefetch() for layer in e.model.layers
+                                          if hasattr(layer.mlp, "wants_prefetch"))
 
 
 def test_damaged_hot_expert_fails_the_load_that_pins_it(pristine, routes, tmp_path):
