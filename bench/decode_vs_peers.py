@@ -49,7 +49,7 @@ def rss() -> int:
 def child_colibri(a) -> dict:
     from colibri import Engine
 
-    e = Engine.load(a.container, activations=_activations(a), kv_cache=_kv_cache(a), experts_in_background=False)
+    e = Engine.load(a.container, activations=_activations(a), kv_cache=_kv_cache(a))
     g = e.generate(SHORT, max_tokens=1)
     first = time.time()
     ids = e.tokenizer.encode(long_prompt(a.prompt_words), add_special_tokens=False)
@@ -89,7 +89,7 @@ def child_colibri_contexts(a) -> dict:
 
     lengths = [int(x) for x in a.contexts.split(",")]
     e = Engine.load(a.container, max_context=max(lengths) + a.tokens, activations=_activations(a),
-                    kv_cache=_kv_cache(a), experts_in_background=False)
+                    kv_cache=_kv_cache(a))
     ids = context_ids(lambda t: e.tokenizer.encode(t, add_special_tokens=False), max(lengths))
     args, cache = e.model.args, e.cache
     rows = []

@@ -164,7 +164,7 @@ def moe_decode(model: Path, args) -> None:
     greedy = {}
     for label, options in configs:
         t0 = time.perf_counter()
-        e = Engine.load(model, max_context=len(tokens) + 40, experts_in_background=False, **options)
+        e = Engine.load(model, max_context=len(tokens) + 40, **options)
         load_s = time.perf_counter() - t0
         greedy[label] = e.generate(tokens[:8], max_tokens=16, stop_at_eos=False).token_ids  # compiles, warms
         e.reset()

@@ -37,7 +37,7 @@ def child(model: str | None, n: int, ram_gb: float | None, chunk: int | None) ->
 
     from colibri.engine import Engine
 
-    opts = {"max_context": max(n + 16, 1024), "ram_gb": ram_gb, "experts_in_background": False}
+    opts = {"max_context": max(n + 16, 1024), "ram_gb": ram_gb}
     if chunk:
         opts["prefill_chunk"] = chunk
     engine = Engine.load(model, **opts)

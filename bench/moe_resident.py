@@ -50,7 +50,7 @@ def child_colibri(a, fused: bool, activations: str = "f32") -> dict:
         ResidentExperts.stacked = lambda self, prefix, ids: None
     t0 = time.perf_counter()
     e = Engine.load(a.model, stream_experts=False, max_context=a.tokens + 8, threads=a.threads,
-                    activations=activations, experts_in_background=False)
+                    activations=activations)
     load_s = time.perf_counter() - t0
     seq = token_sequence(a.tokens)
     e.reset()

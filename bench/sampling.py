@@ -41,7 +41,7 @@ def main() -> None:
         for name, p in (("T 0.8, top-p 0.95, top-k 40", SamplingParams(**SAMPLED)),
                         ("T 0.8, top-p 0.95", SamplingParams(0.8, 0.95)), ("T 1.0", SamplingParams(1.0))):
             print(f"sampler at {vocab} tokens, {name}: {per_token_ms(vocab, p):.2f} ms/token")
-    engine = Engine.load(a.model or default_model_dir(), experts_in_background=False)
+    engine = Engine.load(a.model or default_model_dir())
     if engine.tokenizer is not None:
         ids = engine.encode_prompt("Write a short story about a lighthouse keeper.")
     else:

@@ -61,7 +61,7 @@ def main() -> None:
 
     from colibri import Engine
 
-    options = dict(threads=a.threads, experts_in_background=False)
+    options = dict(threads=a.threads)
     if a.ram_gb is not None:
         options.update(ram_gb=a.ram_gb, stream_experts=True)
     engine = Engine.load(a.model, **options)

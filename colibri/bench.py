@@ -91,8 +91,7 @@ def run_bench(model_dir=None, tokens: int = 32, prompt_tokens: int = 256, **engi
     rng = np.random.default_rng(0)
     cold_ok = _drop_caches()
     t0 = time.perf_counter()
-    engine = Engine.load(model_dir, max_context=prompt_tokens + tokens + 8, experts_in_background=False,
-                         **engine_options)  # load_s: until every resident expert is in
+    engine = Engine.load(model_dir, max_context=prompt_tokens + tokens + 8, **engine_options)
     load_s = time.perf_counter() - t0
     vocab = engine.vocab_size
     seq = rng.integers(min(100, vocab - 1), vocab, size=tokens).tolist()

@@ -226,8 +226,7 @@ def run(
     engine = Engine.load(model, progress=True, max_context=max_context, ram_gb=ram_gb, expert_io=expert_io,
                          prefetch=prefetch, threads=threads, speculative=speculative, draft_tokens=draft_tokens,
                          activations=activations, kv_cache=kv_cache, cluster=cluster, expert_workers=expert_workers,
-                         device=device,
-                         vram_gb=vram_gb, gpu_layers=gpu_layers)
+                         device=device, vram_gb=vram_gb, gpu_layers=gpu_layers)
     fit_max_tokens(engine, prompt, max_tokens, raw=raw, system=system)
     for ev in engine.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, seed=seed, raw=raw, system=system):

@@ -46,11 +46,13 @@ class EngineConfig:
     read_threads: int = 2           # readahead threads
     threads: int | None = None      # kernel threads (default: all cores; 1 when cores are busy elsewhere)
     verify_experts: bool = True     # check each expert read from disk against the container's checksum
-    # Resident experts (all in RAM): True, load() returns once the dense weights are in and the
-    # experts go on loading in the background, answers waiting only for the experts their
-    # tokens route to (ResidentExperts); False, load() returns when every expert is in (benches
-    # that time a warm model).
-    experts_in_background: bool = True
+    # Resident experts (all in RAM): False, load() returns when every expert is in (shown); True,
+    # load() returns once the dense weights are in and the experts go on loading in the
+    # background, an answer waiting only for the experts its tokens route to (ResidentExperts:
+    # `colibri serve` answers /health and queues requests meanwhile). A prompt routes to most
+    # experts, and the disk is the limit either way: on Qwen3-30B-A3B shapes, cold, the first
+    # answer came no sooner (README), so the default shows the load and then answers at speed.
+    experts_in_background: bool = False
     # Prompt tokens per forward pass. Bounds a prompt's working memory (activations, MoE token
     # groups, attention score blocks) by O(chunk x context) instead of O(prompt x context), and is
     # where a prefill can be cancelled. 512 keeps the weights' reads amortized over many tokens.
@@ -161,7 +163,8 @@ def _load_resident(container: Container, config: EngineConfig, module, show):
     on (config.experts_in_background: a forward reads or waits for the experts it needs), or
     wait for them, still shown. A build error cancels the reads; with the wait, a read error
     surfaces once the build is done."""
-    experts = ResidentExperts(container, verify=verify_reads(config), background=True)
+    experts = ResidentExperts(container, verify=verify_reads(config), background=True,
+                              touch=not config.experts_in_background)
     try:
         model = _build_dense(container, module, experts, show)
     except BaseException:

@@ -45,7 +45,7 @@ _PENDING, _READING, _READY, _FAILED = 0, 1, 2, 3
 
 class ResidentExperts:
     def __init__(self, container: Container, verify: bool = True,
-                 on_read: Callable[[int], None] | None = None, background: bool = False):
+                 on_read: Callable[[int], None] | None = None, background: bool = False, touch: bool = True):
         """Every expert of `container` read into RAM by READ_THREADS reader threads, `on_read(nbytes)`
         after each one (a progress display). Without `background` this returns when all are in.
 
@@ -55,7 +55,12 @@ class ResidentExperts:
         so an engine answers before its experts are in, waiting only for those its tokens route
         to (the same bytes in the same places, so the same tokens). A failed read fails the
         forward that needs that expert, and is tried again by the next one. wait() blocks until
-        the load ends and raises its first failure; cancel() stops the readers."""
+        the load ends and raises its first failure; cancel() stops the readers.
+
+        `touch`: fault the arena's pages in first (expert_store.arena): zeroing 16 GB takes ~4 s
+        here before the first expert can be read, so an engine that answers while loading skips
+        it and its pages fault in under the reads; a load that is waited for ran no slower with
+        it."""
         self.layers: dict[str, list] = {}
         self._stacked: dict[str, StackedExperts | None] = {}
         self._blobs: dict[str, np.ndarray] = {}
@@ -63,7 +68,7 @@ class ResidentExperts:
         # Routing heat of this process (the dashboard's heat map), as ExpertStore keeps it.
         self._counts = {p: np.zeros(l.num_experts, dtype=np.int64) for p, l in container.expert_layouts.items()}
         for prefix, layout in container.expert_layouts.items():
-            store = arena(layout.num_experts * layout.blob_bytes)
+            store = arena(layout.num_experts * layout.blob_bytes, touch=touch)
             store = store.reshape(layout.num_experts, layout.blob_bytes)
             self.layers[prefix] = [layout.unpack(store[e]) for e in range(layout.num_experts)]
             self._blobs[prefix] = store
@@ -158,8 +163,9 @@ class ResidentExperts:
             return fd
 
     def _ready(self, prefix: str, ids: list[int]):
-        """Yield each of ids once it is in RAM: those already in first, then those nobody is
-        reading, read here, then those a reader has, as it finishes them. A failed read raises."""
+        """Yield each of ids once it is in RAM: those already in first; the rest go to the front
+        of the readers' queue, and this thread reads too, from the other end of the list, then
+        waits for what the readers have. A failed read is tried once more here, and raises."""
         if self.complete:
             yield from ids
             return
@@ -170,10 +176,14 @@ class ResidentExperts:
                 yield e
             else:
                 waiting.append(e)
+        if not waiting:
+            return
+        with self._cv:
+            self._queue.extendleft((prefix, e) for e in reversed(waiting) if state[e] == _PENDING)
         later = []
-        for e in waiting:
+        for e in reversed(waiting):
             with self._cv:
-                mine = state[e] in (_PENDING, _FAILED)
+                mine = state[e] == _PENDING
                 if mine:
                     state[e] = _READING
             if mine:
@@ -181,11 +191,11 @@ class ResidentExperts:
                 yield e
             else:
                 later.append(e)
-        for e in later:
+        for e in reversed(later):
             with self._cv:
                 while state[e] == _READING:
                     self._cv.wait()
-                mine = state[e] == _FAILED  # the reader's read failed: try once more, here
+                mine = state[e] == _FAILED  # a reader's read failed (or an earlier one): once more, here
                 if mine:
                     state[e] = _READING
             if mine:

@@ -177,7 +177,10 @@ def run(o: ServeOptions) -> None:
                              speculative=o.speculative, draft_tokens=o.draft_tokens,
                              activations=o.activations, kv_cache=o.kv_cache, device=o.device, vram_gb=o.vram_gb,
                              gpu_layers=o.gpu_layers, cluster=o.cluster,
-                             expert_workers=o.expert_workers)
+                             expert_workers=o.expert_workers,
+                             # up once the dense weights are in: requests wait only for the
+                             # resident experts they route to while the rest load
+                             experts_in_background=True)
         max_batch = o.max_batch
         if max_batch is None:
             max_batch = default_max_batch(engine.slots[0].cache.bytes_per_token * engine.max_context,

@@ -174,7 +174,7 @@ def test_load_shows_each_long_read_phase(synthetic, monkeypatch, capsys):
 
     monkeypatch.setattr(expert_store, "SHOW_BYTES", 0)
     c = Container(synthetic)
-    Engine.load(synthetic, stream_experts=False, progress=True, experts_in_background=False)
+    Engine.load(synthetic, stream_experts=False, progress=True)
     err = capsys.readouterr().err
     assert f"reading the dense weights of m ({c.dense_bytes / 1e9:.1f} GB)... done: " in err and "GB/s)" in err
     assert "reading the experts of m (" in err
@@ -185,7 +185,7 @@ def test_load_shows_each_long_read_phase(synthetic, monkeypatch, capsys):
         return read(*a, **kw)
 
     monkeypatch.setattr(ex, "read_expert", slow)
-    e = Engine.load(synthetic, stream_experts=False, progress=True)
+    e = Engine.load(synthetic, stream_experts=False, progress=True, experts_in_background=True)
     err = capsys.readouterr().err
     assert f"reading the dense weights of m ({c.dense_bytes / 1e9:.1f} GB)... done: " in err
     assert f"the experts of m ({c.expert_bytes / 1e9:.1f} GB) go on loading in the background" in err

@@ -130,24 +130,24 @@ def test_truncated_expert_file_is_an_engine_fault_naming_file_and_expert(pristin
 
 # ----------------------------------------------------------------------------- damage at load
 
-def test_damaged_expert_fails_a_resident_load_that_waits_for_its_experts(pristine, routes, tmp_path):
+def test_damaged_expert_fails_a_resident_load(pristine, routes, tmp_path):
     victim = routes[0]
     model = copy_of(pristine, tmp_path)
     path, _ = flip(model, victim, at=5)
     with pytest.raises(EngineFault) as err:  # every expert fits: all are read, and checked, now
-        Engine.load(model, stream_experts=False, experts_in_background=False)
+        Engine.load(model, stream_experts=False)
     assert_names_file_and_expert(err.value, path, victim, "checksum")
 
 
 def test_damaged_expert_loading_in_the_background_fails_only_the_answers_that_use_it(pristine, routes, tmp_path):
-    """Experts loading in the background (the default): the load returns, the damage fails the
+    """Experts loading in the background (serve's choice): the load returns, the damage fails the
     generation that routes to the expert, as an EngineFault naming file and expert; a prompt
     that avoids it still gets the intact model's tokens; the load's wait() reports it too; and
     once the file is restored the same engine reads it again and answers as the intact model."""
     victim, tokens, other, other_tokens = routes
     model = copy_of(pristine, tmp_path)
     path, original = flip(model, victim, at=5)
-    e = Engine.load(model, stream_experts=False)
+    e = Engine.load(model, stream_experts=False, experts_in_background=True)
     assert e.generate(other, max_tokens=1, stop_at_eos=False).token_ids == other_tokens
     with pytest.raises(EngineFault) as err:
         e.generate(PROMPT, max_tokens=4, stop_at_eos=False)
@@ -204,7 +204,7 @@ def test_an_engine_answers_before_its_experts_are_in_with_the_same_tokens(pristi
         return read(*a, **kw)
 
     monkeypatch.setattr(ex, "read_expert", slow)
-    e = Engine.load(pristine, stream_experts=False)
+    e = Engine.load(pristine, stream_experts=False, experts_in_background=True)
     assert isinstance(e.experts, ex.ResidentExperts) and not e.experts.complete
     assert e.model.prefetch  # the coming layers' experts go to the front of the readers' queue
     assert e.generate(PROMPT, max_tokens=4, stop_at_eos=False).token_ids == tokens

@@ -99,6 +99,9 @@ def test_telemetry_json_describes_tiers_experts_and_slots(moe_server):
     assert len(e["layers"]) == 4 and all(len(l["counts"]) == len(l["places"]) == 16 for l in e["layers"])
     assert set("".join(l["places"] for l in e["layers"])) <= set(e["places"])
     assert t["scheduler"]["slots"][0]["busy"] is False and t["model"]["max_tokens"] == 2048
+    # a request, so the store has looked experts up (the start-up warm-up does only when numba compiles)
+    httpx.post(moe_server.url + "/v1/completions", json={"model": t["model"]["id"], "prompt": "Hi", "max_tokens": 1},
+               timeout=120).raise_for_status()
     small = httpx.get(moe_server.url + "/v1/telemetry", params={"experts": "false"}, timeout=30).json()
     assert "layers" not in small["experts"] and small["experts"]["hit_rate"] is not None
 
