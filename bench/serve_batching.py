@@ -200,8 +200,10 @@ def main() -> None:
         gb = f"{r['gb_per_token']:8.4f}" if r["gb_per_token"] is not None else f"{'':8}"
         steady = statistics.median(x["steady_tok_s"] for x in runs[(name, r["clients"])])
         steady_one = statistics.median(x["steady_tok_s"] for x in runs[(name, min(counts))])
+        # (no window where every client streams: one generation at a time, --max-batch 1)
+        steady_cols = f"{steady:13.1f} {steady / steady_one:5.2f}x" if steady and steady_one else f"{'-':>13} {'-':>6}"
         print(f"{name:28} {r['clients']:7} {r['aggregate_tok_s']:9.1f} {r['aggregate_tok_s'] / one['aggregate_tok_s']:9.2f}x "
-              f"{r['aggregate_tok_s'] / best:7.2f}x {steady:13.1f} {steady / steady_one:5.2f}x {r['gap_p50_ms']:10.1f} {r['gap_p99_ms']:10.1f} {gb}")
+              f"{r['aggregate_tok_s'] / best:7.2f}x {steady_cols} {r['gap_p50_ms']:10.1f} {r['gap_p99_ms']:10.1f} {gb}")
 
 
 if __name__ == "__main__":
