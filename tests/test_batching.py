@@ -102,3 +102,43 @@ def test_batching_starts_and_stops_cleanly(smollm2_container):
     engine.stop_batching()
     assert len(g.token_ids) == 3 and engine.batch_stats is None
     assert Path(smollm2_container).exists()
+
+
+def test_a_steps_rows_come_in_the_same_order_whatever_order_they_arrive_in(smollm2_container):
+    """The rows of a step are ordered by their caches, not by arrival, so the model's per-layer
+    K/V lists (DecoderModel._kv_lists) are kept from step to step instead of rebuilt."""
+    import time
+
+    engine = Engine.load(smollm2_container, kv_slots=2)
+    model = engine.model
+    caches = [model.new_cache(16) for _ in range(2)]
+    seen = []
+    forward_rows = model.forward_rows
+
+    def spy(ids, cs):  # the real pass, recording the order of its caches
+        seen.append([caches.index(c) for c in cs])
+        return forward_rows(ids, cs)
+
+    model.forward_rows = spy
+    engine.start_batching()
+    batcher = engine._batcher
+    batcher.GATHER_S = 5.0  # a step waits for both rows, however late the second one comes
+    try:
+        for first in (0, 1, 0, 1):
+            batcher.join(), batcher.join()
+
+            def row(i, delay):
+                time.sleep(delay)
+                batcher.rows([7], [caches[i]])
+                batcher.leave()
+
+            threads = [threading.Thread(target=row, args=(i, 0.0 if i == first else 0.3)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+    finally:
+        engine.stop_batching()
+    assert len(seen) == 4 and all(order == seen[0] for order in seen)
+    kept = model._kv_memo
+    assert kept is not None and [c for c, _ in kept[0]] == [caches[i] for i in seen[0]]
