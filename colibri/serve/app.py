@@ -66,6 +66,10 @@ def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig, metric
         if not request.scope.get("state", {}).get("authenticated", False):
             return JSONResponse({"status": "draining" if draining else "ok"}, status_code=status)
         s = scheduler.stats
+        # Resident experts, served while they load (experts_in_background): the share of their
+        # bytes in RAM (1.0 once all are in)
+        loaded = getattr(engine.experts, "loaded_bytes", None) if engine.container.expert_bytes else None
+        extra = {} if loaded is None else {"experts_loaded": round(loaded / engine.container.expert_bytes, 4)}
         return JSONResponse({
             "status": "draining" if draining else "ok", "model": state.model_id,
             "active": scheduler.running, "queued": scheduler.queued,
@@ -74,7 +78,7 @@ def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig, metric
             "rejected_queue_full": s.rejected_queue_full, "rejected_queue_timeout": s.rejected_queue_timeout,
             "rejected_draining": s.rejected_draining, "prompt_tokens": s.prompt_tokens,
             "prompt_tokens_reused": s.prompt_tokens_reused, "completion_tokens": s.completion_tokens,
-            "kv_slots": [len(slot.ids) for slot in engine.slots], "max_context": engine.max_context,
+            "kv_slots": [len(slot.ids) for slot in engine.slots], "max_context": engine.max_context, **extra,
         }, status_code=status)
 
     @app.get("/metrics")

@@ -423,3 +423,13 @@ def test_an_engine_fault_mid_stream_is_an_error_event(faulty):
                                                 stream=True):
             pass
     assert httpx.get(url + "/health").json()["status"] == "ok"
+
+
+def test_health_says_how_much_of_the_resident_experts_is_in_ram(faulty):
+    """serve loads resident experts in the background (up once the dense weights are in):
+    /health reports the share of their bytes in RAM, which reaches 1.0."""
+    deadline = time.monotonic() + 60
+    while (h := faulty.health())["experts_loaded"] < 1.0 and time.monotonic() < deadline:
+        assert 0.0 <= h["experts_loaded"]
+        time.sleep(0.2)
+    assert h["experts_loaded"] == 1.0
