@@ -29,6 +29,7 @@ import numpy as np
 from colibri.errors import ColibriError, EngineFault
 from colibri.io.safetensors_io import ALIGN, SafetensorsFile, safetensors_header
 from colibri.kernels.quant import SCHEMES, QTensor
+from colibri.memory import WEIGHTS
 
 MANIFEST = "colibri.json"
 DENSE_FILE = "dense.safetensors"
@@ -161,7 +162,7 @@ class Container:
         spec = self.manifest["tensors"].get(name)
         if spec is None:
             raise ColibriError(f"{self.dir}: tensor {name} is missing; the container does not match its config")
-        parts = {p: self.dense.read(f"{name}.{p}") for p in ("q", "scales", "mins")
+        parts = {p: self.dense.read(f"{name}.{p}", WEIGHTS.empty) for p in ("q", "scales", "mins")
                  if f"{name}.{p}" in self.dense.tensors}
         if self.on_read is not None:
             self.on_read(sum(a.nbytes for a in parts.values()))

@@ -41,6 +41,7 @@ import numpy as np
 from colibri.errors import ColibriError, EngineFault
 from colibri.io.container import Container, ExpertLayout
 from colibri.kernels.moe import FusedExperts, StackedExperts
+from colibri.memory import huge_pages
 
 IO_MODES = ("pread", "direct", "mmap")
 # An expert's place in ExpertStore.heat_map: pinned (hot set), cached (LRU), being read, on disk only.
@@ -106,8 +107,7 @@ def read_expert(container: Container, fd: int, prefix: str, e: int, buf: np.ndar
 
 
 def arena(nbytes: int, touch: bool = True) -> np.ndarray:
-    """uint8 [nbytes] of anonymous memory, page-aligned, backed by transparent huge pages where
-    the kernel allows (`madvise` mode is the common default), and touched now (`touch`).
+    """uint8 [nbytes] for expert slots: colibri.memory.huge_pages, touched now by default.
 
     Expert slots are read into by O_DIRECT and streamed by the kernels: 2 MiB pages cut the page
     faults of a first read 512-fold (on 2 cores the faults of the reader threads took time from
@@ -115,18 +115,7 @@ def arena(nbytes: int, touch: bool = True) -> np.ndarray:
     at allocation moves the remaining faults to load time; the budget is resident from the
     start, as it is a budget. Resident experts loading in the background skip the touch: it
     zeroes the whole arena (16 GB: ~4 s here) before the first expert can be read."""
-    if nbytes == 0:
-        return np.zeros(0, np.uint8)
-    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            m.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass  # no THP on this kernel: 4 KiB pages work the same, only slower
-    a = np.frombuffer(m, dtype=np.uint8)
-    if touch:
-        a[::mmap.PAGESIZE] = 0
-    return a
+    return huge_pages(nbytes, touch=touch)
 
 
 def aligned_buffer(nbytes: int) -> np.ndarray:

@@ -86,11 +86,12 @@ class SafetensorsFile:
         flat = self._mm[info.offset : info.offset + info.nbytes]
         return flat.view(_DTYPES[info.dtype]).reshape(info.shape)
 
-    def read(self, name: str) -> np.ndarray:
-        """The tensor copied into a fresh array with one pread: unlike a copy out of the memory
-        map, it leaves no file-backed pages mapped (they would count in RSS twice)."""
+    def read(self, name: str, empty=np.empty) -> np.ndarray:
+        """The tensor copied into a fresh array (`empty(shape, dtype)` allocates it) with one
+        pread: unlike a copy out of the memory map, it leaves no file-backed pages mapped (they
+        would count in RSS twice)."""
         info = self.tensors[name]
-        out = np.empty(info.shape, dtype=_DTYPES[info.dtype])
+        out = empty(info.shape, _DTYPES[info.dtype])
         with open(self.path, "rb", buffering=0) as f:
             n = os.preadv(f.fileno(), [memoryview(out.reshape(-1).view(np.uint8))], info.offset)
         if n != info.nbytes:

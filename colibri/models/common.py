@@ -18,6 +18,7 @@ from numba import get_num_threads
 from numba.typed import List
 
 from colibri.errors import ColibriError
+from colibri.memory import WEIGHTS, huge_arrays
 from colibri.kernels import decode, embedding, idot, matmul, matvec, ops
 from colibri.kernels.attention import causal_attention
 from colibri.kernels.cpu import int4_weight, matvec_rows
@@ -105,8 +106,11 @@ def fuse_rows(*ts: QTensor) -> QTensor | None:
     if len({t.scheme for t in ts}) != 1 or len({t.shape[1] for t in ts}) != 1:
         return None
 
-    def cat(arrays):
-        return None if arrays[0] is None else np.ascontiguousarray(np.concatenate(arrays, axis=0))
+    def cat(arrays):  # into the huge-page slab, where the container puts the weights it reads
+        if arrays[0] is None:
+            return None
+        out = WEIGHTS.empty((sum(a.shape[0] for a in arrays), *arrays[0].shape[1:]), arrays[0].dtype)
+        return np.concatenate(arrays, axis=0, out=out)
 
     return QTensor(ts[0].scheme, (sum(t.shape[0] for t in ts), ts[0].shape[1]), cat([t.q for t in ts]),
                    cat([t.scales for t in ts]), cat([t.mins for t in ts]))
@@ -248,9 +252,14 @@ class KVCache:
         self.dtype = dtype
         self._np = KV_CACHE_TYPES[dtype]
         self._shape = (num_kv_heads, head_dim, v_dim or head_dim)
-        cap = min(max_tokens, 256)
-        self.k = [np.zeros((num_kv_heads, cap, head_dim), self._np) for _ in range(num_layers)]
-        self.v = [np.zeros((num_kv_heads, cap, v_dim or head_dim), self._np) for _ in range(num_layers)]
+        self.k, self.v = self._arrays(num_layers, min(max_tokens, 256))
+
+    def _arrays(self, num_layers: int, cap: int) -> tuple[list, list]:
+        """Every layer's K and V arrays [KV, cap, D] for `cap` positions, zeroed, in one
+        huge-page mapping: decode attention streams all of them every token."""
+        kvh, dk, dv = self._shape
+        arrays = huge_arrays([((kvh, cap, dk), self._np)] * num_layers + [((kvh, cap, dv), self._np)] * num_layers)
+        return arrays[:num_layers], arrays[num_layers:]
 
     @property
     def capacity(self) -> int:
@@ -262,11 +271,10 @@ class KVCache:
         if n <= self.capacity:
             return
         cap = min(self.max_tokens, max(n, 2 * self.capacity))
-        for store in (self.k, self.v):
-            for i, a in enumerate(store):
-                grown = np.zeros((a.shape[0], cap, a.shape[2]), self._np)
-                grown[:, : self.length] = a[:, : self.length]
-                store[i] = grown
+        k, v = self._arrays(len(self.k), cap)
+        for old, new in zip(self.k + self.v, k + v):
+            new[:, : self.length] = old[:, : self.length]
+        self.k, self.v = k, v
 
     def write_rows(self, layer: int, pos0: int, k: np.ndarray, v: np.ndarray) -> None:
         """K and V of positions pos0 .. pos0 + L, given as float32 [KV, L, D]."""

@@ -1,0 +1,91 @@
+"""Memory the kernels stream: anonymous mappings backed by transparent huge pages.
+
+Decode reads every weight once per token and, at long contexts, the whole KV cache once per
+token; both are far larger than the TLB covers with 4 KiB pages (SmolLM2's 112 MB of weights
+are 27k pages a token, its 8k-token float32 cache 92k). With 2 MiB pages the page walks go,
+and the int4 matvec streaming from DRAM ran 15.2 -> 17.0 GB/s on this machine (README,
+Measured). numpy's own allocations get 4 KiB pages where THP is in `madvise` mode (the common
+default), so the arrays the kernels stream are placed here instead:
+
+- huge_pages(n): one mapping (an expert arena, a KV cache's arrays);
+- WEIGHTS.empty(shape, dtype): dense weights, packed into shared 64 MiB chunks, since most
+  matrices of a small model are under the 2 MiB a huge page needs. A chunk is unmapped when no
+  array in it is left.
+
+Where the kernel has no THP, the same calls give 4 KiB pages: slower, never different.
+"""
+from __future__ import annotations
+
+import mmap
+import threading
+
+import numpy as np
+
+_HUGE = 2 << 20
+_ALIGN = 64  # a cache line: the kernels' vector loads of a row start aligned
+
+
+def huge_pages(nbytes: int, touch: bool = False) -> np.ndarray:
+    """uint8 [nbytes] of zeroed anonymous memory, page-aligned, advised for transparent huge
+    pages; `touch` faults every page in now (moves the faults out of the first use)."""
+    if nbytes == 0:
+        return np.zeros(0, np.uint8)
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass  # no THP on this kernel: 4 KiB pages work the same, only slower
+    a = np.frombuffer(m, dtype=np.uint8)
+    if touch:
+        a[::mmap.PAGESIZE] = 0
+    return a
+
+
+def huge_arrays(specs: list[tuple[tuple, np.dtype]]) -> list[np.ndarray]:
+    """Zeroed arrays of the given (shape, dtype)s, laid out in one huge_pages mapping."""
+    offsets, total = [], 0
+    for shape, dtype in specs:
+        total = -(-total // _ALIGN) * _ALIGN
+        offsets.append(total)
+        total += int(np.prod(shape)) * np.dtype(dtype).itemsize
+    buf = huge_pages(total)
+    return [_view(buf, off, shape, dtype) for off, (shape, dtype) in zip(offsets, specs)]
+
+
+def _view(buf: np.ndarray, off: int, shape, dtype) -> np.ndarray:
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return buf[off:off + n].view(dtype).reshape(shape)
+
+
+class Slab:
+    """Bump allocation of arrays that live as long as their model, in shared huge-page chunks.
+    A chunk stays mapped while any array in it (or the slab, for the chunk it fills) is alive."""
+
+    def __init__(self, chunk_bytes: int = 64 << 20):
+        self.chunk_bytes = chunk_bytes
+        self._chunk: np.ndarray | None = None
+        self._used = 0
+        self._lock = threading.Lock()
+
+    def empty(self, shape, dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape)) * dtype.itemsize
+        if n < 4096:  # a norm weight, a bias: not worth a slab's space or alignment
+            return np.empty(shape, dtype)
+        if n > self.chunk_bytes // 4:  # a large matrix gets its own mapping
+            return _view(huge_pages(n), 0, shape, dtype)
+        with self._lock:
+            start = -(-self._used // _ALIGN) * _ALIGN
+            if self._chunk is None or start + n > self._chunk.shape[0]:
+                self._chunk, start = huge_pages(self.chunk_bytes), 0
+            self._used = start + n
+            return _view(self._chunk, start, shape, dtype)
+
+    def copy(self, a: np.ndarray) -> np.ndarray:
+        out = self.empty(a.shape, a.dtype)
+        out[...] = a
+        return out
+
+
+WEIGHTS = Slab()  # the dense weights of every model this process loads
