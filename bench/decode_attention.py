@@ -4,7 +4,7 @@ and the K/V bytes it reads per second. Separate arrays per layer (as the cache h
 layer's K/V comes from memory, not from the CPU caches. Benchmark only: no asserts.
 
     python bench/decode_attention.py [--contexts 1024,4096,8192] [--heads 9 --kv-heads 3 --head-dim 64 --layers 30]
-                                     [--kv-cache f32,f16]
+                                     [--kv-cache f32,f16] [--small-pages]
 """
 from __future__ import annotations
 
@@ -27,17 +27,29 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--kv-cache", default="f32,f16", help="cache element types to time (f16: --kv-cache f16)")
+    ap.add_argument("--small-pages", action="store_true",
+                    help="numpy's own arrays (4 KiB pages) instead of the cache's huge-page mapping")
     a = ap.parse_args()
 
     from colibri.kernels import ops
+    from colibri.memory import huge_arrays
+
+    def placed(arrays):  # where KVCache puts them: one mapping advised for huge pages
+        if a.small_pages:
+            return arrays
+        out = huge_arrays([(x.shape, x.dtype) for x in arrays])
+        for dst, src in zip(out, arrays):
+            dst[...] = src
+        return out
 
     lengths = [int(x) for x in a.contexts.split(",")]
     cap = max(lengths)
     rng = np.random.default_rng(0)
     k32 = [rng.standard_normal((a.kv_heads, cap, a.head_dim), dtype=np.float32) for _ in range(a.layers)]
     v32 = [rng.standard_normal((a.kv_heads, cap, a.head_dim), dtype=np.float32) for _ in range(a.layers)]
-    caches = {"f32": (k32, v32),
-              "f16": ([x.astype(np.float16).view(np.uint16) for x in k32], [x.astype(np.float16).view(np.uint16) for x in v32])}
+    caches = {"f32": (placed(k32), placed(v32)),
+              "f16": (placed([x.astype(np.float16).view(np.uint16) for x in k32]),
+                      placed([x.astype(np.float16).view(np.uint16) for x in v32]))}
     q = rng.standard_normal((a.heads, a.head_dim), dtype=np.float32)
     scale = np.float32(a.head_dim ** -0.5)
     print(f"{a.heads} heads over {a.kv_heads} KV heads of {a.head_dim}, {a.layers} layers; best of {a.repeats}")
