@@ -59,7 +59,7 @@ def _cache_in_user_dir():
 
 # Every module holding kernels is imported here, inside the block (tests/test_warmup.py checks).
 with _cache_in_user_dir():
-    from . import attention, decode, idot, moe, ops
+    from . import attention, decode, idot, moe, ops, team
     from .cpu import embedding, matvec
     from .gemm import matmul
 from .quant import (

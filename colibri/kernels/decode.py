@@ -17,11 +17,12 @@ the model's activation mode: its type picks the exact or the int8-activation row
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 from numba.typed import List
 
 from . import ops
-from .idot import matmul_rows_into, matvec_into
+from .idot import matmul_rows_into, matvec_into, prepare, rows8_into, tail_rows_into
+from .team import claim, counters_size, finish, unmanaged
 
 
 @njit(cache=True)
@@ -181,3 +182,157 @@ def swiglu(x, gate, up, down, nthreads, act):
     a = np.empty_like(g)
     ops._silu_gate(g, _mv(up, x, nthreads, act), a)
     return _mv(down, a, nthreads, act)
+
+
+# A whole token's layers in one call (DecoderModel.forward, one token, every layer covered by
+# the two blocks above): the team of colibri.kernels.team runs attention_block and mlp_block's
+# operations in their order, each row and attention chunk by the same kernels, so the result
+# is theirs, bit for bit (tests/kernels/test_token_layers.py).
+
+ROWS_PIECE = 4  # blocks of eight rows per piece a thread takes: 32 rows
+
+
+@njit(cache=True)
+def _rows_phase(w, x, xp, y, ctr, phase, nthreads, t, act, d, state):
+    """y = W @ x (xp = idot.prepare(x)), the team's rows: pieces of ROWS_PIECE blocks of eight,
+    then the rows past the last block as one piece."""
+    q, scales, offs, coef, half, cshift = w
+    out = q.shape[0]
+    nblk = out // 8
+    nfull = (nblk + ROWS_PIECE - 1) // ROWS_PIECE
+    n = nfull + (1 if out % 8 else 0)
+    state[0] = 0
+    state[1] = 0
+    while True:
+        k = claim(ctr, phase, n, nthreads, t, state)
+        if k < 0:
+            break
+        if k < nfull:
+            for blk in range(k * ROWS_PIECE, min(nblk, (k + 1) * ROWS_PIECE)):
+                r = 8 * blk
+                rows8_into(q, scales, offs, coef, half, cshift, x, xp, r, d, act)
+                for j in range(8):
+                    y[r + j] = d[j]
+        else:
+            tail_rows_into(q, scales, offs, coef, half, x, xp, y, act)
+    finish(ctr, phase, n, nthreads, state)
+
+
+@njit(cache=True)
+def _attention_phase(q, kc, vc, n_keys, scale, ms, ls, accs, scratch, ctr, phase, nthreads, t, state):
+    """ops.attend_rows' (KV head, chunk) items of one query, shared out to the team."""
+    KV, nc = ms.shape[0], ms.shape[1]
+    C = ops.ATTEND_CHUNK
+    state[0] = 0
+    state[1] = 0
+    while True:
+        k = claim(ctr, phase, KV * nc, nthreads, t, state)
+        if k < 0:
+            break
+        kv = k // nc
+        c = k - kv * nc
+        a = accs[kv, c]
+        for g in range(a.shape[0]):
+            for e in range(a.shape[1]):
+                a[g, e] = 0.0
+        ops._attend_chunk(q, kc, vc, kv, c * C, min(n_keys - c * C, C), scale, scratch, ms[kv, c], ls[kv, c], a)
+    finish(ctr, phase, KV * nc, nthreads, state)
+
+
+@njit(cache=True)
+def _unmanaged_weight(w):
+    return unmanaged(w[0]), unmanaged(w[1]), unmanaged(w[2]), w[3], w[4], w[5]
+
+
+@njit(cache=True)
+def unmanaged_layers(layers):
+    """token_layers' layer list with every array team.unmanaged: built once per model (which
+    keeps the arrays), so the threads read the shared weights without counting references."""
+    out = List()
+    for i in range(len(layers)):
+        in_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, down, q_norm, k_norm = layers[i]
+        out.append((unmanaged(in_norm), _unmanaged_weight(qkv), unmanaged(qkv_bias), _unmanaged_weight(o),
+                    unmanaged(o_bias), unmanaged(post_norm), _unmanaged_weight(gate_up), _unmanaged_weight(down),
+                    unmanaged(q_norm), unmanaged(k_norm)))
+    return out
+
+
+@njit(cache=True)
+def unmanaged_arrays(arrays):
+    """A typed list of arrays, each team.unmanaged (a KV cache's, kept by the cache)."""
+    out = List()
+    for i in range(len(arrays)):
+        out.append(unmanaged(arrays[i]))
+    return out
+
+
+@njit(cache=True)
+def _token_buffers(L, nqkv, n_kv, nc, G, Dv, D, n_gu, nthreads):
+    """The phases' shared outputs, one per layer (never reused within the token: team.py)."""
+    return (np.zeros(counters_size(5 * L, nthreads), np.int64), np.empty((L, nqkv), np.float32),
+            np.empty((L, n_kv, nc, G), np.float32), np.empty((L, n_kv, nc, G), np.float32),
+            np.empty((L, n_kv, nc, G, Dv), np.float32), np.empty((L, D), np.float32),
+            np.empty((L, n_gu), np.float32), np.empty((L, D), np.float32), np.empty((1, D), np.float32))
+
+
+@njit(parallel=True, cache=True)
+def token_layers(x0, layers, kcs, vcs, pos, cos, sin, rot, n_heads, n_kv, head_dim, scale, eps,
+                 qk_norm, norm_eps, clip, n_inter, nthreads, act):
+    """One token x0 [1, D] at position `pos` through every layer: attention_block then
+    mlp_block per layer, with the same arguments, returned as x [1, D]. layers: a typed list
+    of (input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, down, q_norm, k_norm) per
+    layer (weights as cpu.int4_weight tuples) and kcs / vcs: typed lists of each layer's cache
+    arrays (this position's K and V written to them), all with unmanaged arrays
+    (unmanaged_layers, unmanaged_arrays: the threads share them)."""
+    L = len(layers)
+    nc = (pos + 1 + ops.ATTEND_CHUNK - 1) // ops.ATTEND_CHUNK
+    buffers = _token_buffers(L, layers[0][1][0].shape[0], n_kv, nc, n_heads // n_kv, head_dim, x0.shape[1],
+                             2 * n_inter, nthreads)
+    for t in prange(nthreads):
+        _token_thread(t, x0, layers, kcs, vcs, pos, cos, sin, rot, n_heads, n_kv, head_dim, scale, eps, qk_norm,
+                      norm_eps, clip, n_inter, nthreads, act, buffers)
+    return buffers[-1]
+
+
+@njit(cache=True)
+def _token_thread(t, x0, layers, kcs, vcs, pos, cos, sin, rot, n_heads, n_kv, head_dim, scale, eps, qk_norm,
+                  norm_eps, clip, n_inter, nthreads, act, buffers):
+    """Thread t's part of token_layers: the glue on its own buffers, the phases shared."""
+    ctr, qkv_out, ms, ls, accs, o_out, gu, dn, result = buffers
+    # The shared buffers and inputs without reference counts (team.unmanaged): the call holds them.
+    ctr, qkv_out, ms, ls, accs = unmanaged(ctr), unmanaged(qkv_out), unmanaged(ms), unmanaged(ls), unmanaged(accs)
+    o_out, gu, dn, cos, sin = unmanaged(o_out), unmanaged(gu), unmanaged(dn), unmanaged(cos), unmanaged(sin)
+    nc = ms.shape[2]
+    d = np.empty(8, np.float32)
+    state = np.zeros(2, np.int64)
+    scratch = np.empty((n_heads // n_kv, ops.ATTEND_CHUNK), np.float32)
+    x = x0.copy()
+    for i in range(len(layers)):
+        in_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, down, q_norm, k_norm = layers[i]
+        # attention_block
+        h = ops.rms_norm(x, in_norm, eps)
+        _rows_phase(qkv, h[0], prepare(h[0], qkv[4], act), qkv_out[i], ctr, 5 * i, nthreads, t, act, d, state)
+        row = qkv_out[i].copy()
+        if qkv_bias.shape[0]:
+            row += qkv_bias
+        q = np.empty((1, n_heads, head_dim), np.float32)
+        # Every thread writes this position's K and V (the same bits) before it attends.
+        _prepare_row(row, cos, sin, rot, kcs[i], vcs[i], pos, n_heads, n_kv, head_dim, qk_norm, q_norm, k_norm,
+                     norm_eps, clip, q[0])
+        _attention_phase(q[0], kcs[i], vcs[i], pos + 1, scale, ms[i], ls[i], accs[i], scratch, ctr, 5 * i + 1,
+                         nthreads, t, state)
+        att = np.empty((1, n_heads * head_dim), np.float32)
+        ops._merge_chunks(ms[i], ls[i], accs[i], nc, att[0])
+        _rows_phase(o, att[0], prepare(att[0], o[4], act), o_out[i], ctr, 5 * i + 2, nthreads, t, act, d, state)
+        out = o_out[i].copy()
+        if o_bias.shape[0]:
+            out += o_bias
+        x = x + out.reshape((1, -1))
+        # mlp_block
+        h = ops.rms_norm(x, post_norm, eps)
+        _rows_phase(gate_up, h[0], prepare(h[0], gate_up[4], act), gu[i], ctr, 5 * i + 3, nthreads, t, act, d, state)
+        a = ops.silu_mul(gu[i].reshape((1, -1)), n_inter)
+        _rows_phase(down, a[0], prepare(a[0], down[4], act), dn[i], ctr, 5 * i + 4, nthreads, t, act, d, state)
+        x = x + dn[i].reshape((1, -1))
+    if t == 0:
+        result[:] = x

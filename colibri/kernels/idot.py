@@ -44,7 +44,7 @@ from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .cpu import _activations, _group_sums, _int4_rows8, _matmul_rows_int4, _matvec_int4, int4_weight
+from .cpu import _activations, _group_sums, _int4_rows8, _int4_tail_rows, _matmul_rows_int4, _matvec_int4, int4_weight
 from .quant import QTensor
 
 ACTIVATIONS = ("f32", "int8")
@@ -482,6 +482,12 @@ def rows8_into(q, scales, offs, coef, half, cshift, x, xp, r, d, act):
     raise NotImplementedError("called from compiled code only")
 
 
+def tail_rows_into(q, scales, offs, coef, half, x, xp, y, act):
+    """y[r] for the rows past the last whole block of eight, as the matvec computes them
+    (compiled only)."""
+    raise NotImplementedError("called from compiled code only")
+
+
 def _int8(act) -> bool:
     return isinstance(act, types.Integer)
 
@@ -547,6 +553,18 @@ def _rows8_into(q, scales, offs, coef, half, cshift, x, xp, r, d, act):
         return lambda q, scales, offs, coef, half, cshift, x, xp, r, d, act: rows8(q, scales, offs, coef, half, xp, r, d)
     return lambda q, scales, offs, coef, half, cshift, x, xp, r, d, act: _int4_rows8(
         q, scales, offs, coef, half, cshift, x, xp, r, d)
+
+
+@overload(tail_rows_into)
+def _tail_rows_into(q, scales, offs, coef, half, x, xp, y, act):
+    if _int8(act):
+        def int8(q, scales, offs, coef, half, x, xp, y, act):
+            d = np.empty(8, np.float32)
+            for r in range(q.shape[0] - q.shape[0] % 8, q.shape[0]):
+                row1(q, scales, offs, coef, half, xp, r, d)
+                y[r] = d[0]
+        return int8
+    return lambda q, scales, offs, coef, half, x, xp, y, act: _int4_tail_rows(q, scales, offs, coef, half, x, xp, y)
 
 
 # --- QTensor entry points (the model's linear() calls these in int8 mode) ----------------

@@ -253,6 +253,7 @@ class KVCache:
         self._np = KV_CACHE_TYPES[dtype]
         self._shape = (num_kv_heads, head_dim, v_dim or head_dim)
         self.k, self.v = self._arrays(num_layers, min(max_tokens, 256))
+        self._lists = None  # typed_lists' memo
 
     def _arrays(self, num_layers: int, cap: int) -> tuple[list, list]:
         """Every layer's K and V arrays [KV, cap, D] for `cap` positions, zeroed, in one
@@ -275,6 +276,18 @@ class KVCache:
         for old, new in zip(self.k + self.v, k + v):
             new[:, : self.length] = old[:, : self.length]
         self.k, self.v = k, v
+
+    def typed_lists(self) -> tuple:
+        """Every layer's K and V arrays as two numba typed lists of unmanaged views
+        (decode.token_layers), kept while the cache holds the same arrays (growing replaces
+        them; self.k and self.v keep the arrays the views point to)."""
+        if self._lists is None or self._lists[0] is not self.k[0]:
+            ks, vs = List(), List()
+            for k, v in zip(self.k, self.v):
+                ks.append(k)
+                vs.append(v)
+            self._lists = (self.k[0], decode.unmanaged_arrays(ks), decode.unmanaged_arrays(vs))
+        return self._lists[1], self._lists[2]
 
     def write_rows(self, layer: int, pos0: int, k: np.ndarray, v: np.ndarray) -> None:
         """K and V of positions pos0 .. pos0 + L, given as float32 [KV, L, D]."""
@@ -689,6 +702,7 @@ class DecoderModel:
         self.lm_head = w.tensor("lm_head.weight") if w.has("lm_head.weight") else self.embed
         self.prefetch = False  # set by the engine when experts stream from disk
         self._kv_memo = None   # (rows' caches, typed lists of their K/V arrays per layer): _kv_lists
+        self._program = None   # decode.token_layers' arguments, False where it does not cover the model
 
     @property
     def has_mtp(self) -> bool:
@@ -714,10 +728,14 @@ class DecoderModel:
         x = embedding(self.embed, ids)  # [L, D]
         if t0:
             PHASES.add("embed", -1, t0)
-        for i, layer in enumerate(self.layers):
-            if self.prefetch and isinstance(layer.mlp, RoutedMoE) and layer.mlp.wants_prefetch():
-                layer.mlp.prefetch_for(x, layer.post_norm, self.args.rms_norm_eps)
-            x = layer(x, cache, i, pos0, cos, sin)
+        program = self._token_program() if L == 1 and not PHASES.on else None
+        if program is not None:  # every layer in one compiled call (the phase clock times them one by one)
+            x = self._token_layers(program, x, cache, pos0, cos, sin)
+        else:
+            for i, layer in enumerate(self.layers):
+                if self.prefetch and isinstance(layer.mlp, RoutedMoE) and layer.mlp.wants_prefetch():
+                    layer.mlp.prefetch_for(x, layer.post_norm, self.args.rms_norm_eps)
+                x = layer(x, cache, i, pos0, cos, sin)
         cache.length = pos0 + L
         if not all_logits:
             x = x[-1:]
@@ -726,6 +744,40 @@ class DecoderModel:
         if t0:
             PHASES.add("head", -1, t0)
         return logits
+
+    def _token_program(self):
+        """(a typed list of every layer's fused-block arguments, the arguments all layers share)
+        when decode.token_layers covers the whole model: every layer a plain DecoderLayer whose
+        attention and MLP the fused blocks cover, with the same shapes. None otherwise (MoE
+        layers, MLA, non-int4 weights): the layers then run one by one. Built once."""
+        if self._program is None:
+            self._program = self._build_token_program() or False
+        return self._program or None
+
+    def _build_token_program(self):
+        plain = all(type(layer).__call__ is DecoderLayer.__call__ and type(layer).attend_one is DecoderLayer.attend_one
+                    and type(layer).mlp_one is DecoderLayer.mlp_one for layer in self.layers)
+        if not plain or not self.layers:
+            return None
+        layers, shared = List(), set()
+        for layer in self.layers:
+            attn_args, mlp_args = layer._fused if layer._fused is not None else layer._build_fused()
+            if attn_args is None or mlp_args is None:
+                return None
+            eps, qkv, qkv_bias, o, o_bias, rot, h, kv, dh, scale, norms = attn_args
+            code, q_norm, k_norm, norm_eps, clip = norms
+            _, gate_up, n_inter, down = mlp_args
+            shared.add((eps, rot, h, kv, dh, scale, code, norm_eps, clip, n_inter))
+            layers.append((layer.input_norm, qkv, qkv_bias, o, o_bias, layer.post_norm, gate_up, down, q_norm, k_norm))
+        # The managed list keeps the arrays the unmanaged one points to.
+        return (decode.unmanaged_layers(layers), shared.pop(), layers) if len(shared) == 1 else None
+
+    def _token_layers(self, program, x, cache, pos: int, cos, sin) -> np.ndarray:
+        layers, (eps, rot, h, kv, dh, scale, code, norm_eps, clip, n_inter), _ = program
+        kcs, vcs = cache.typed_lists()
+        return decode.token_layers(x, layers, kcs, vcs, pos, np.ascontiguousarray(cos, np.float32),
+                                   np.ascontiguousarray(sin, np.float32), rot, h, kv, dh, scale, eps, code, norm_eps,
+                                   clip, n_inter, get_num_threads(), idot.marker(idot.current()))
 
     def _kv_lists(self, caches: list) -> list[tuple]:
         """Per layer, the K and V arrays of each row's cache as numba typed lists, for the fused

@@ -100,6 +100,7 @@ def check_against_transformers(model_cls, config, tmp_path: Path, seed: int, bit
         rel = np.max(np.abs(ours - ref_logits)) / np.max(np.abs(ref_logits))
         assert rel < 1e-4, f"prompt {prompt}: final logits differ by {rel:.2e} (relative to max)"
     check_fused_decode_matches(engine, prompts[-1])
+    check_token_layers_match(engine, prompts[-1])
     check_rows_match_solo_decode(engine, prompts[-1], prompts[0])
     check_chunked_prefill(out, prompts[-1], ref)
     return engine
@@ -175,10 +176,11 @@ def check_fused_decode_matches(engine, prompt: list[int], steps: int = 8) -> int
     tokens = np.random.default_rng(len(prompt)).integers(0, engine.vocab_size, steps).tolist()
 
     def run(fused: bool):
-        saved = [layer._fused for layer in layers]
+        saved, saved_program = [layer._fused for layer in layers], model._program
         if not fused:
             for layer in layers:
                 layer._fused = (None, None)
+            model._program = False  # nor the whole-token call built from the fused blocks
         try:
             cache = model.new_cache(len(prompt) + steps + 1)
             out = [model.forward(np.asarray(prompt), cache)[-1:]]
@@ -187,6 +189,7 @@ def check_fused_decode_matches(engine, prompt: list[int], steps: int = 8) -> int
         finally:
             for layer, f in zip(layers, saved):
                 layer._fused = f
+            model._program = saved_program
 
     (fused, cache_f), (plain, cache_p) = run(True), run(False)
 
@@ -237,3 +240,38 @@ def check_decode_matches_recompute(engine, prompt: list[int], n: int = NEW_TOKEN
     logits = engine.logits(prompt + got)                          # [L, V], fresh context
     recomputed = np.argmax(logits[len(prompt) - 1 : -1], axis=-1).tolist()
     assert got == recomputed, f"cached decode {got}\n full recompute {recomputed}"
+
+
+def check_token_layers_match(engine, prompt: list[int], steps: int = 6) -> bool:
+    """Where one compiled call runs all of a token's layers (decode.token_layers, a team of
+    threads), each decode step gives the per-layer fused blocks' logits and KV cache bit for
+    bit, with the numba threads the engine has and with one. Returns whether it covers the model."""
+    from numba import get_num_threads, set_num_threads
+
+    model = engine.model
+    if model._token_program() is None:
+        return False
+    tokens = np.random.default_rng(len(prompt) + 3).integers(0, engine.vocab_size, steps).tolist()
+
+    def run(program):
+        saved = model._program
+        model._program = program
+        try:
+            cache = model.new_cache(len(prompt) + steps + 1)
+            model.forward(np.asarray(prompt), cache)
+            return np.concatenate([model.forward(np.asarray([t]), cache) for t in tokens]), cache
+        finally:
+            model._program = saved
+
+    (per_layer, cache_l), (whole, cache_w) = run(False), run(None)
+    assert np.array_equal(whole, per_layer), "whole-token decode differs from the per-layer blocks"
+    for a, b in zip(cache_w.k + cache_w.v, cache_l.k + cache_l.v):
+        assert np.array_equal(a[:, :cache_w.length], b[:, :cache_l.length])
+    threads = get_num_threads()
+    set_num_threads(1)
+    try:
+        one, _ = run(None)
+    finally:
+        set_num_threads(threads)
+    assert np.array_equal(one, per_layer), "whole-token decode on one thread differs"
+    return True

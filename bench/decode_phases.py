@@ -1,0 +1,178 @@
+"""Where a short-context decode token's time goes, against the read-bandwidth roof (issue 15,
+item 1). On the default model (SmolLM2 Q4_1) unless --model is given. Benchmark only: no asserts.
+
+    python bench/decode_phases.py [--model DIR] [--activations f32|int8] [--tokens 200] [--rounds 3]
+
+Prints, for a token decoded after a ~150-token prompt:
+- the token's time two ways, interleaved: every layer in one compiled call (the default,
+  decode.token_layers) and the layers one by one (two compiled calls per layer, as before);
+- the per-layer path's phase clock (embedding, attention blocks, feed-forward blocks, head);
+- the matrix kernels alone on the token's weights, once with the weights in the CPU caches
+  (one layer's matrix, repeated) and once streamed from memory (every layer's in turn, as a
+  token reads them): how fast the arithmetic is, and what reading from DRAM adds;
+- the roof: the token's weight bytes over the measured read bandwidth (bench/membw.py).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _per_token(fn, n: int) -> float:
+    t = time.perf_counter()
+    for i in range(n):
+        fn(i)
+    return (time.perf_counter() - t) / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="container directory (default: the embedded SmolLM2)")
+    ap.add_argument("--activations", default="f32", choices=["f32", "int8"])
+    ap.add_argument("--tokens", type=int, default=200, help="decode steps per timing")
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+
+    from membw import read_bandwidth
+    from numba import get_num_threads
+
+    from colibri import Engine
+    from colibri.generate import decode_one
+    from colibri.kernels import idot
+    from colibri.profile import PHASES
+
+    e = Engine.load(a.model, activations=a.activations)
+    m = e.model
+    out: dict = {}
+
+    def work():
+        # Every parallel kernel on this one thread: OpenMP keeps a team per calling thread, and
+        # with more teams than cores it stops spinning between regions (27 ms a token here
+        # instead of 8 when the bandwidth probe ran on the main thread first).
+        out["bw"] = read_bandwidth()
+        cache = m.new_cache(150 + a.tokens + 8)
+        m.forward(np.arange(150) % e.vocab_size, cache)
+        start = cache.length
+
+        def decode(i):
+            decode_one(m, cache, 100 + i % 50)
+
+        def run(program):
+            m._program = program
+            cache.length = start
+            return _per_token(decode, a.tokens)
+
+        covered = m._token_program() is not None
+        whole, layers = [], []
+        for _ in range(a.rounds):
+            if covered:
+                whole.append(run(None))
+            layers.append(run(False))
+        m._program = None
+        cache.length = start
+        PHASES.start()
+        total = _per_token(decode, a.tokens)
+        seconds = PHASES.stop()
+        phases: dict[str, float] = {}
+        for (phase, _), s in seconds.items():
+            phases[phase] = phases.get(phase, 0.0) + s / a.tokens
+        phases["other"] = total - sum(phases.values())
+        out.update(covered=covered, whole=whole, layers=layers, phases=phases, kernels=_kernels(m, idot))
+
+    th = threading.Thread(target=work)  # off the main thread, as the engine runs them
+    th.start()
+    th.join()
+    bw = out["bw"]
+    weight_bytes = _weight_bytes(m)
+    roof = weight_bytes / bw
+    print(f"model {Path(e.container.dir).name}, activations {a.activations}, threads {get_num_threads()}")
+    print(f"read bandwidth {bw / 1e9:.1f} GB/s; weights read per token {weight_bytes / 1e6:.1f} MB; "
+          f"roof {roof * 1e3:.2f} ms = {1 / roof:.0f} tok/s")
+    rows = ([("every layer in one call", out["whole"])] if out["covered"] else []) + [
+        ("layer by layer", out["layers"])]
+    print(f"{'decode path':28} {'ms/token':>9} {'tok/s':>7} {'% of roof':>9}   (median of {a.rounds})")
+    for name, ts in rows:
+        t = statistics.median(ts)
+        print(f"{name:28} {t * 1e3:9.2f} {1 / t:7.1f} {roof / t:9.0%}")
+    print("phase clock of the layer-by-layer path (ms/token): "
+          + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in out["phases"].items()))
+    print(f"{'matrices (all layers)':28} {'MB':>6} {'in cache ms':>11} {'GB/s':>6} {'streamed ms':>11} {'GB/s':>6}")
+    for name, (nbytes, hot, cold) in out["kernels"].items():
+        print(f"{name:28} {nbytes / 1e6:6.1f} {hot * 1e3:11.2f} {nbytes / hot / 1e9:6.1f} {cold * 1e3:11.2f} "
+              f"{nbytes / cold / 1e9:6.1f}")
+
+
+def _weight_bytes(m) -> int:
+    total = m.lm_head.nbytes  # QTensor.nbytes: all its parts
+    for layer in m.layers:
+        attn_args, mlp_args = layer._fused if layer._fused is not None else layer._build_fused()
+        for w in ([attn_args[1], attn_args[3]] if attn_args else []) + ([mlp_args[1], mlp_args[3]] if mlp_args else []):
+            total += w[0].nbytes + w[1].nbytes + (w[2].nbytes if w[2] is not w[1] else 0)
+    return total
+
+
+def _kernels(m, idot) -> dict:
+    """Per matrix kind: (bytes over all layers, seconds for all layers with one layer's matrix
+    in cache, seconds streaming every layer's)."""
+    from numba import get_num_threads
+
+    from colibri.kernels.cpu import _matvec_int4
+    from colibri.memory import Slab
+
+    nthreads = get_num_threads()
+    int8 = idot.current() == "int8" or m.activations == "int8"
+    fused = [layer._fused for layer in m.layers if layer._fused and layer._fused[0] and layer._fused[1]]
+    if not fused:
+        return {}
+    kinds = {"q/k/v": [f[0][1] for f in fused], "o": [f[0][3] for f in fused],
+             "gate/up": [f[1][1] for f in fused], "down": [f[1][3] for f in fused]}
+    result = {}
+    for name, ws in kinds.items():
+        xs = [np.random.default_rng(0).standard_normal(w[0].shape[1] * 2).astype(np.float32) for w in ws]
+        ys = [np.empty(w[0].shape[0], np.float32) for w in ws]
+        prepared = [idot.quantize(x, w[4]) for x, w in zip(xs, ws)]
+
+        def one(w, x, xa, y):
+            q, s, o, c, h, cs = w
+            if int8:
+                idot.matvec_prepared(q, s, o, c, h, xa, y, nthreads)
+            else:
+                _matvec_int4(q, s, o, c, h, cs, x, y, nthreads)
+
+        def hot():
+            for _ in ws:
+                one(ws[0], xs[0], prepared[0], ys[0])
+
+        def cold():
+            for w, x, xa, y in zip(ws, xs, prepared, ys):
+                one(w, x, xa, y)
+
+        hot()
+        best_hot = min(_per_token(lambda i: hot(), 20) for _ in range(3))
+        # Streamed: copies of every layer's matrices (in huge pages, as the model's), cycled past
+        # 256 MB, so each matrix comes from memory as in a token.
+        nbytes = sum(w[0].nbytes + w[1].nbytes + (w[2].nbytes if w[2] is not w[1] else 0) for w in ws)
+        slab = Slab()
+        copies = [[tuple(slab.copy(p) if isinstance(p, np.ndarray) else p for p in w) for w in ws]
+                  for _ in range(max(2, -(-(256 << 20) // nbytes)))]
+
+        def cold(i):
+            for w, x, xa, y in zip(copies[i % len(copies)], xs, prepared, ys):
+                one(w, x, xa, y)
+
+        cold(0)
+        best_cold = min(_per_token(cold, len(copies)) for _ in range(3))
+        result[name] = (nbytes, best_hot, best_cold)
+    return result
+
+
+if __name__ == "__main__":
+    main()

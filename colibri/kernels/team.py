@@ -1,0 +1,146 @@
+"""A team of threads that stays inside one parallel region for a whole decode token.
+
+A small model's token is ~150 short parallel kernels (five per layer on SmolLM2), each a few
+tens of microseconds: every one paid a parallel region's start and end, and the serial work
+between them (norms, RoPE, the attention merge, SwiGLU) ran on one thread while the other
+waited. colibri.kernels.decode.token_layers instead runs all layers inside one `prange` over
+the threads; each thread does the serial glue itself, on private buffers (the same arithmetic,
+so the same bits), and the matrix rows and attention chunks of a phase are shared out here.
+
+A phase's pieces are split into one contiguous range per thread; a thread takes pieces from
+its own range first, then from the others', through one atomic counter per range (each on
+its own cache line, so the common case touches no other core's line), and adds how many it
+finished to the phase's done counter once. It then waits until every piece is done. Nothing
+waits for a thread that has not arrived: if the runtime runs the region's iterations one
+after another (a one-thread pool, a threading layer that serializes), the first does every
+piece of every phase and the later ones find nothing left, so the team cannot deadlock.
+
+Each phase writes its own buffers (one per layer), never reused within the token, because a
+thread that took the other's pieces can run a phase ahead of it: an output the slower thread
+may still be reading is never overwritten.
+
+A piece's result depends only on its index, never on which thread computed it (the row and
+chunk kernels are the step-by-step path's), so the token's numbers are the same whatever the
+thread count and scheduling.
+"""
+from __future__ import annotations
+
+import platform
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+LINE = 8  # int64 counters per cache line: a counter per line keeps threads off each other's lines
+
+
+def _counter_ptr(context, builder, aryty, ary, index):
+    a = context.make_array(aryty)(context, builder, ary)
+    return cgutils.get_item_pointer(context, builder, aryty, a, [index])
+
+
+@intrinsic
+def atomic_add(typingctx, a, i, v):
+    """a[i] += v atomically (sequentially consistent); returns the old value. a: int64 [n]."""
+    if not (isinstance(a, types.Array) and a.dtype == types.int64 and a.ndim == 1):
+        return None
+    sig = types.int64(a, types.intp, types.int64)
+
+    def codegen(context, builder, sig_, args):
+        ptr = _counter_ptr(context, builder, sig_.args[0], args[0], args[1])
+        return builder.atomic_rmw("add", ptr, args[2], "seq_cst")
+    return sig, codegen
+
+
+@intrinsic
+def atomic_load(typingctx, a, i):
+    """a[i], read atomically (sequentially consistent): writes made before another thread's
+    atomic_add of this counter are visible after reading its result."""
+    if not (isinstance(a, types.Array) and a.dtype == types.int64 and a.ndim == 1):
+        return None
+    sig = types.int64(a, types.intp)
+
+    def codegen(context, builder, sig_, args):
+        ptr = _counter_ptr(context, builder, sig_.args[0], args[0], args[1])
+        return builder.load_atomic(ptr, "seq_cst", 8)
+    return sig, codegen
+
+
+@intrinsic
+def spin_pause(typingctx):
+    """The x86 `pause` hint in a wait loop (a sibling hyperthread gets the core's resources);
+    nothing elsewhere."""
+    def codegen(context, builder, sig, args):
+        if _X86:
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                                "llvm.x86.sse2.pause")
+            builder.call(fn, [])
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
+@intrinsic
+def unmanaged(typingctx, a):
+    """The same array without its reference count: a view numba does not count, so passing
+    it around costs no atomic operation. The team's threads share every weight: counting
+    references to the same arrays from two threads made each count bounce between their
+    caches (unpacking three shared arrays: 353 ns against 71 ns for private ones). Valid only
+    while something else holds the array (the model holds its weights, the cache its arrays)."""
+    if not isinstance(a, types.Array):
+        return None
+
+    def codegen(context, builder, sig, args):
+        view = cgutils.create_struct_proxy(sig.args[0])(context, builder, value=args[0])
+        view.meminfo = cgutils.get_null_value(view.meminfo.type)
+        view.parent = cgutils.get_null_value(view.parent.type)
+        return view._getvalue()
+    return a(a), codegen
+
+
+def counters(phases: int, nthreads: int) -> np.ndarray:
+    """Zeroed counters for `phases` phases of a team of nthreads (compiled callers allocate
+    the same shape with counters_size)."""
+    return np.zeros(counters_size(phases, nthreads), np.int64)
+
+
+@njit(cache=True)
+def counters_size(phases, nthreads):
+    """Per phase: a claim counter per thread's range and a done counter, a line each."""
+    return phases * (nthreads + 1) * LINE
+
+
+@njit(cache=True)
+def range_of(n, nthreads, r):
+    """Thread r's contiguous range of n pieces: [start, stop)."""
+    per = (n + nthreads - 1) // nthreads
+    return min(n, r * per), min(n, (r + 1) * per)
+
+
+@njit(cache=True)
+def claim(ctr, phase, n, nthreads, t, state):
+    """The next piece for thread t of a phase of n pieces, or -1 when none is left. state is
+    the thread's int64 [2] cursor for the phase ([range being taken from, pieces finished]),
+    zeroed before its first claim; the ranges are taken in the order t, t + 1, ..."""
+    base = phase * (nthreads + 1) * LINE
+    while state[0] < nthreads:
+        r = (t + state[0]) % nthreads
+        start, stop = range_of(n, nthreads, r)
+        k = start + atomic_add(ctr, base + r * LINE, 1)
+        if k < stop:
+            state[1] += 1
+            return k
+        state[0] += 1
+    return -1
+
+
+@njit(cache=True)
+def finish(ctr, phase, n, nthreads, state):
+    """Report this thread's finished pieces, then wait until all n of the phase are done."""
+    done = phase * (nthreads + 1) * LINE + nthreads * LINE
+    if state[1]:
+        atomic_add(ctr, done, state[1])
+    while atomic_load(ctr, done) < n:
+        spin_pause()
