@@ -282,11 +282,7 @@ class KVCache:
         (decode.token_layers), kept while the cache holds the same arrays (growing replaces
         them; self.k and self.v keep the arrays the views point to)."""
         if self._lists is None or self._lists[0] is not self.k[0]:
-            ks, vs = List(), List()
-            for k, v in zip(self.k, self.v):
-                ks.append(k)
-                vs.append(v)
-            self._lists = (self.k[0], decode.unmanaged_arrays(ks), decode.unmanaged_arrays(vs))
+            self._lists = (self.k[0], decode.unmanaged_arrays(tuple(self.k)), decode.unmanaged_arrays(tuple(self.v)))
         return self._lists[1], self._lists[2]
 
     def write_rows(self, layer: int, pos0: int, k: np.ndarray, v: np.ndarray) -> None:
@@ -759,7 +755,7 @@ class DecoderModel:
                     and type(layer).mlp_one is DecoderLayer.mlp_one for layer in self.layers)
         if not plain or not self.layers:
             return None
-        layers, shared = List(), set()
+        layers, shared = [], set()
         for layer in self.layers:
             attn_args, mlp_args = layer._fused if layer._fused is not None else layer._build_fused()
             if attn_args is None or mlp_args is None:
@@ -769,7 +765,8 @@ class DecoderModel:
             _, gate_up, n_inter, down = mlp_args
             shared.add((eps, rot, h, kv, dh, scale, code, norm_eps, clip, n_inter))
             layers.append((layer.input_norm, qkv, qkv_bias, o, o_bias, layer.post_norm, gate_up, down, q_norm, k_norm))
-        # The managed list keeps the arrays the unmanaged one points to.
+        # The managed tuple keeps the arrays the unmanaged list points to.
+        layers = tuple(layers)
         return (decode.unmanaged_layers(layers), shared.pop(), layers) if len(shared) == 1 else None
 
     def _token_layers(self, program, x, cache, pos: int, cos, sin) -> np.ndarray:
@@ -824,10 +821,14 @@ class DecoderModel:
         sin = np.ascontiguousarray(np.concatenate([s for _, s in trig]), np.float32)
         pos = np.asarray(pos, dtype=np.int64)
         x = embedding(self.embed, np.asarray(ids, dtype=np.int64))  # [B, D]
-        kv_lists = self._kv_lists(caches) if len(ids) > 1 else None
-        for i, layer in enumerate(self.layers):
-            x = layer.attend_rows(x, caches, i, pos, cos, sin, kv_lists and kv_lists[i])
-            x = layer.mlp_rows(x)
+        program = self._token_program() if len(ids) == 1 and not PHASES.on else None
+        if program is not None:  # one row: forward's one-call token, the same bits as the layers below
+            x = self._token_layers(program, x, caches[0], int(pos[0]), cos, sin)
+        else:
+            kv_lists = self._kv_lists(caches) if len(ids) > 1 else None
+            for i, layer in enumerate(self.layers):
+                x = layer.attend_rows(x, caches, i, pos, cos, sin, kv_lists and kv_lists[i])
+                x = layer.mlp_rows(x)
         for c in caches:
             c.length = end[id(c)]
         self.rows_hidden = h = rms_norm(x, self.norm, self.args.rms_norm_eps)
