@@ -17,12 +17,12 @@ the model's activation mode: its type picks the exact or the int8-activation row
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 from numba.typed import List
 
 from . import ops
 from .idot import matmul_rows_into, matvec_into, prepare, rows8_into, tail_rows_into
-from .team import claim, counters_size, finish, unmanaged
+from .team import claim, counters_size, finish, run_team, unmanaged
 
 
 @njit(cache=True)
@@ -245,18 +245,29 @@ def _unmanaged_weight(w):
 
 
 @njit(cache=True)
-def unmanaged_layers(layers):
-    """token_layers' layer list, built from a tuple of every layer's arguments with every array
-    team.unmanaged: built once per model (which keeps the arrays), so the threads read the
-    shared weights without counting references. (Here, not from Python: a typed list filled
-    from Python compiles its methods for the item type, uncached, ~1.3 s of every start.)"""
+def _unmanaged_layer(layer):
+    in_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, down, q_norm, k_norm = layer
+    return (unmanaged(in_norm), _unmanaged_weight(qkv), unmanaged(qkv_bias), _unmanaged_weight(o),
+            unmanaged(o_bias), unmanaged(post_norm), _unmanaged_weight(gate_up), _unmanaged_weight(down),
+            unmanaged(q_norm), unmanaged(k_norm))
+
+
+@njit(cache=True)
+def unmanaged_layer_list(layer):
+    """A typed list holding one layer's token_layers arguments with every array
+    team.unmanaged; add_unmanaged_layer appends the others. Built once per model (which keeps
+    the arrays), so the team's threads read the shared weights without counting references.
+    Filled here, one layer per call, not from Python (a typed list filled from Python compiles
+    its methods for the item type, uncached: ~1.3 s of every start) nor from a tuple of all
+    layers (compiling for a 30-layer tuple took 40 s)."""
     out = List()
-    for layer in layers:
-        in_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, down, q_norm, k_norm = layer
-        out.append((unmanaged(in_norm), _unmanaged_weight(qkv), unmanaged(qkv_bias), _unmanaged_weight(o),
-                    unmanaged(o_bias), unmanaged(post_norm), _unmanaged_weight(gate_up), _unmanaged_weight(down),
-                    unmanaged(q_norm), unmanaged(k_norm)))
+    out.append(_unmanaged_layer(layer))
     return out
+
+
+@njit(cache=True)
+def add_unmanaged_layer(layers, layer):
+    layers.append(_unmanaged_layer(layer))
 
 
 @njit(cache=True)
@@ -269,15 +280,15 @@ def unmanaged_arrays(arrays):
 
 
 @njit(cache=True)
-def _token_buffers(L, nqkv, n_kv, nc, G, Dv, D, n_gu, nthreads):
+def _token_buffers(layers, n_kv, nc, G, Dv, D, n_gu, nthreads):
     """The phases' shared outputs, one per layer (never reused within the token: team.py)."""
+    L, nqkv = len(layers), layers[0][1][0].shape[0]
     return (np.zeros(counters_size(5 * L, nthreads), np.int64), np.empty((L, nqkv), np.float32),
             np.empty((L, n_kv, nc, G), np.float32), np.empty((L, n_kv, nc, G), np.float32),
             np.empty((L, n_kv, nc, G, Dv), np.float32), np.empty((L, D), np.float32),
             np.empty((L, n_gu), np.float32), np.empty((L, D), np.float32), np.empty((1, D), np.float32))
 
 
-@njit(parallel=True, cache=True)
 def token_layers(x0, layers, kcs, vcs, pos, cos, sin, rot, n_heads, n_kv, head_dim, scale, eps,
                  qk_norm, norm_eps, clip, n_inter, nthreads, act):
     """One token x0 [1, D] at position `pos` through every layer: attention_block then
@@ -285,18 +296,19 @@ def token_layers(x0, layers, kcs, vcs, pos, cos, sin, rot, n_heads, n_kv, head_d
     of (input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, down, q_norm, k_norm) per
     layer (weights as cpu.int4_weight tuples) and kcs / vcs: typed lists of each layer's cache
     arrays (this position's K and V written to them), all with unmanaged arrays
-    (unmanaged_layers, unmanaged_arrays: the threads share them)."""
-    L = len(layers)
+    (unmanaged_layer_list, unmanaged_arrays: the threads share them). Run by team.run_team:
+    the calling thread and nthreads - 1 helpers (plain threads, not a numba parallel region:
+    compiling one around this took 22 s more at the first start)."""
     nc = (pos + 1 + ops.ATTEND_CHUNK - 1) // ops.ATTEND_CHUNK
-    buffers = _token_buffers(L, layers[0][1][0].shape[0], n_kv, nc, n_heads // n_kv, head_dim, x0.shape[1],
-                             2 * n_inter, nthreads)
-    for t in prange(nthreads):
-        _token_thread(t, x0, layers, kcs, vcs, pos, cos, sin, rot, n_heads, n_kv, head_dim, scale, eps, qk_norm,
-                      norm_eps, clip, n_inter, nthreads, act, buffers)
+    # (The typed list is read in compiled code only: its methods called from Python compile
+    # for the item type, uncached, at every start.)
+    buffers = _token_buffers(layers, n_kv, nc, n_heads // n_kv, head_dim, x0.shape[1], 2 * n_inter, nthreads)
+    run_team(_token_thread, nthreads, x0, layers, kcs, vcs, pos, cos, sin, rot, n_heads, n_kv, head_dim, scale,
+             eps, qk_norm, norm_eps, clip, n_inter, nthreads, act, buffers)
     return buffers[-1]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _token_thread(t, x0, layers, kcs, vcs, pos, cos, sin, rot, n_heads, n_kv, head_dim, scale, eps, qk_norm,
                   norm_eps, clip, n_inter, nthreads, act, buffers):
     """Thread t's part of token_layers: the glue on its own buffers, the phases shared."""

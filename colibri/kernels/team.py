@@ -1,19 +1,25 @@
-"""A team of threads that stays inside one parallel region for a whole decode token.
+"""A team of threads that works through a whole decode token together.
 
 A small model's token is ~150 short parallel kernels (five per layer on SmolLM2), each a few
 tens of microseconds: every one paid a parallel region's start and end, and the serial work
 between them (norms, RoPE, the attention merge, SwiGLU) ran on one thread while the other
-waited. colibri.kernels.decode.token_layers instead runs all layers inside one `prange` over
-the threads; each thread does the serial glue itself, on private buffers (the same arithmetic,
-so the same bits), and the matrix rows and attention chunks of a phase are shared out here.
+waited. colibri.kernels.decode.token_layers instead runs all layers in one compiled function
+on every thread of a team (run_team: the caller and helper threads, the function compiled
+nogil); each thread does the serial glue itself, on private buffers (the same arithmetic, so
+the same bits), and the matrix rows and attention chunks of a phase are shared out here.
 
 A phase's pieces are split into one contiguous range per thread; a thread takes pieces from
 its own range first, then from the others', through one atomic counter per range (each on
 its own cache line, so the common case touches no other core's line), and adds how many it
 finished to the phase's done counter once. It then waits until every piece is done. Nothing
-waits for a thread that has not arrived: if the runtime runs the region's iterations one
-after another (a one-thread pool, a threading layer that serializes), the first does every
-piece of every phase and the later ones find nothing left, so the team cannot deadlock.
+waits for a thread that has not arrived: if the members run one after another (a helper not
+yet woken, fewer cores than threads), the first does every piece of every phase and the later
+ones find nothing left, so the team cannot deadlock.
+
+Plain threads rather than a numba parallel region: a `prange` around the token's function
+compiled for 22 s more at the first start, and GNU OpenMP's worker pools (one per thread that
+ever ran a parallel region) stop spinning once they outnumber the cores, which made every
+region of a generation on a second thread cost ~70 us (threads.run_apart).
 
 Each phase writes its own buffers (one per layer), never reused within the token, because a
 thread that took the other's pieces can run a phase ahead of it: an output the slower thread
@@ -26,6 +32,7 @@ thread count and scheduling.
 from __future__ import annotations
 
 import platform
+import threading
 
 import numpy as np
 from llvmlite import ir
@@ -34,6 +41,61 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+class _Helper:
+    """A daemon thread that runs fn(t, *args) each time it is handed one."""
+
+    def __init__(self):
+        self._go, self._done = threading.Event(), threading.Event()
+        self._job = self._error = None
+        threading.Thread(target=self._loop, name="colibri-team", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            self._go.wait()
+            self._go.clear()
+            fn, t, args = self._job
+            try:
+                fn(t, *args)
+            except BaseException as e:  # handed back to the caller
+                self._error = e
+            self._job = None
+            self._done.set()
+
+    def start(self, fn, t: int, args: tuple) -> None:
+        self._done.clear()
+        self._job = (fn, t, args)
+        self._go.set()
+
+    def join(self) -> None:
+        self._done.wait()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
+_local = threading.local()
+
+
+def run_team(fn, nthreads: int, *args) -> None:
+    """fn(t, *args) for t in range(nthreads): t = 0 on the calling thread, the others on its
+    helper threads (started on first use, kept for the next call; each calling thread has its
+    own). fn is a nogil compiled function built on claim/finish, so the members run at once
+    and the call returns when all have finished. Helpers that start late only find less left
+    to do (a phase never waits for a member that has not arrived)."""
+    helpers = getattr(_local, "helpers", None)
+    if helpers is None:
+        helpers = _local.helpers = []
+    while len(helpers) < nthreads - 1:
+        helpers.append(_Helper())
+    for t in range(1, nthreads):
+        helpers[t - 1].start(fn, t, args)
+    try:
+        fn(0, *args)
+    finally:
+        for t in range(1, nthreads):
+            helpers[t - 1].join()
 LINE = 8  # int64 counters per cache line: a counter per line keeps threads off each other's lines
 
 

@@ -765,9 +765,12 @@ class DecoderModel:
             _, gate_up, n_inter, down = mlp_args
             shared.add((eps, rot, h, kv, dh, scale, code, norm_eps, clip, n_inter))
             layers.append((layer.input_norm, qkv, qkv_bias, o, o_bias, layer.post_norm, gate_up, down, q_norm, k_norm))
-        # The managed tuple keeps the arrays the unmanaged list points to.
-        layers = tuple(layers)
-        return (decode.unmanaged_layers(layers), shared.pop(), layers) if len(shared) == 1 else None
+        if len(shared) != 1:
+            return None
+        unmanaged = decode.unmanaged_layer_list(layers[0])
+        for layer in layers[1:]:
+            decode.add_unmanaged_layer(unmanaged, layer)
+        return unmanaged, shared.pop(), layers  # `layers` keeps the arrays the unmanaged list points to
 
     def _token_layers(self, program, x, cache, pos: int, cos, sin) -> np.ndarray:
         layers, (eps, rot, h, kv, dh, scale, code, norm_eps, clip, n_inter), _ = program
