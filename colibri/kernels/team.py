@@ -41,6 +41,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+LINE = 8  # int64 counters per cache line: a counter per line keeps threads off each other's lines
 
 
 class _Helper:
@@ -68,35 +69,41 @@ class _Helper:
         self._job = (fn, t, args)
         self._go.set()
 
-    def join(self) -> None:
+    def join(self) -> BaseException | None:
+        """Wait for the job; its exception, if it raised one."""
         self._done.wait()
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+        error, self._error = self._error, None
+        return error
 
 
-_local = threading.local()
+_idle: list[list[_Helper]] = []  # helper sets not in use: as many sets as callers ever ran at once
+_idle_lock = threading.Lock()
 
 
 def run_team(fn, nthreads: int, *args) -> None:
-    """fn(t, *args) for t in range(nthreads): t = 0 on the calling thread, the others on its
-    helper threads (started on first use, kept for the next call; each calling thread has its
-    own). fn is a nogil compiled function built on claim/finish, so the members run at once
-    and the call returns when all have finished. Helpers that start late only find less left
-    to do (a phase never waits for a member that has not arrived)."""
-    helpers = getattr(_local, "helpers", None)
-    if helpers is None:
-        helpers = _local.helpers = []
+    """fn(t, *args) for t in range(nthreads): t = 0 on the calling thread, the others on helper
+    threads (a set taken from the idle ones or started, given back after: two engines decoding
+    at once each have their own, and a caller that exits leaves none behind). fn is a nogil
+    compiled function built on claim/finish, so the members run at once and the call returns
+    when all have finished. Helpers that start late only find less left to do (a phase never
+    waits for a member that has not arrived)."""
+    with _idle_lock:
+        helpers = _idle.pop() if _idle else []
     while len(helpers) < nthreads - 1:
         helpers.append(_Helper())
-    for t in range(1, nthreads):
-        helpers[t - 1].start(fn, t, args)
     try:
-        fn(0, *args)
-    finally:
         for t in range(1, nthreads):
-            helpers[t - 1].join()
-LINE = 8  # int64 counters per cache line: a counter per line keeps threads off each other's lines
+            helpers[t - 1].start(fn, t, args)
+        try:
+            fn(0, *args)
+        finally:
+            errors = [helpers[t - 1].join() for t in range(1, nthreads)]  # all of them, then raise
+        for error in errors:
+            if error is not None:
+                raise error
+    finally:
+        with _idle_lock:
+            _idle.append(helpers)
 
 
 def _counter_ptr(context, builder, aryty, ary, index):

@@ -59,3 +59,21 @@ def _through_unmanaged(a):
 def test_an_unmanaged_view_reads_and_writes_the_same_memory():
     a = np.arange(5, dtype=np.float32)
     assert _through_unmanaged(a) == 11.0 and a[0] == 1.0
+
+
+def test_run_team_runs_every_member_and_hands_back_a_helpers_error():
+    from colibri.kernels.team import run_team
+
+    seen = []
+    run_team(lambda t, tag: seen.append((t, tag)), 3, "x")
+    assert sorted(seen) == [(0, "x"), (1, "x"), (2, "x")]
+
+    def fail_in_helper(t):
+        if t == 1:
+            raise ValueError("member 1")
+
+    with pytest.raises(ValueError, match="member 1"):
+        run_team(fail_in_helper, 2)
+    seen.clear()
+    run_team(lambda t: seen.append(t), 2)  # the helpers are still there after an error
+    assert sorted(seen) == [0, 1]
