@@ -34,7 +34,6 @@ from __future__ import annotations
 import platform
 import threading
 
-import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
@@ -169,15 +168,10 @@ def unmanaged(typingctx, a):
     return a(a), codegen
 
 
-def counters(phases: int, nthreads: int) -> np.ndarray:
-    """Zeroed counters for `phases` phases of a team of nthreads (compiled callers allocate
-    the same shape with counters_size)."""
-    return np.zeros(counters_size(phases, nthreads), np.int64)
-
-
 @njit(cache=True)
 def counters_size(phases, nthreads):
-    """Per phase: a claim counter per thread's range and a done counter, a line each."""
+    """Counters for `phases` phases of a team of nthreads, to allocate zeroed: per phase a
+    claim counter per thread's range and a done counter, a line each."""
     return phases * (nthreads + 1) * LINE
 
 

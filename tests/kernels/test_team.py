@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from numba import get_num_threads, njit, prange, set_num_threads
 
-from colibri.kernels.team import claim, counters, counters_size, finish, unmanaged
+from colibri.kernels.team import claim, counters_size, finish, unmanaged
 
 
 @njit(parallel=True)
@@ -42,11 +42,6 @@ def test_each_piece_is_done_once_before_any_thread_leaves_its_phase(pool, nthrea
     finally:
         set_num_threads(saved)
     assert (done == 1).all()
-
-
-def test_counters_are_zeroed_lines_per_thread_and_phase():
-    c = counters(3, 2)
-    assert c.shape == (3 * 3 * 8,) and c.dtype == np.int64 and not c.any()
 
 
 @njit
