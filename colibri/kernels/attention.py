@@ -36,39 +36,70 @@ class OnlineSoftmax:
         self.l = np.zeros(rows + (1,), np.float32)
         self.acc = np.zeros(rows + (dv,), np.float32)
 
-    def update(self, s: np.ndarray, v: np.ndarray) -> None:
-        """s [..., rows, b] (overwritten with its exps), v [..., b, Dv]."""
+    def update(self, s: np.ndarray, v: np.ndarray, visible0: int | None = None, period: int = 1) -> None:
+        """s [..., rows, b] (overwritten with its exps), v [..., b, Dv]. Scores may be -inf
+        where a key is not visible; or, for a causal block, row r (rows flattened) sees only
+        its first visible0 + r % period keys, the rest taken as -inf without being written
+        (visible0=None: every key)."""
         s = np.ascontiguousarray(s)
         c = np.empty_like(self.m)
-        _exp_block(s.reshape(-1, s.shape[-1]), s.max(axis=-1).reshape(-1), self.m.reshape(-1), self.l.reshape(-1),
-                   c.reshape(-1))
-        self.acc = self.acc * c + np.matmul(s, v)
+        b = s.shape[-1]
+        _exp_block(s.reshape(-1, b), b if visible0 is None else visible0, 1 if visible0 is None else period,
+                   self.m.reshape(-1), self.l.reshape(-1), c.reshape(-1))
+        pv = np.matmul(s, v)
+        self.acc *= c  # in place: the same two roundings as acc * c + pv
+        self.acc += pv
 
     def result(self) -> np.ndarray:
         return self.acc / self.l
 
 
-@njit(cache=True, nogil=True, fastmath={"reassoc", "contract", "nsz"}, error_model="numpy")
-def _exp_block(s, block_max, m, l, c):
-    """One block of the online softmax, in one pass over its scores after numpy's row max
-    (numpy took three more: subtract, exp, sum; with them the softmax was ~40% of a prefill
-    task at ~2000 tokens, now ~25%): each row's running max m rises to cover the block, the
-    scores become exp(s - m), the running denominator l takes their sum, and c gets
-    exp(old m - new m), the factor the value sum held so far must take. -inf scores (keys a
-    query does not see) give 0, and a row with nothing visible yet keeps m = -inf. nogil:
-    the tasks run on Python threads (tasks.py)."""
+@njit(cache=True, nogil=True, fastmath={"reassoc", "contract", "nsz", "nnan"}, error_model="numpy")
+def _exp_block(s, visible0, period, m, l, c):
+    """One block of the online softmax in two passes over each row of scores, the row's max
+    then its exps (numpy's max, a boolean mask of the diagonal block and three more passes,
+    subtract, exp and sum, were 40% of a ~2000-token prefill's attention): each row's running
+    max m rises to cover the block, its visible scores become exp(s - m) and the rest 0, the
+    running denominator l takes their sum, and c gets exp(old m - new m), the factor the value
+    sum held so far must take. Row i sees its first visible0 + i % period scores (a causal
+    block; pass the block's width for all), and -inf scores (keys a mask hides) give 0; a
+    row with nothing visible yet keeps m = -inf. nogil: the tasks run on Python threads
+    (tasks.py)."""
+    b = s.shape[1]
+    lanes = np.empty(16, np.float32)
     for i in range(s.shape[0]):
-        top = max(m[i], block_max[i])
+        n = min(b, max(0, visible0 + i % period))
+        top = max(m[i], _row_max(s[i], n, lanes))
         base = top if top > -np.inf else np.float32(0.0)
         c[i] = expf(m[i] - base) if m[i] > -np.inf else np.float32(0.0)
         total = np.float32(0.0)
-        for j in range(s.shape[1]):
+        for j in range(n):
             x = s[i, j]
             e = expf(x - base) if x > -np.inf else np.float32(0.0)
             s[i, j] = e
             total += e
+        for j in range(n, b):
+            s[i, j] = np.float32(0.0)
         l[i] = l[i] * c[i] + total
         m[i] = top
+
+
+@njit(cache=True, nogil=True, fastmath={"reassoc", "contract", "nsz", "nnan"}, error_model="numpy")
+def _row_max(row, n, lanes):
+    """max(row[:n]) (-inf for n = 0), in 16 running maxima that LLVM keeps in one vector
+    register: a plain max loop is a serial chain of compares, 5x slower than numpy's max."""
+    lanes[:] = -np.inf
+    n16 = n - n % 16
+    for j in range(0, n16, 16):
+        for u in range(16):
+            x = row[j + u]
+            lanes[u] = x if x > lanes[u] else lanes[u]
+    top = np.float32(-np.inf)
+    for u in range(16):
+        top = lanes[u] if lanes[u] > top else top
+    for j in range(n16, n):
+        top = row[j] if row[j] > top else top
+    return top
 
 
 def key_block(rows: int) -> int:
@@ -101,20 +132,15 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, sca
         h, (i0, i1) = t
         Lt = i1 - i0
         qt = qg[h, :, i0:i1].reshape(G * Lt, Dk)                               # [G*Lt, Dk]
-        seen = pos0 + i0 + 1                                                   # keys every query of the tile sees
-        last = pos0 + i1                                                       # keys some query of it sees
+        last = pos0 + i1                                                       # keys the tile's last query sees
         b = key_block(G * Lt)
         acc = OnlineSoftmax((G * Lt,), Dv)
-        # The keys all of the tile's queries see, in blocks with no mask; then the < Lt keys on
-        # the diagonal, masked. (Masking whole blocks cost more than their products did: a
-        # boolean store over every score of a ~2000-token prompt.)
-        blocks = [(n0, min(seen, n0 + b)) for n0 in range(0, seen, b)] + ([(seen, last)] if last > seen else [])
-        for n0, n1 in blocks:
+        for n0 in range(0, last, b):
+            n1 = min(last, n0 + b)
             s = qt @ k[h, n0:n1].T                                             # [G*Lt, n1 - n0]
-            if n1 > seen:  # the diagonal: key n is in the future of query i when n > pos0 + i
-                future = np.arange(n0, n1)[None, :] > (pos0 + np.arange(i0, i1))[:, None]  # [Lt, n1 - n0]
-                s.reshape(G, Lt, -1)[:, future] = -np.inf
-            acc.update(s, v[h, n0:n1])
+            # Query i0 + i sees the keys up to pos0 + i0 + i: the first pos0 + i0 + 1 - n0 + i
+            # of this block (all of it but on the diagonal; the mask costs no pass of its own).
+            acc.update(s, v[h, n0:n1], visible0=pos0 + i0 + 1 - n0, period=Lt)
         out[h, :, i0:i1] = acc.result().reshape(G, Lt, Dv)
 
     run_tasks(task, [(h, t) for h in range(KV) for t in tiles], nthreads)

@@ -7,10 +7,11 @@ arithmetic is float32 multiply-adds. Two ways to do that arithmetic:
 - From BLAS_MIN_ROWS activation rows: numpy's BLAS sgemm on each dequantized tile. Python
   threads take alternate tiles (tasks.run_tasks): the numba dequantizer is compiled nogil and
   BLAS releases the GIL, so they run in parallel. A tile is sized to stay in L2 while BLAS
-  reads it back (TILE_BYTES). At a 512-token chunk this ran 245-300 GFLOP/s on 2 threads
-  against 200-220 for the numba kernel (1.2-1.4x on SmolLM2's and OLMoE's shapes); at 128
-  rows the two were even, below it the per-tile dequantization dominates
-  (bench/prefill_gemm.py).
+  reads it back (TILE_BYTES), and a matrix makes an even number of tiles (_tile_rows). At a
+  512-token chunk this ran 245-300 GFLOP/s on 2 threads against 200-220 for the numba kernel
+  on an AMD EPYC (1.2-1.4x on SmolLM2's and OLMoE's shapes), 207-248 against 150-180 on a
+  Xeon; the two are even at 128 (AMD) to 192 rows (Xeon), below that the per-tile
+  dequantization dominates (bench/prefill_gemm.py).
 - Fewer rows (an expert's handful of tokens in a chunk, a short prompt): the numba 4x4
   register-blocked kernel below, one parallel call, nothing dequantized twice.
 
@@ -19,7 +20,11 @@ threads, not cut by them), so the same prompt gives the same bits with any numbe
 """
 from __future__ import annotations
 
+import functools
+import math
+import os
 import threading
+from pathlib import Path
 
 import numpy as np
 from numba import get_num_threads, njit, prange
@@ -31,8 +36,25 @@ from .tasks import run_tasks
 
 # Rows dequantized per numba matmul tile: 16 rows x 4096 inputs x 4 B = 256 KB, L2-resident.
 _TILE = 16
-BLAS_MIN_ROWS = 128  # activation rows from which BLAS wins (bench/prefill_gemm.py)
-TILE_BYTES = 1 << 19  # one BLAS tile of dequantized rows (per thread): stays in L2
+BLAS_MIN_ROWS = 192  # activation rows from which BLAS wins (bench/prefill_gemm.py: 128 on an AMD EPYC, ~192 on a Xeon)
+
+
+def _l2_bytes() -> int:
+    """This core's L2 cache in bytes (Linux sysfs), 0 where it cannot be read."""
+    try:
+        for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+            if (index / "level").read_text().strip() == "2":
+                size = (index / "size").read_text().strip().upper()
+                return int(size[:-1]) << {"K": 10, "M": 20}[size[-1]] if size[-1] in "KM" else int(size)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+# One BLAS tile of dequantized rows (per thread), kept in L2 while BLAS reads it back: 3/4 of
+# L2, at least 512 KB (the best size on a 512 KB-L2 AMD EPYC; on a 2 MB-L2 Xeon 1.5 MB ran
+# 10-20% faster than 512 KB at a 512-token chunk, bench/prefill_gemm.py).
+TILE_BYTES = max(1 << 19, _l2_bytes() * 3 // 4)
 
 
 # --- few rows: a dequantized tile of weight rows against all L activation rows, in numba ---
@@ -180,9 +202,22 @@ def _deq_u16_tile(w, is_bf16, r0, nr, buf):
         _deq_u16_row(w[r0 + j], is_bf16, buf[j])
 
 
-def _tile_rows(n_in: int) -> int:
-    """Weight rows per BLAS tile: TILE_BYTES of float32, a multiple of 16, at least 16."""
-    return max(16, (TILE_BYTES // (4 * n_in)) // 16 * 16)
+@functools.lru_cache(maxsize=256)
+def _tile_rows(out: int, n_in: int) -> int:
+    """Weight rows per BLAS tile: at most TILE_BYTES of float32, a multiple of 16, and enough
+    tiles, an even number, for every core of the machine to get a share where the matrix
+    has rows for it (at least 64 rows a tile): a 576-row matrix made three tiles for two
+    threads, one of them idle a third of the time. From the shape and the machine's core
+    count, never from the kernels' thread count, which follows the load (threads.py): the
+    tiles decide the bits, so a prompt gives the same bits whatever the load."""
+    most = max(16, TILE_BYTES // (4 * n_in) // 16 * 16)
+    tiles = max(1, math.ceil(out / most), min(os.cpu_count() or 1, out // 64))
+    while True:
+        rows = max(16, math.ceil(out / tiles / 16) * 16)
+        made = math.ceil(out / rows)  # rounding rows up to 16 can make one tile fewer
+        if made == 1 or made % 2 == 0 or rows == 16:
+            return rows
+        tiles += 1
 
 
 _local = threading.local()
@@ -212,7 +247,7 @@ def _dequantizer(t: QTensor):
 
 def _matmul_blas(t: QTensor, x: np.ndarray, y: np.ndarray, nthreads: int) -> None:
     out, n_in = t.shape
-    rows = _tile_rows(n_in)
+    rows = _tile_rows(out, n_in)
     tiles = list(range(0, out, rows))
     deq = _dequantizer(t)
     nth = max(1, min(nthreads, len(tiles)))

@@ -49,8 +49,15 @@ def expf(x):
 @njit(cache=True)
 def rms_norm(x, w, eps):
     """x [L, D] float32 -> w * x / sqrt(mean(x^2) + eps), row by row."""
-    L, D = x.shape
     out = np.empty_like(x)
+    rms_norm_into(x, w, eps, out)
+    return out
+
+
+@njit(cache=True, nogil=True)
+def rms_norm_into(x, w, eps, out):
+    """rms_norm into out [L, D]; nogil, so a prompt's rows can be split over Python threads."""
+    L, D = x.shape
     for i in range(L):
         acc = 0.0
         for j in range(D):
@@ -59,10 +66,9 @@ def rms_norm(x, w, eps):
         inv = np.float32(1.0 / math.sqrt(np.float32(acc / D) + eps))
         for j in range(D):
             out[i, j] = w[j] * (x[i, j] * inv)
-    return out
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def rope(x, cos, sin, rot):
     """x [L, H, Dh] float32, rotated in place on its first `rot` dims (rotate_half convention:
     pairs (j, j + rot/2)); cos/sin [L, rot]."""
@@ -453,11 +459,16 @@ def _silu_gate(g, u, out):
 @njit(cache=True)
 def silu_mul(gu, n):
     """gu [L, 2n] = [gate | up] -> silu(gate) * up [L, n]."""
-    L = gu.shape[0]
-    out = np.empty((L, n), np.float32)
-    for i in range(L):
-        _silu_gate(gu[i, :n], gu[i, n:], out[i])
+    out = np.empty((gu.shape[0], n), np.float32)
+    silu_mul_into(gu, n, out)
     return out
+
+
+@njit(cache=True, nogil=True)
+def silu_mul_into(gu, n, out):
+    """silu_mul into out [L, n]; nogil, for rows split over Python threads."""
+    for i in range(gu.shape[0]):
+        _silu_gate(gu[i, :n], gu[i, n:], out[i])
 
 
 def silu_gate(g: np.ndarray, u: np.ndarray) -> np.ndarray:

@@ -34,3 +34,18 @@ def split(n: int, parts: int) -> list[tuple[int, int]]:
     parts = max(1, min(parts, n))
     step = math.ceil(n / parts)
     return [(a, min(n, a + step)) for a in range(0, n, step)]
+
+
+# Rows from which a row-wise kernel (a norm, SwiGLU, RoPE) is split over the threads: a
+# 512-token chunk's norm is ~0.4 ms of one core, a split costs ~0.05 ms.
+SPLIT_MIN_ROWS = 64
+
+
+def over_rows(fn, n: int, nthreads: int | None = None) -> None:
+    """fn(a, b) over row ranges covering [0, n): one call for few rows, else one range per
+    thread. For nogil kernels that treat each row alone, so the split never changes a bit."""
+    nthreads = kernel_threads() if nthreads is None else nthreads
+    if n < SPLIT_MIN_ROWS or nthreads <= 1:
+        fn(0, n)
+    else:
+        run_tasks(lambda ab: fn(*ab), split(n, nthreads), nthreads)

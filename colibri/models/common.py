@@ -21,6 +21,7 @@ from colibri.errors import ColibriError
 from colibri.memory import WEIGHTS, huge_arrays
 from colibri.kernels import decode, embedding, idot, matmul, matvec, ops
 from colibri.kernels.attention import causal_attention
+from colibri.kernels.tasks import over_rows
 from colibri.kernels.cpu import int4_weight, matvec_rows
 from colibri.kernels.quant import INT4_SCHEMES, QTensor
 from colibri.profile import PHASES, clock
@@ -90,7 +91,17 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """x [..., D] -> weight * x / sqrt(mean(x^2) + eps), as transformers' RMSNorm in float32."""
     shape = x.shape
     x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, shape[-1])
-    return ops.rms_norm(x2, np.ascontiguousarray(weight, dtype=np.float32), np.float32(eps)).reshape(shape)
+    w, eps = np.ascontiguousarray(weight, dtype=np.float32), np.float32(eps)
+    out = np.empty_like(x2)
+    over_rows(lambda a, b: ops.rms_norm_into(x2[a:b], w, eps, out[a:b]), x2.shape[0])
+    return out.reshape(shape)
+
+
+def silu_mul(gu: np.ndarray, n: int) -> np.ndarray:
+    """gu [L, 2n] = [gate | up] -> silu(gate) * up [L, n] (ops.silu_mul, rows over the threads)."""
+    out = np.empty((gu.shape[0], n), np.float32)
+    over_rows(lambda a, b: ops.silu_mul_into(gu[a:b], n, out[a:b]), gu.shape[0])
+    return out
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -225,8 +236,8 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rotary_dim: int)
     """x [L, H, Dh]; cos/sin [L, R]. transformers' rotate_half convention on the first R dims.
     Returns a new array (x is left as it was)."""
     out = np.array(x, dtype=np.float32, order="C")
-    ops.rope(out, np.ascontiguousarray(cos, dtype=np.float32), np.ascontiguousarray(sin, dtype=np.float32),
-             rotary_dim)
+    cos, sin = np.ascontiguousarray(cos, dtype=np.float32), np.ascontiguousarray(sin, dtype=np.float32)
+    over_rows(lambda a, b: ops.rope(out[a:b], cos[a:b], sin[a:b], rotary_dim), out.shape[0])
     return out
 
 
@@ -385,7 +396,7 @@ class MLP:
         if self.gate_up is None:
             return linear(ops.silu_gate(linear(x, self.gate), linear(x, self.up)), self.down)
         gu = linear(x, self.gate_up)  # [L, 2I]
-        return linear(ops.silu_mul(gu, self.gate.shape[0]), self.down)
+        return linear(silu_mul(gu, self.gate.shape[0]), self.down)
 
 
 def swiglu_expert(x: np.ndarray, e: dict[str, QTensor]) -> np.ndarray:

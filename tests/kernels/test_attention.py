@@ -54,3 +54,25 @@ def test_key_block_bounds_the_scores():
     assert attention.key_block(10**9) == attention.MIN_BLOCK
     rows = 4096
     assert rows * attention.key_block(rows) * 4 <= attention.SCORE_BLOCK_BYTES
+
+
+@pytest.mark.parametrize("visible0,period", [(0, 4), (3, 4), (-2, 5), (9, 3), (40, 4)])
+def test_causal_block_equals_its_masked_scores(visible0, period):
+    """update(visible0=, period=) hides the scores past each row's visible count without a
+    mask: the same as the block with those scores set to -inf (the same row max, taken over
+    the visible ones only, in 16-lane maxima plus a tail: widths around 16; sums within
+    rounding, as the vectorized sum's tail moves with the count)."""
+    rng = np.random.default_rng(visible0 + 7 * period)
+    for width in (5, 16, 37):
+        s = rng.standard_normal((2 * period, width), dtype=np.float32) * 4
+        v = rng.standard_normal((width, 3), dtype=np.float32)
+        counts = np.clip(visible0 + np.arange(2 * period) % period, 0, width)
+        masked = np.where(np.arange(width)[None, :] < counts[:, None], s, np.float32(-np.inf))
+        a, b = OnlineSoftmax((2 * period,), 3), OnlineSoftmax((2 * period,), 3)
+        for acc in (a, b):  # a first block every row sees, so rows with nothing visible stay finite
+            acc.update(np.zeros((2 * period, 2), np.float32), np.ones((2, 3), np.float32))
+        a.update(s.copy(), v, visible0=visible0, period=period)
+        b.update(masked, v)
+        assert np.array_equal(a.m, b.m)
+        np.testing.assert_allclose(a.l, b.l, rtol=1e-6)
+        np.testing.assert_allclose(a.result(), b.result(), rtol=1e-5, atol=1e-6)

@@ -146,3 +146,14 @@ def test_blas_matmul_same_bits_with_any_thread_count():
         numba.set_num_threads(saved)
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
     assert_close(outs[0], x.astype(np.float64) @ dequantize(t).astype(np.float64).T)
+
+
+def test_blas_tiles_are_even_bounded_and_from_the_shape_only():
+    from colibri.kernels import gemm
+
+    for out, n_in in ((576, 576), (1536, 576), (576, 1536), (49152, 576), (100, 4096), (16, 64), (5120, 2048)):
+        rows = gemm._tile_rows(out, n_in)
+        tiles = -(-out // rows)
+        assert rows % 16 == 0
+        assert rows * n_in * 4 <= max(gemm.TILE_BYTES, 16 * n_in * 4)
+        assert tiles == 1 or tiles % 2 == 0 or rows == 16, (out, n_in, rows)

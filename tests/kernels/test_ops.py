@@ -149,3 +149,40 @@ def test_expf_within_one_ulp():
     assert np.max(np.abs(run(x) - ref) / ulp) <= 1.0
     edge = run(np.array([-np.inf, -1e4, 1e4], np.float32))
     assert edge[0] == edge[1] and 0 <= edge[0] < 1e-37 and np.isfinite(edge[2])
+
+
+def test_prompt_glue_split_over_threads_keeps_every_bit():
+    """models.common's rms_norm, silu_mul and apply_rope split a prompt's rows over the
+    threads (tasks.over_rows): the same bits as one call over all rows, at 1 and 2 threads."""
+    import numba
+
+    from colibri.kernels import tasks
+    from colibri.models import common
+
+    L = 3 * tasks.SPLIT_MIN_ROWS + 5
+    x = rng.normal(size=(L, 96)).astype(np.float32)
+    w = rng.normal(size=96).astype(np.float32)
+    gu = rng.normal(scale=3, size=(L, 2 * 40)).astype(np.float32)
+    q = rng.normal(size=(L, 3, 32)).astype(np.float32)
+    emb = rng.uniform(0, 10, size=(L, 16)).astype(np.float32)
+    cos, sin = np.cos(np.concatenate([emb, emb], -1)), np.sin(np.concatenate([emb, emb], -1))
+    whole_rope = q.copy()
+    ops.rope(whole_rope, cos, sin, 32)
+    saved = numba.get_num_threads()
+    try:
+        for n in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
+            numba.set_num_threads(n)
+            assert np.array_equal(common.rms_norm(x, w, 1e-5), ops.rms_norm(x, w, np.float32(1e-5)))
+            assert np.array_equal(common.silu_mul(gu, 40), ops.silu_mul(gu, 40))
+            assert np.array_equal(common.apply_rope(q, cos, sin, 32), whole_rope)
+    finally:
+        numba.set_num_threads(saved)
+
+
+def test_over_rows_covers_every_row_once():
+    from colibri.kernels.tasks import SPLIT_MIN_ROWS, over_rows
+
+    for n, threads in ((0, 2), (5, 2), (SPLIT_MIN_ROWS, 2), (1001, 3), (1001, 1)):
+        hits = np.zeros(n, np.int64)
+        over_rows(lambda a, b: hits.__setitem__(slice(a, b), hits[a:b] + 1), n, threads)
+        assert np.all(hits == 1)
