@@ -4,9 +4,12 @@ to the first token of a short answer, for the two ways Engine.load can treat the
 waited for (the default, shown) and loading in the background while the engine answers
 (`experts_in_background=True`, what `colibri serve` does). Each run is a fresh process with the
 page cache dropped first (as root; else warm, and said so); the two modes alternate, since
-this VM's disk speed drifts. Benchmark only: no asserts.
+this VM's disk speed drifts. The CPU time each run spent in the kernel is printed too: on a VM
+whose balloon reports free pages to the host (virtio-balloon free page reporting), memory
+freed a while ago must be backed by the host again on first touch, which shows as tens of
+seconds of kernel time in the first large run after a pause. Benchmark only: no asserts.
 
-    python bench/startup.py /work/qwen3-30b [--typing 5] [--runs 2] [--tokens 16]
+    python bench/startup.py /work/qwen3-30b [--typing 5] [--runs 2] [--tokens 16] [--back-memory 18]
 """
 from __future__ import annotations
 
@@ -37,7 +40,16 @@ def turn():  # on a thread of its own, as chat and serve generate
     e.experts.wait()
     out["all_experts_in_s"] = time.perf_counter() - t0
 t = threading.Thread(target=turn); t.start(); t.join()
+import resource
+ru = resource.getrusage(resource.RUSAGE_SELF)
+out["user_s"], out["sys_s"] = ru.ru_utime, ru.ru_stime
 print(json.dumps(out))
+"""
+
+BACK = """
+import sys
+from colibri.memory import huge_pages
+huge_pages(int(sys.argv[1]), touch=True)
 """
 
 
@@ -56,11 +68,16 @@ def main() -> None:
     ap.add_argument("--typing", type=float, default=5.0, help="seconds between the prompt being ready and enter")
     ap.add_argument("--runs", type=int, default=2, help="runs of each mode")
     ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--back-memory", type=float, default=0.0, metavar="GIB",
+                    help="before each run, touch and free this much memory in a child process, so that a VM's "
+                         "host backs it again first (the run then meets memory as a bare machine would)")
     a = ap.parse_args()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     rows = []
     for _ in range(a.runs):
         for background in (True, False):
+            if a.back_memory > 0:
+                subprocess.run([sys.executable, "-c", BACK, str(int(a.back_memory * (1 << 30)))], check=True, env=env)
             cold = drop_caches()
             time.sleep(2)
             r = subprocess.run([sys.executable, "-c", CHILD, a.model, "1" if background else "0", str(a.typing),
@@ -70,7 +87,8 @@ def main() -> None:
             rows.append((mode, got))
             print(f"experts {mode:10} ({'cold' if cold else 'warm page cache'}): prompt ready {got['ready_s']:.1f} s, "
                   f"first token {got['ttft_s']:.1f} s after enter, {got['first_token_from_launch_s']:.1f} s from "
-                  f"launch; every expert in at {got['all_experts_in_s']:.1f} s", flush=True)
+                  f"launch; every expert in at {got['all_experts_in_s']:.1f} s; CPU user {got['user_s']:.1f} s, "
+                  f"kernel {got['sys_s']:.1f} s", flush=True)
 
 
 if __name__ == "__main__":

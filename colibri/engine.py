@@ -163,8 +163,7 @@ def _load_resident(container: Container, config: EngineConfig, module, show):
     on (config.experts_in_background: a forward reads or waits for the experts it needs), or
     wait for them, still shown. A build error cancels the reads; with the wait, a read error
     surfaces once the build is done."""
-    experts = ResidentExperts(container, verify=verify_reads(config), background=True,
-                              touch=not config.experts_in_background)
+    experts = ResidentExperts(container, verify=verify_reads(config), background=True)
     try:
         model = _build_dense(container, module, experts, show)
     except BaseException:

@@ -113,8 +113,9 @@ def arena(nbytes: int, touch: bool = True) -> np.ndarray:
     faults of a first read 512-fold (on 2 cores the faults of the reader threads took time from
     the compute threads) and the TLB misses of streaming ~0.5 GB of experts per token. Touching
     at allocation moves the remaining faults to load time; the budget is resident from the
-    start, as it is a budget. Resident experts loading in the background skip the touch: it
-    zeroes the whole arena (16 GB: ~4 s here) before the first expert can be read."""
+    start, as it is a budget. Resident experts skip the touch (ResidentExperts): their readers
+    fault the pages in while other reads are in flight, instead of zeroing 16 GB (~5 s here)
+    before the first expert can be read."""
     return huge_pages(nbytes, touch=touch)
 
 

@@ -45,7 +45,7 @@ _PENDING, _READING, _READY, _FAILED = 0, 1, 2, 3
 
 class ResidentExperts:
     def __init__(self, container: Container, verify: bool = True,
-                 on_read: Callable[[int], None] | None = None, background: bool = False, touch: bool = True):
+                 on_read: Callable[[int], None] | None = None, background: bool = False, touch: bool = False):
         """Every expert of `container` read into RAM by READ_THREADS reader threads, `on_read(nbytes)`
         after each one (a progress display). Without `background` this returns when all are in.
 
@@ -57,11 +57,12 @@ class ResidentExperts:
         forward that needs that expert, and is tried again by the next one. wait() blocks until
         the load ends and raises its first failure; cancel() stops the readers.
 
-        `touch`: fault the arena's pages in first (expert_store.arena). Zeroing 16 GB takes ~4 s
-        here before the first expert can be read, so an engine that answers while loading skips
-        it and its pages fault in under the reads. A load that is waited for keeps it: the whole
-        load measured 12-13 s with it and 15-16 s without in one set of cold runs (no clear
-        difference in a later, noisier set)."""
+        `touch`: fault the arena's pages in before the first read (expert_store.arena). Off by
+        default: the readers' O_DIRECT reads fault the pages in themselves (as huge pages all the
+        same), so four readers overlap one's faults with another's transfer. Qwen3-30B-A3B's
+        16 GB of experts, cold page cache, this 2-core VM, alternating: 11.4 / 15.8 s untouched
+        against 19.7 / 16.0 s touched first; on memory the VM's host had to back again first
+        (free page reporting), 28.8 against 44.7 / 45.9 s."""
         self.layers: dict[str, list] = {}
         self._stacked: dict[str, StackedExperts | None] = {}
         self._blobs: dict[str, np.ndarray] = {}
