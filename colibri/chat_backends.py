@@ -28,6 +28,7 @@ class TurnStats:
     hit_rate: float | None = None        # expert cache (RAM tier), when the engine reports one
     vram_hit_rate: float | None = None   # --device cuda: the VRAM tier above it
     rss_bytes: int | None = None
+    experts_loaded: float | None = None  # resident experts still loading: the share in RAM after the turn
 
     @property
     def tok_s(self) -> float:
@@ -104,6 +105,16 @@ class EngineBackend:
             self.stats.hit_rate = self._turn_hit_rate(before)
             self.stats.vram_hit_rate = self._turn_hit_rate(before, "vram_")
             self.stats.rss_bytes = rss_bytes()
+            self.stats.experts_loaded = self.experts_loaded()
+
+    def experts_loaded(self) -> float | None:
+        """The share of the resident experts' bytes in RAM while they load in the background;
+        None once all are in (or where experts are not all resident)."""
+        experts = getattr(self.engine, "experts", None)
+        total = self.engine.container.expert_bytes
+        if experts is None or not total or getattr(experts, "complete", True) or not hasattr(experts, "loaded_bytes"):
+            return None
+        return experts.loaded_bytes / total
 
     def _expert_counts(self) -> dict | None:
         """The engine's cumulative expert-cache figures, when experts stream (else None)."""

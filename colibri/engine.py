@@ -224,6 +224,14 @@ class Engine:
         self._threads = ThreadPolicy(config.threads)  # kernel threads: explicit, else adapted to the machine's load
         self._batcher: StepBatcher | None = None
 
+    def close(self) -> None:
+        """Stop what runs on after an answer: resident experts still loading in the background
+        (the reads in flight finish). The engine still answers: an expert not read yet is read
+        by the forward that needs it."""
+        cancel = getattr(self.experts, "cancel", None)
+        if cancel is not None:
+            cancel()
+
     def ensure_slots(self, n: int) -> None:
         """At least n KV slots (the server sizes its batch after loading); new slots start empty."""
         if not 1 <= n <= 16:

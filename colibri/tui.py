@@ -72,6 +72,8 @@ def format_stats(s: TurnStats, mode: str = "full") -> str:
             parts.append(f"experts {s.hit_rate:.0%} hit")
         if s.rss_bytes:
             parts.append(f"RSS {_mb(s.rss_bytes)}")
+    if s.experts_loaded is not None:
+        parts.append(f"experts {s.experts_loaded:.0%} loaded")
     if s.finish_reason == "interrupted":
         parts.append("stopped")
     elif s.finish_reason == "length":
@@ -549,4 +551,8 @@ def chat(model=None, attach: str | None = None, system: str | None = None, max_t
         next_line = _readline_input(cache_root() / HISTORY_FILE)
     else:
         next_line = _stdin_lines
-    ui.run(next_line)
+    try:
+        ui.run(next_line)
+    finally:
+        if not attach:
+            engine.close()

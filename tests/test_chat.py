@@ -74,6 +74,9 @@ def test_stats_line_modes():
     assert "stopped" in stopped and "hit" not in stopped
     on_gpu = format_stats(TurnStats(5, "stop", 1.0, hit_rate=1.0, vram_hit_rate=0.8), "full")  # --device cuda
     assert "experts 80% VRAM hit, 100% RAM hit" in on_gpu
+    loading = TurnStats(5, "stop", 1.0, experts_loaded=0.416)  # resident experts still loading behind the answer
+    assert format_stats(loading, "full").endswith("experts 42% loaded")
+    assert "loaded" in format_stats(loading, "compact") and "loaded" not in full
 
 
 def test_stream_printer_wraps_words_and_counts_rows():

@@ -219,3 +219,16 @@ def test_checkpoint_without_tokenizer(tmp_path):
                        f"copy tokenizer.json/tokenizer_config.json into {dst} to chat with it"]
     assert_clean_error(colibri("run", "--model", dst, "hi"), "no tokenizer.json", "tokenizer_config.json")
     assert_clean_error(colibri("chat", "--model", dst), "no tokenizer.json")
+
+
+def test_run_answers_while_resident_experts_load_with_the_same_tokens(tmp_path):
+    """`run` starts its answer once the dense weights are in (the experts load on behind it);
+    --wait-for-experts reads them all first. The answer is the same either way (an answer
+    overtaking the readers: tests/io/test_integrity.py)."""
+    import synthetic_moe
+
+    model = synthetic_moe.write_container(tmp_path / "m", "tiny", progress=False)
+    args = ("run", "--model", model, "--raw", "--max-tokens", "6", "--ram-gb", "4", "once upon a time")
+    behind, waited = colibri(*args), colibri(*args, "--wait-for-experts")
+    assert behind.returncode == 0 and waited.returncode == 0, behind.stderr + waited.stderr
+    assert behind.stdout == waited.stdout and behind.stdout.strip()
