@@ -45,7 +45,8 @@ _PENDING, _READING, _READY, _FAILED = 0, 1, 2, 3
 
 class ResidentExperts:
     def __init__(self, container: Container, verify: bool = True,
-                 on_read: Callable[[int], None] | None = None, background: bool = False, touch: bool = False):
+                 on_read: Callable[[int], None] | None = None, background: bool = False, touch: bool = False,
+                 start: bool = True):
         """Every expert of `container` read into RAM by READ_THREADS reader threads, `on_read(nbytes)`
         after each one (a progress display). Without `background` this returns when all are in.
 
@@ -88,14 +89,24 @@ class ResidentExperts:
         self._cancelled = threading.Event()
         self._readers = [threading.Thread(target=self._read_queue, name=f"colibri-expert-load-{i}", daemon=True)
                          for i in range(min(READ_THREADS, self._left))]
-        for t in self._readers:
-            t.start()
+        self._started = False
+        if start or not background:
+            self.start()
         if not background:
             self.wait()
+
+    def start(self) -> None:
+        """Start the readers (a background load made with start=False: until then a forward
+        reads the experts it needs itself, and the disk is left to other reads)."""
+        if not self._started:
+            self._started = True
+            for t in self._readers:
+                t.start()
 
     def wait(self) -> None:
         """Until the readers are done; raises the first expert (layer, then id) that failed and
         was not read since."""
+        self.start()
         for t in self._readers:
             t.join()
         self._readers = []
@@ -108,7 +119,7 @@ class ResidentExperts:
         """Stop the readers (the reads in flight finish) and wait for them. Experts not read by
         then are read when a forward asks for them."""
         self._cancelled.set()
-        for t in self._readers:
+        for t in self._readers if self._started else ():
             t.join()
         self._readers = []
 
