@@ -104,7 +104,7 @@ def wait_for_experts_option(**kw):
     """--wait-for-experts for the commands that answer a person (run, chat)."""
     return typer.Option(False, "--wait-for-experts", help="With every expert resident: read them all before the "
                         "first answer. By default the answer starts once the dense weights are in, waiting only "
-                        "for the experts it routes to while the rest load (the first token came in ~12 s instead "
+                        "for the experts it routes to while the rest load (the first token came in ~10 s instead "
                         "of ~20 s on Qwen3-30B-A3B's shapes, README).", **kw)
 
 
