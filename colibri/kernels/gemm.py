@@ -44,9 +44,9 @@ def _l2_bytes() -> int:
     try:
         for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
             if (index / "level").read_text().strip() == "2":
-                size = (index / "size").read_text().strip().upper()
-                return int(size[:-1]) << {"K": 10, "M": 20}[size[-1]] if size[-1] in "KM" else int(size)
-    except (OSError, ValueError):
+                size = (index / "size").read_text().strip().upper()  # "2048K"
+                return int(size[:-1]) << {"K": 10, "M": 20}[size[-1]] if size[-1:] in ("K", "M") else int(size)
+    except (OSError, ValueError, IndexError):
         pass
     return 0
 
