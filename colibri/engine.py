@@ -49,9 +49,11 @@ class EngineConfig:
     # Resident experts (all in RAM): False, load() returns when every expert is in (shown); True,
     # load() returns once the dense weights are in and the experts go on loading in the
     # background, an answer waiting only for the experts its tokens route to (ResidentExperts:
-    # `colibri serve` answers /health and queues requests meanwhile). A prompt routes to most
-    # experts, and the disk is the limit either way: on Qwen3-30B-A3B shapes, cold, the first
-    # answer came no sooner (README), so the default shows the load and then answers at speed.
+    # `colibri serve` answers /health and queues requests meanwhile; `run` and `chat` too,
+    # unless --wait-for-experts). On Qwen3-30B-A3B's shapes, cold, the first token came 9.3-9.9 s
+    # after launch against 18-21 s waiting for every expert (README, 2026-12-02). Off here, for
+    # the library and `colibri bench`: a load that returns with every expert in, then answers
+    # at full speed.
     experts_in_background: bool = False
     # Prompt tokens per forward pass. Bounds a prompt's working memory (activations, MoE token
     # groups, attention score blocks) by O(chunk x context) instead of O(prompt x context), and is
