@@ -622,10 +622,6 @@ class Engine:
         logits are kept long enough to append (log p(next prompt token), `top` best) to it."""
         chunk = self.config.prefill_chunk
         logits = None
-        # Room for the whole prompt at once: grown chunk by chunk, the cache was copied (and
-        # its new pages faulted in) log2(prompt / 256) times, ~0.1-0.3 s of a 2000-token
-        # prefill. A prompt past the context fails in its chunk, as before.
-        kv.cache.reserve(min(len(ids), kv.cache.max_tokens))
         for a in range(start, len(ids), chunk):
             if cancel is not None and cancel():
                 return None

@@ -183,6 +183,32 @@ def test_background_resident_load_reads_the_same_and_can_be_cancelled(pristine):
     assert stopped.complete
 
 
+def test_readers_held_until_started_and_stopped_by_engine_close(pristine):
+    """ResidentExperts(start=False): no reader runs until start() (Engine.load holds them while
+    it reads the dense weights), a forward meanwhile reads what it asks for itself; wait()
+    starts them. Engine.close() stops the readers of an engine answering while its experts load."""
+    import threading
+
+    from colibri.io.experts import ResidentExperts
+
+    def readers():
+        return [t for t in threading.enumerate() if t.name.startswith("colibri-expert-load")]
+
+    c = Container(pristine)
+    held = ResidentExperts(c, background=True, start=False)
+    assert not readers() and not held.complete
+    got = dict(held.iter_experts(LAYER, [0, 1], blobs=True))
+    assert sorted(got) == [0, 1] and not readers()
+    held.wait()
+    assert held.complete and not readers()
+    whole = ResidentExperts(Container(pristine))
+    assert all(np.array_equal(held._blobs[p], whole._blobs[p]) for p in whole._blobs)
+
+    e = Engine.load(pristine, stream_experts=False, experts_in_background=True)
+    e.close()
+    assert not readers()
+
+
 def test_an_engine_answers_before_its_experts_are_in_with_the_same_tokens(pristine, routes, monkeypatch):
     """Readers slowed down: the load returns with most experts still on disk, the first answer
     reads the ones it routes to itself (or waits for a reader's), prefill and decode alike, and
