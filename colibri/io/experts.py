@@ -45,8 +45,7 @@ _PENDING, _READING, _READY, _FAILED = 0, 1, 2, 3
 
 class ResidentExperts:
     def __init__(self, container: Container, verify: bool = True,
-                 on_read: Callable[[int], None] | None = None, background: bool = False, touch: bool = False,
-                 start: bool = True):
+                 on_read: Callable[[int], None] | None = None, background: bool = False, start: bool = True):
         """Every expert of `container` read into RAM by READ_THREADS reader threads, `on_read(nbytes)`
         after each one (a progress display). Without `background` this returns when all are in.
 
@@ -58,9 +57,9 @@ class ResidentExperts:
         forward that needs that expert, and is tried again by the next one. wait() blocks until
         the load ends and raises its first failure; cancel() stops the readers.
 
-        `touch`: fault the arena's pages in before the first read (expert_store.arena). Off by
-        default: the readers' O_DIRECT reads fault the pages in themselves (as huge pages all the
-        same), so four readers overlap one's faults with another's transfer. Qwen3-30B-A3B's
+        The arena is not touched before the first read (expert_store.arena): the readers'
+        O_DIRECT reads fault its pages in themselves (as huge pages all the same), so four
+        readers overlap one's faults with another's transfer. Qwen3-30B-A3B's
         16 GB of experts, cold page cache, this 2-core VM, alternating: 11.4 / 15.8 s untouched
         against 19.7 / 16.0 s touched first; on memory the VM's host had to back again first
         (free page reporting), 28.8 against 44.7 / 45.9 s."""
@@ -71,7 +70,7 @@ class ResidentExperts:
         # Routing heat of this process (the dashboard's heat map), as ExpertStore keeps it.
         self._counts = {p: np.zeros(l.num_experts, dtype=np.int64) for p, l in container.expert_layouts.items()}
         for prefix, layout in container.expert_layouts.items():
-            store = arena(layout.num_experts * layout.blob_bytes, touch=touch)
+            store = arena(layout.num_experts * layout.blob_bytes, touch=False)
             store = store.reshape(layout.num_experts, layout.blob_bytes)
             self.layers[prefix] = [layout.unpack(store[e]) for e in range(layout.num_experts)]
             self._blobs[prefix] = store
