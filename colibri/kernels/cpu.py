@@ -158,12 +158,14 @@ def _deq_u16_row(wr, is_bf16, dst):
 # prefetcher: int4 from DRAM went 30 -> 48 GB/s).
 # One-token decode uses 8 x 1 tiles; several tokens at once (a batch, drafted tokens) use
 # 4 x 4 tiles, so each weight byte is unpacked once for four tokens.
+# int4 rows take their whole 64-byte blocks first (_int4_block, below), then the chunks left.
 # Every (weight row, activation row) pair gets the same operations in the same order whatever
-# the tile: per chunk t = fmuladd(hi, xh, lo * xl), acc = fmuladd(t, s, acc) (int4), or
-# acc = fmuladd(q * s, x, acc) (int8), then a fixed tree over the lanes. So a token's result does not depend on the tile, the threads, or what
-# else shares its pass. Only generic LLVM vector operations are used, so this compiles for
-# whatever vector width the host has (LLVM splits <16 x float> into two AVX2 registers where
-# AVX-512 is missing).
+# the tile: per block t = sum_k n_k x'_k, acc = fmuladd(t, s, acc), per remaining chunk
+# t = fmuladd(hi, xh, lo * xl), acc = fmuladd(t, s, acc) (int4), or acc = fmuladd(q * s, x,
+# acc) (int8), then a fixed tree over the lanes. So a token's result does not depend on the
+# tile, the threads, or what else shares its pass. Only generic LLVM vector operations are
+# used, so this compiles for whatever vector width the host has (LLVM splits <16 x float>
+# into two AVX2 registers where AVX-512 is missing).
 
 _F32 = ir.FloatType()
 _I64 = ir.IntType(64)
@@ -192,6 +194,66 @@ def _hsum(builder, v):
         hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
         v = builder.fadd(lo, hi)
     return builder.extract_element(v, _i32(0))
+
+
+# An int4 row's whole 64-byte blocks (128 weights, 4 chunks) are read as sixteen 32-bit lanes
+# of four bytes, eight nibbles each. Nibble k of every lane is masked in place
+# (lane & 15 << 4k, a whole number n * 16^k, exact in float32) and converted; the activations
+# were scaled by 16^-k and laid out to match beforehand (_prepare_x_into), so each product is
+# n * x rounded once, as before. That is 8 masks, 8 conversions and 8 fused multiply-adds per
+# 128 weights where the per-chunk loop below spends 12 widen/mask/shift operations, 8
+# conversions and 8 multiplies: 26 vector operations per block instead of 32, and the loop
+# is bound by them (a matvec from DRAM read q4_1 at 25 GB/s of this VM's 36, 2 threads; this
+# form reads 29). A lane's four bytes lie in one chunk, so its eight products belong to one
+# group: t = sum_k n_k x'_k, then acc = fmuladd(t, s_lane, acc) with the block's 1, 2 or 4
+# group scales spread over the lanes.
+_BLOCK_MASKS = [ir.Constant(_V16I, [15 << (4 * k)] * 16) for k in range(7)]  # nibble 7: a shift
+
+
+def _int4_block(builder, bi, cshift, qrows, srows, xrows, accs, fma, prefetch_next):
+    """Block bi (bytes 64 bi.., prepared x floats 128 bi..) of every weight row x every
+    activation row, into the accumulators."""
+    b = builder.shl(bi, _i64(6))
+    e = builder.shl(bi, _i64(7))
+    g0 = builder.lshr(builder.shl(bi, _i64(2)), cshift)  # the block's first group
+    xs = [[builder.load(builder.bitcast(builder.gep(row, [builder.add(e, _i64(16 * k))]), _V16F.as_pointer()), align=4)
+           for k in range(8)] for row in xrows]
+    prefetch_next(b, g0)
+    for j in range(len(qrows)):
+        raw = builder.load(builder.bitcast(builder.gep(qrows[j], [b]), _V16I.as_pointer()), align=1)
+        s = _block_scales(builder, srows[j], g0, cshift)
+        ns = [builder.sitofp(builder.and_(raw, m), _V16F) for m in _BLOCK_MASKS]
+        ns.append(builder.sitofp(builder.lshr(raw, ir.Constant(_V16I, [28] * 16)), _V16F))
+        for a, x in enumerate(xs):
+            t = builder.fmul(ns[0], x[0])
+            for k in range(1, 8):
+                t = builder.call(fma, [ns[k], x[k], t])
+            builder.store(builder.call(fma, [t, s, builder.load(accs[j][a])]), accs[j][a])
+
+
+def _block_scales(builder, srow, g0, cshift):
+    """<16 x float> of lane i's group scale in a block from group g0: four groups of 32
+    (cshift 0: lanes 4c..4c+3 are chunk c), two of 64, or one. Branches, not a select: a
+    select would load past the row's last group for the wider groups; LLVM unswitches them."""
+    out = cgutils.alloca_once(builder, _V16F)
+    with builder.if_else(builder.icmp_unsigned("==", cshift, _i64(0))) as (four, fewer):
+        with four:
+            builder.store(_spread(builder, srow, g0, 4), out)
+        with fewer:
+            with builder.if_else(builder.icmp_unsigned("==", cshift, _i64(1))) as (two, one):
+                with two:
+                    builder.store(_spread(builder, srow, g0, 2), out)
+                with one:
+                    builder.store(_splat(builder, builder.load(builder.gep(srow, [g0])), _V16F), out)
+    return builder.load(out)
+
+
+def _spread(builder, srow, g0, n):
+    """Scales g0..g0+n-1 of a row, each over 16/n consecutive lanes."""
+    vty = ir.VectorType(_F32, n)
+    v = builder.load(builder.bitcast(builder.gep(srow, [g0]), vty.as_pointer()), align=4)
+    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined),
+                                  ir.Constant(ir.VectorType(_I32, 16), [i * n // 16 for i in range(16)]))
 
 
 def _tile_codegen(nibbles: bool, wrows: int, arows: int):
@@ -254,8 +316,23 @@ def _tile_codegen(nibbles: bool, wrows: int, arows: int):
         def load_x(row, offset):
             return builder.load(builder.bitcast(builder.gep(row, [offset]), _V16F.as_pointer()), align=4)
 
-        with cgutils.for_range(builder, nchunks) as loop:
-            i = loop.index
+        def prefetch_next(b, g):  # the next block's rows: weights at byte b, scales (and mins) at group g
+            for j in range(wrows):
+                prefetch(nrows[j], b)
+            for j in range(wrows):
+                prefetch(nsrows[j], g)
+            with builder.if_then(has_offs):
+                for j in range(wrows):
+                    prefetch(nmrows[j], g)
+
+        c0 = _i64(0)
+        if nibbles:  # whole 64-byte blocks first (x prepared by _prepare_x_into), then chunks
+            nblocks = builder.lshr(nchunks, _i64(2))
+            c0 = builder.shl(nblocks, _i64(2))
+            with cgutils.for_range(builder, nblocks) as loop:
+                _int4_block(builder, loop.index, cshift, qrows, srows, xrows, accs, fma, prefetch_next)
+        with cgutils.for_range(builder, builder.sub(nchunks, c0)) as loop:
+            i = builder.add(c0, loop.index)
             g = builder.lshr(i, cshift)
             b = builder.shl(i, _i64(4))  # byte offset in the row
             if nibbles:  # low nibbles pair with x[2*g*half + c*16 ...], high ones half later
@@ -268,13 +345,7 @@ def _tile_codegen(nibbles: bool, wrows: int, arows: int):
             # prefetch is an instruction like any other, and 24 per chunk were a third of the
             # one-token tile's.
             with builder.if_then(builder.icmp_unsigned("==", builder.and_(i, _i64(3)), _i64(0))):
-                for j in range(wrows):
-                    prefetch(nrows[j], b)
-                for j in range(wrows):
-                    prefetch(nsrows[j], g)
-                with builder.if_then(has_offs):
-                    for j in range(wrows):
-                        prefetch(nmrows[j], g)
+                prefetch_next(b, g)
             for j in range(wrows):
                 raw = builder.load(builder.bitcast(builder.gep(qrows[j], [b]), _V16B.as_pointer()), align=1)
                 if nibbles:
@@ -387,6 +458,58 @@ def _group_sums(x, group):
     return xs
 
 
+def _block_source(bi: int, m: int, cshift: int) -> int:
+    """The element of x that prepared position 128 bi + m stands for (see _prepare_x_into)."""
+    k, i = m >> 4, m & 15
+    chunk = 4 * bi + (i >> 2)  # lane i's 16-byte chunk and its byte in it hold nibble k
+    byte = 4 * (i & 3) + (k >> 1)
+    g, half = chunk >> cshift, 16 << cshift
+    return g * 2 * half + (chunk - (g << cshift)) * 16 + byte + (k & 1) * half
+
+
+# Groups of up to 128 elements: a block's elements are its own 128, in an order that does not
+# depend on the block (a table); wider groups interleave two blocks' halves.
+_BLOCK_ORDER = np.array([[_block_source(0, m, c) for m in range(128)] for c in range(3)], np.int64)
+_BLOCK_SCALE = np.array([2.0 ** (-4 * k) for k in range(7)] + [1.0], np.float32)
+
+
+@njit(cache=True)
+def _prepare_x_into(x, half, xp):
+    """x laid out for _int4_block: in each whole 64-byte block of a row (128 elements), vector
+    k's lane i is the element that nibble k of the row's bytes 4i..4i+3 multiplies, scaled by
+    16^-k (nibble 7 is shifted down, not masked: unscaled). Powers of two: exact, so every
+    product is the one the unprepared x would give. The elements past the last whole block
+    (the per-chunk loop's) stay where they are."""
+    n = x.shape[0]
+    cshift = 0
+    while (16 << cshift) < half:
+        cshift += 1
+    nblocks = n // 128
+    if cshift < _BLOCK_ORDER.shape[0]:
+        order = _BLOCK_ORDER[cshift]
+        for bi in range(nblocks):
+            b = 128 * bi
+            for m in range(128):
+                xp[b + m] = x[b + order[m]] * _BLOCK_SCALE[m >> 4]
+    else:
+        for bi in range(nblocks):
+            for m in range(128):
+                k, i = m >> 4, m & 15
+                chunk = 4 * bi + (i >> 2)
+                byte = 4 * (i & 3) + (k >> 1)
+                g = chunk >> cshift
+                xp[128 * bi + m] = x[g * 2 * half + (chunk - (g << cshift)) * 16 + byte + (k & 1) * half] * _BLOCK_SCALE[k]
+    for m in range(128 * nblocks, n):
+        xp[m] = x[m]
+
+
+@njit(cache=True)
+def _prepare_x(x, half):
+    xp = np.empty_like(x)
+    _prepare_x_into(x, half, xp)
+    return xp
+
+
 @intrinsic
 def _offset_dot(typingctx, offs, r, xs):
     """sum_g offs[r, g] * xs[g] in a fixed order: 16 lanes over the groups (a fused
@@ -462,11 +585,12 @@ def _int4_row(q, scales, r, half, x, acc):
 
 
 @njit(cache=True)
-def _int4_rows8(q, scales, offs, coef, half, cshift, x, xs, r, d):
-    """d[0:8] = rows r..r+7 of the int4 matvec (xs: group sums of x), the next block's rows
-    prefetched. Shared by the matvec here and the fused MoE kernel in moe.py."""
+def _int4_rows8(q, scales, offs, coef, half, cshift, xp, xs, r, d):
+    """d[0:8] = rows r..r+7 of the int4 matvec (xp: x prepared by _prepare_x, xs: group sums
+    of x), the next block's rows prefetched. Shared by the matvec here and the fused MoE
+    kernel in moe.py."""
     out = q.shape[0]
-    _int4_dot8(q, scales, offs, r, r + 8 if r + 16 <= out else r, x, half, cshift, d)
+    _int4_dot8(q, scales, offs, r, r + 8 if r + 16 <= out else r, xp, half, cshift, d)
     for j in range(8):
         d[j] = _with_offset(d[j], offs, r + j, coef, xs)
 
@@ -490,6 +614,7 @@ def _matvec_int4(q, scales, offs, coef, half, cshift, x, y, nthreads):
     """
     out = q.shape[0]
     xs = _group_sums(x, 2 * half)
+    xp = _prepare_x(x, half)
     nblk = out // 8
     per = (nblk + nthreads - 1) // nthreads
     # A contiguous run of blocks per thread, so each thread allocates its buffer once.
@@ -497,7 +622,7 @@ def _matvec_int4(q, scales, offs, coef, half, cshift, x, y, nthreads):
         d = np.empty(8, np.float32)
         for blk in range(t * per, min(nblk, (t + 1) * per)):
             r = 8 * blk
-            _int4_rows8(q, scales, offs, coef, half, cshift, x, xs, r, d)
+            _int4_rows8(q, scales, offs, coef, half, cshift, xp, xs, r, d)
             for j in range(8):
                 y[r + j] = d[j]
     _int4_tail_rows(q, scales, offs, coef, half, x, xs, y)
@@ -522,8 +647,10 @@ def _matmul_rows_int4(q, scales, offs, coef, half, cshift, x, y, nthreads):
     per tile of TILE_W weight rows x up to TILE_A tokens."""
     out, B = q.shape[0], x.shape[0]
     xs = np.empty((B, scales.shape[1]), np.float32)
+    xp = np.empty_like(x)
     for a in range(B):
         _group_sums_into(x[a], 2 * half, xs[a])
+        _prepare_x_into(x[a], half, xp[a])
     nblk = out // 8 * (8 // TILE_W)  # the one-row kernels' whole blocks of eight
     per = (nblk + nthreads - 1) // nthreads
     for t in prange(nthreads):
@@ -533,7 +660,7 @@ def _matmul_rows_int4(q, scales, offs, coef, half, cshift, x, y, nthreads):
             rn = r + TILE_W if r + 2 * TILE_W <= out else r
             for a0 in range(0, B, TILE_A):
                 na = min(TILE_A, B - a0)
-                _int4_tile(q, scales, offs, r, rn, x, a0, na, half, cshift, d)
+                _int4_tile(q, scales, offs, r, rn, xp, a0, na, half, cshift, d)
                 for a in range(na):
                     for j in range(TILE_W):
                         y[a0 + a, r + j] = _with_offset(d[a, j], offs, r + j, coef, xs[a0 + a])

@@ -44,7 +44,8 @@ from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .cpu import _activations, _group_sums, _int4_rows8, _int4_tail_rows, _matmul_rows_int4, _matvec_int4, int4_weight
+from .cpu import (_activations, _group_sums, _group_sums_into, _int4_rows8, _int4_tail_rows, _matmul_rows_int4,
+                  _matvec_int4, _prepare_x, _prepare_x_into, int4_weight)
 from .quant import QTensor
 
 ACTIVATIONS = ("f32", "int8")
@@ -463,7 +464,8 @@ def matmul_rows_into(w, x, y, nthreads, act):
 
 
 def prepare(x, half, act):
-    """What the row code needs of x: its group sums (exact) or its int8 form (compiled only)."""
+    """What the row code needs of x: x laid out for the int4 blocks and its group sums
+    (exact), or its int8 form (compiled only)."""
     raise NotImplementedError("called from compiled code only")
 
 
@@ -524,7 +526,7 @@ def _matmul_rows_into(w, x, y, nthreads, act):
 def _prepare(x, half, act):
     if _int8(act):
         return lambda x, half, act: quantize(x, half)
-    return lambda x, half, act: _group_sums(x, 2 * half)
+    return lambda x, half, act: (_prepare_x(x, half), _group_sums(x, 2 * half))
 
 
 @overload(prepare_rows)
@@ -533,10 +535,12 @@ def _prepare_rows(x, half, act):
         return lambda x, half, act: quantize_rows(x, half)
 
     def exact(x, half, act):
+        xp = np.empty_like(x)
         xs = np.empty((x.shape[0], x.shape[1] // (2 * half)), np.float32)
         for k in range(x.shape[0]):
-            xs[k] = _group_sums(x[k], 2 * half)
-        return xs
+            _prepare_x_into(x[k], half, xp[k])
+            _group_sums_into(x[k], 2 * half, xs[k])
+        return xp, xs
     return exact
 
 
@@ -544,7 +548,7 @@ def _prepare_rows(x, half, act):
 def _row_of(xp, k, act):
     if _int8(act):
         return lambda xp, k, act: (xp[0][k], xp[1][k], xp[2][k], xp[3][k], xp[4][k])
-    return lambda xp, k, act: xp[k]
+    return lambda xp, k, act: (xp[0][k], xp[1][k])
 
 
 @overload(rows8_into)
@@ -552,7 +556,7 @@ def _rows8_into(q, scales, offs, coef, half, cshift, x, xp, r, d, act):
     if _int8(act):
         return lambda q, scales, offs, coef, half, cshift, x, xp, r, d, act: rows8(q, scales, offs, coef, half, xp, r, d)
     return lambda q, scales, offs, coef, half, cshift, x, xp, r, d, act: _int4_rows8(
-        q, scales, offs, coef, half, cshift, x, xp, r, d)
+        q, scales, offs, coef, half, cshift, xp[0], xp[1], r, d)
 
 
 @overload(tail_rows_into)
@@ -564,7 +568,7 @@ def _tail_rows_into(q, scales, offs, coef, half, x, xp, y, act):
                 row1(q, scales, offs, coef, half, xp, r, d)
                 y[r] = d[0]
         return int8
-    return lambda q, scales, offs, coef, half, x, xp, y, act: _int4_tail_rows(q, scales, offs, coef, half, x, xp, y)
+    return lambda q, scales, offs, coef, half, x, xp, y, act: _int4_tail_rows(q, scales, offs, coef, half, x, xp[1], y)
 
 
 # --- QTensor entry points (the model's linear() calls these in int8 mode) ----------------

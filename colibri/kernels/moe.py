@@ -128,7 +128,8 @@ def routed_experts(x, memory, layout, slots, weights, half, cshift, nthreads, ac
     I = layout[0, 2]
     D = layout[2, 2]
     coef = np.float32(-8.0)
-    xs = prepare(x, half, act)  # exact: group sums of x; int8: x quantized once for all experts
+    # exact: x laid out for the int4 blocks, and its group sums; int8: x quantized once for all experts
+    xs = prepare(x, half, act)
     g = np.empty((K, I), np.float32)
     u = np.empty((K, I), np.float32)
     # Gate and up rows of every expert: one list of (expert, 8-row block) items.

@@ -157,3 +157,28 @@ def test_blas_tiles_are_even_bounded_and_from_the_shape_only():
         assert rows % 16 == 0
         assert rows * n_in * 4 <= max(gemm.TILE_BYTES, 16 * n_in * 4)
         assert tiles == 1 or tiles % 2 == 0 or rows == 16, (out, n_in, rows)
+
+
+@pytest.mark.parametrize("group", [128, 256])
+def test_int4_row_kernel_with_groups_wider_than_a_block(group):
+    """No scheme has groups past 64 yet, but the row kernel takes any power-of-two number of
+    16-byte chunks per group: a 64-byte block then lies in one group (its scale is spread
+    over all lanes), checked here against the layout's definition (byte k of a group holds
+    element k in its low nibble and k + group/2 in its high one; w = (nibble - 8) * s)."""
+    from colibri.kernels.cpu import _chunk_shift, _matvec_int4
+
+    rng = np.random.default_rng(7)
+    rows, n, half = 19, 4 * group + 64 if group == 128 else 2 * group, group // 2
+    n -= n % group
+    q = rng.integers(0, 256, (rows, n // 2), dtype=np.uint8)
+    scales = rng.uniform(0.5, 2.0, (rows, n // group)).astype(np.float32)
+    x = rng.standard_normal(n).astype(np.float32)
+    nib = np.empty((rows, n), np.float64)
+    for g in range(n // group):
+        b = q[:, g * half:(g + 1) * half]
+        nib[:, g * group:g * group + half] = b & 15
+        nib[:, g * group + half:(g + 1) * group] = b >> 4
+    w = (nib - 8.0) * np.repeat(scales, group, axis=1)
+    y = np.empty(rows, np.float32)
+    _matvec_int4(q, scales, scales, np.float32(-8.0), half, _chunk_shift(half), x, y, 2)
+    assert_close(y, w @ x)
