@@ -7,8 +7,9 @@ from colibri.kernels.gemm import matmul
 from colibri.kernels.quant import SCHEMES, QTensor, dequantize, quantize
 
 # (out, in): single row, row counts that are not a multiple of 8-row blocks or 2 threads, a very
-# wide row, and a tall matrix with several matmul tiles.
-SHAPES = [(1, 64), (7, 128), (13, 192), (37, 128), (3, 16384), (4096, 256)]
+# wide row, a tall matrix with several matmul tiles, and 8-row blocks of rows long enough to be
+# taken two rows at a time (cpu.PAIR_ROW_BYTES).
+SHAPES = [(1, 64), (7, 128), (13, 192), (37, 128), (3, 16384), (4096, 256), (21, 4096)]
 
 
 def make(scheme, shape, seed):

@@ -15,8 +15,9 @@ def make(scheme, shape, seed):
     return quantize(w, scheme)
 
 # Row counts that are whole blocks of eight, blocks plus a tail (the one-row kernel's tail
-# code), fewer than a tile, and a q8/int4 width with many groups per row.
-SHAPES = [(64, 128), (13, 192), (37, 576), (8, 1536), (3, 64)]
+# code), fewer than a tile, a q8/int4 width with many groups per row, and int4 rows long
+# enough for the one-row kernel to take its blocks two rows at a time (cpu.PAIR_ROW_BYTES).
+SHAPES = [(64, 128), (13, 192), (37, 576), (8, 1536), (3, 64), (19, 2048)]
 # Token counts: one, each partial tile, whole tiles, and tiles plus a remainder.
 ROWS = [1, 2, 3, TILE_A, TILE_A + 1, 2 * TILE_A + 3]
 
