@@ -398,12 +398,12 @@ def _one_row_tile(wrows: int, nibbles: bool):
 _int4_dot8, _int4_dot2 = _one_row_tile(8, True), _one_row_tile(2, True)
 
 # Rows of at least this many bytes go through an 8-row block two rows at a time. From DRAM
-# (a 4.5 GB int4 matrix, one matvec, 2 threads), eight interleaved 1 KB rows (2048 inputs:
-# Qwen3's q/k/v, gate and up) read at 17-20 GB/s on this VM where two read at 23-27; rows
-# of 288-384 bytes read ~10% faster eight at a time, and 2 KB rows about the same either way.
-# Eight rows share each load of x, two rows share it less, which only pays where the reads
-# are the limit. A row's operations do not depend on how many rows share its pass, so the
-# bits are the same either way.
+# (a 0.8 GB int4 matrix of random bytes, 2048 inputs as Qwen3's q/k/v, gate and up, read in
+# calls of 6144 rows after a cache flush, 2 threads), eight interleaved 1 KB rows read at
+# 14.8-15.2 GB/s on this VM where two read at 17.0-17.3; rows of 288-384 bytes read ~10%
+# faster eight at a time. Eight rows share each load of x, two rows share it less, which
+# only pays where the reads are the limit. A row's operations do not depend on how many rows
+# share its pass, so the bits are the same either way.
 PAIR_ROW_BYTES = 1024
 
 
