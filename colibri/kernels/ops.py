@@ -476,3 +476,49 @@ def silu_gate(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     out = np.empty_like(g)
     _silu_gate(g.reshape(-1), u.reshape(-1), out.reshape(-1))
     return out
+
+
+# --- routing ----------------------------------------------------------------------------
+
+
+@njit(cache=True, error_model="numpy")
+def softmax_topk(logits, k, normalize):
+    """Router logits [L, E] float32 -> (weights [L, k] float32, expert ids [L, k] int64): the
+    softmax over each row's experts, its k most probable highest first (ties: the lower id
+    first, as a stable sort), their probabilities renormalised to sum to 1 if `normalize`.
+
+    One compiled call: the numpy form (softmax, argsort, take, sum: about ten calls) took
+    ~100 us a layer inside decode, ~5% of a Qwen3-30B token; a selection of k of E costs
+    k * E comparisons, under 2 us here. np.exp is libm's, the sums run in order in float32."""
+    L, E = logits.shape
+    weights = np.empty((L, k), np.float32)
+    ids = np.empty((L, k), np.int64)
+    probs = np.empty(E, np.float32)
+    taken = np.empty(E, np.bool_)
+    for r in range(L):
+        m = logits[r, 0]
+        for e in range(1, E):
+            m = max(m, logits[r, e])
+        total = np.float32(0.0)
+        for e in range(E):
+            p = np.exp(logits[r, e] - m)
+            probs[e] = p
+            total += p
+        for e in range(E):
+            probs[e] = probs[e] / total
+            taken[e] = False
+        for j in range(k):
+            best = -1
+            for e in range(E):
+                if not taken[e] and (best < 0 or probs[e] > probs[best]):
+                    best = e
+            taken[best] = True
+            ids[r, j] = best
+            weights[r, j] = probs[best]
+        if normalize:
+            s = np.float32(0.0)
+            for j in range(k):
+                s += weights[r, j]
+            for j in range(k):
+                weights[r, j] = weights[r, j] / s
+    return weights, ids

@@ -408,13 +408,9 @@ def swiglu_expert(x: np.ndarray, e: dict[str, QTensor]) -> np.ndarray:
 
 
 def softmax_topk(logits: np.ndarray, k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Router logits [L, E] -> (weights [L, K], expert ids [L, K]), highest probability first."""
-    probs = softmax(logits.astype(np.float32))
-    ids = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
-    weights = np.take_along_axis(probs, ids, axis=-1)
-    if normalize:
-        weights = weights / weights.sum(axis=-1, keepdims=True)
-    return weights.astype(np.float32), ids
+    """Router logits [L, E] -> (weights [L, K], expert ids [L, K]), highest probability first
+    (colibri.kernels.ops.softmax_topk)."""
+    return ops.softmax_topk(np.ascontiguousarray(logits, dtype=np.float32), k, normalize)
 
 
 class RoutedMoE:

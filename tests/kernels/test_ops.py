@@ -186,3 +186,36 @@ def test_over_rows_covers_every_row_once():
         hits = np.zeros(n, np.int64)
         over_rows(lambda a, b: hits.__setitem__(slice(a, b), hits[a:b] + 1), n, threads)
         assert np.all(hits == 1)
+
+
+def _softmax_topk_reference(logits, k, normalize):
+    """The numpy form softmax_topk replaced: softmax in float64, a stable sort."""
+    z = logits.astype(np.float64)
+    p = np.exp(z - z.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    ids = np.argsort(-p, axis=-1, kind="stable")[:, :k]
+    w = np.take_along_axis(p, ids, axis=-1)
+    if normalize:
+        w = w / w.sum(axis=-1, keepdims=True)
+    return w, ids
+
+
+@pytest.mark.parametrize("L,E,k", [(1, 128, 8), (5, 64, 8), (3, 8, 2), (2, 60, 4), (1, 4, 4)])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_softmax_topk_against_sorting(L, E, k, normalize):
+    logits = (rng.normal(size=(L, E)) * 3).astype(np.float32)
+    w, ids = ops.softmax_topk(logits, k, normalize)
+    ref_w, ref_ids = _softmax_topk_reference(logits, k, normalize)
+    assert w.dtype == np.float32 and ids.dtype == np.int64 and w.shape == ids.shape == (L, k)
+    assert np.array_equal(ids, ref_ids)
+    np.testing.assert_allclose(w, ref_w, rtol=2e-6, atol=0)
+
+
+def test_softmax_topk_ties_take_the_lower_id_first():
+    logits = np.array([[0.5, 2.0, 1.0, 2.0, 2.0, -1.0]], np.float32)
+    w, ids = ops.softmax_topk(logits, 4, False)
+    assert ids.tolist() == [[1, 3, 4, 2]]
+    assert w[0, 0] == w[0, 1] == w[0, 2] > w[0, 3]
+    # A huge logit: the others underflow to zero probability and still come in id order.
+    w, ids = ops.softmax_topk(np.array([[0.0, 200.0, 0.0, 0.0]], np.float32), 3, True)
+    assert ids.tolist() == [[1, 0, 2]] and w.tolist() == [[1.0, 0.0, 0.0]]
