@@ -1,0 +1,92 @@
+"""How fast the int4 row kernel reads weights from DRAM, eight rows at a time against two
+(colibri/kernels/cpu.py, PAIR_ROW_BYTES). Benchmark only: no asserts.
+
+    python bench/int4_stream.py [--shapes 2048,576,768,4096] [--gib 0.8] [--rows-per-call 6144]
+
+For each input width, an int4_g64 matrix of random bytes (about --gib GiB, far past the
+caches), read by matvecs of --rows-per-call rows each (as a model's matrices are), after a 1
+GiB pass over other memory before every timing; 2 threads, each a contiguous half of every
+call's 8-row blocks. Prints GB/s (weights + scales) for the two row orders, alternated, medians
+of 5. Repeated rows or a matrix read twice measure the caches, not DRAM: a matrix whose rows
+were all the same bytes read ~30% faster here.
+"""
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+
+import numpy as np
+from numba import njit, prange
+
+from colibri.kernels import cpu
+from colibri.memory import huge_pages
+
+
+@njit(parallel=True)
+def _matvec(q, s, xp, y, pairs):
+    out = q.shape[0]
+    nblk = out // 8
+    per = (nblk + 1) // 2
+    for t in prange(2):
+        d = np.empty(8, np.float32)
+        for blk in range(t * per, min(nblk, (t + 1) * per)):
+            r = 8 * blk
+            rn = r + 8 if r + 16 <= out else r
+            if pairs:
+                for p in range(0, 8, 2):
+                    cpu._int4_dot2(q, s, s, r + p, r + p + 2 if p < 6 else rn, xp, 32, 1, d, p)
+            else:
+                cpu._int4_dot8(q, s, s, r, rn, xp, 32, 1, d, 0)
+            for j in range(8):
+                y[r + j] = d[j]
+
+
+@njit
+def _flush(a):
+    total = 0
+    for i in range(0, a.shape[0], 64):
+        total += a[i]
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shapes", default="2048,576,768,4096", help="input widths (multiples of 128)")
+    ap.add_argument("--gib", type=float, default=0.8)
+    ap.add_argument("--rows-per-call", type=int, default=6144)
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    flush = huge_pages(1 << 30)
+    flush[:] = 1
+    print("int4_g64 from DRAM, 2 threads: GB/s of weights + scales (median of 5, alternated)")
+    for cols in (int(c) for c in args.shapes.split(",")):
+        chunk = args.rows_per_call
+        rows = max(chunk, int(args.gib * 2**30 / (cols // 2 + cols // 16)) // chunk * chunk)
+        q = huge_pages(rows * cols // 2).reshape(rows, cols // 2)
+        q[:] = rng.integers(0, 256, q.shape, dtype=np.uint8)
+        s = huge_pages(rows * cols // 16).view(np.float32).reshape(rows, cols // 64)
+        s[:] = rng.uniform(0.5, 1.5, s.shape).astype(np.float32)
+        xp = cpu._prepare_x(rng.standard_normal(cols, dtype=np.float32), 32)
+        y = np.empty(rows, np.float32)
+        times = {False: [], True: []}
+        for pairs in (False, True):
+            _matvec(q[:chunk], s[:chunk], xp, y[:chunk], pairs)
+        for _ in range(5):
+            for pairs in (False, True):
+                _flush(flush)
+                t0 = time.perf_counter()
+                for r0 in range(0, rows, chunk):
+                    _matvec(q[r0:r0 + chunk], s[r0:r0 + chunk], xp, y[r0:r0 + chunk], pairs)
+                times[pairs].append(time.perf_counter() - t0)
+        nbytes = q.nbytes + s.nbytes
+        eight, two = (nbytes / np.median(times[p]) / 1e9 for p in (False, True))
+        print(f"{cols:5d} inputs ({cols // 2:4d}-byte rows), {nbytes / 2**30:.2f} GiB: eight rows at a time "
+              f"{eight:5.1f} GB/s, two at a time {two:5.1f} GB/s", flush=True)
+        del q, s
+
+
+if __name__ == "__main__":
+    th = threading.Thread(target=main)  # one non-main thread: GNU OpenMP keeps a pool per thread
+    th.start()
+    th.join()
