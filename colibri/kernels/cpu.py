@@ -200,13 +200,14 @@ def _hsum(builder, v):
 # of four bytes, eight nibbles each. Nibble k of every lane is masked in place
 # (lane & 15 << 4k, a whole number n * 16^k, exact in float32) and converted; the activations
 # were scaled by 16^-k and laid out to match beforehand (_prepare_x_into), so each product is
-# n * x rounded once, as before. That is 8 masks, 8 conversions and 8 fused multiply-adds per
-# 128 weights where the per-chunk loop below spends 12 widen/mask/shift operations, 8
-# conversions and 8 multiplies: 26 vector operations per block instead of 32, and the loop
-# is bound by them (a matvec from DRAM read q4_1 at 25 GB/s of this VM's 36, 2 threads; this
-# form reads 29). A lane's four bytes lie in one chunk, so its eight products belong to one
-# group: t = sum_k n_k x'_k, then acc = fmuladd(t, s_lane, acc) with the block's 1, 2 or 4
-# group scales spread over the lanes.
+# n * x rounded once, as before. Per block and weight row: 8 masks (or shifts), 8
+# conversions, 8 multiply(-add)s of nibbles by x, one multiply-add by the scales and one
+# shuffle spreading them: 26 vector operations where the per-chunk loop below spends 32 (4
+# chunks of widen, mask, shift, two conversions, a multiply and two multiply-adds). The loop
+# is bound by them where the weights come from cache (one matvec over 54 MB of q4_1 whose
+# rows repeat, 2 threads: 25.4 -> 29.5 GB/s). A lane's four bytes lie in one chunk, so its
+# eight products belong to one group: t = sum_k n_k x'_k, then acc = fmuladd(t, s_lane, acc)
+# with the block's 1, 2 or 4 group scales spread over the lanes.
 _BLOCK_MASKS = [ir.Constant(_V16I, [15 << (4 * k)] * 16) for k in range(7)]  # nibble 7: a shift
 
 
@@ -410,10 +411,6 @@ PAIR_ROW_BYTES = 1024
 _q8_dot8 = _one_row_tile(8, False)
 
 
-def _zero():
-    return _i64(0)
-
-
 # Tiles for several activation rows: TILE_W weight rows x 1..TILE_A activation rows (one
 # intrinsic per activation count; the accumulators, TILE_W * TILE_A vectors, must stay in
 # registers: 16 of AVX-512's 32).
@@ -484,6 +481,8 @@ def _block_source(bi: int, m: int, cshift: int) -> int:
     return g * 2 * half + (chunk - (g << cshift)) * 16 + byte + (k & 1) * half
 
 
+_block_source_compiled = njit(cache=True)(_block_source)
+
 # Groups of up to 128 elements: a block's elements are its own 128, in an order that does not
 # depend on the block (a table); wider groups interleave two blocks' halves.
 _BLOCK_ORDER = np.array([[_block_source(0, m, c) for m in range(128)] for c in range(3)], np.int64)
@@ -511,11 +510,7 @@ def _prepare_x_into(x, half, xp):
     else:
         for bi in range(nblocks):
             for m in range(128):
-                k, i = m >> 4, m & 15
-                chunk = 4 * bi + (i >> 2)
-                byte = 4 * (i & 3) + (k >> 1)
-                g = chunk >> cshift
-                xp[128 * bi + m] = x[g * 2 * half + (chunk - (g << cshift)) * 16 + byte + (k & 1) * half] * _BLOCK_SCALE[k]
+                xp[128 * bi + m] = x[_block_source_compiled(bi, m, cshift)] * _BLOCK_SCALE[m >> 4]
     for m in range(128 * nblocks, n):
         xp[m] = x[m]
 

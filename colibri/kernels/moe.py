@@ -129,7 +129,7 @@ def routed_experts(x, memory, layout, slots, weights, half, cshift, nthreads, ac
     D = layout[2, 2]
     coef = np.float32(-8.0)
     # exact: x laid out for the int4 blocks, and its group sums; int8: x quantized once for all experts
-    xs = prepare(x, half, act)
+    xp = prepare(x, half, act)
     g = np.empty((K, I), np.float32)
     u = np.empty((K, I), np.float32)
     # Gate and up rows of every expert: one list of (expert, 8-row block) items.
@@ -142,11 +142,11 @@ def routed_experts(x, memory, layout, slots, weights, half, cshift, nthreads, ac
             k = it // nblk
             r = 8 * (it - k * nblk)
             gq, gs = _weight(memory, slots[k], layout, 0, half)
-            rows8_into(gq, gs, gs, coef, half, cshift, x, xs, r, d, act)
+            rows8_into(gq, gs, gs, coef, half, cshift, x, xp, r, d, act)
             for j in range(8):
                 g[k, r + j] = d[j]
             uq, us = _weight(memory, slots[k], layout, 1, half)
-            rows8_into(uq, us, us, coef, half, cshift, x, xs, r, d, act)
+            rows8_into(uq, us, us, coef, half, cshift, x, xp, r, d, act)
             for j in range(8):
                 u[k, r + j] = d[j]
     a = np.empty((K, I), np.float32)

@@ -104,12 +104,6 @@ def silu_mul(gu: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
-def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
-    m = np.max(x, axis=axis, keepdims=True)
-    e = np.exp(x - m)
-    return e / np.sum(e, axis=axis, keepdims=True)
-
-
 def fuse_rows(*ts: QTensor) -> QTensor | None:
     """Stack matrices that read the same input into one (q/k/v, gate/up): one kernel call
     instead of several per token. Rows are computed independently, so the outputs are the
