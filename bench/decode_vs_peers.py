@@ -316,10 +316,15 @@ def main() -> None:
         i8 = "colibri-int8"
         print(f"colibri-int8 / llama: decode {med(i8, 'decode_tok_s') / med('llama', 'decode_tok_s'):.2f}x, "
               f"prefill {med(i8, 'prefill_tok_s') / med('llama', 'prefill_tok_s'):.2f}x")
-    if results["colibri"] and "llama" in results and results["llama"]:
-        a_, b_ = results["colibri"][0]["tokens"], results["llama"][0]["tokens"]
-        n = next((i for i, (x, y) in enumerate(zip(a_, b_)) if x != y), min(len(a_), len(b_)))
-        print(f"greedy tokens shared with llama.cpp (int8 activations): first {n} of {a.tokens}")
+    # llama.cpp rounds the activations to 8 bits for its quantized dot products, so its greedy
+    # tokens follow colibri's --activations int8 path (colibri-int8, with --int8) rather than
+    # the exact one: on SmolLM2 and the short prompt, exact colibri (= transformers) answers
+    # "The capital of France is Paris." where both int8 paths answer "L'Étoile, la Cité...".
+    for mine in ("colibri", "colibri-int8"):
+        if results.get(mine) and results.get("llama"):
+            a_, b_ = results[mine][0]["tokens"], results["llama"][0]["tokens"]
+            n = next((i for i, (x, y) in enumerate(zip(a_, b_)) if x != y), min(len(a_), len(b_)))
+            print(f"greedy tokens {mine} shares with llama.cpp: the first {n} of {a.tokens}")
 
 
 def report_contexts(a, c, results, engines, bw, weight_bytes) -> None:
