@@ -398,17 +398,19 @@ def _one_row_tile(wrows: int, nibbles: bool):
 
 _int4_dot8, _int4_dot2 = _one_row_tile(8, True), _one_row_tile(2, True)
 
-# Rows of at least this many bytes go through an 8-row block two rows at a time. From DRAM
-# (a 0.8 GB int4 matrix of random bytes, 2048 inputs as Qwen3's q/k/v, gate and up, read in
-# calls of 6144 rows after a cache flush, 2 threads), eight interleaved 1 KB rows read at
-# 14.8-15.2 GB/s on this VM where two read at 17.0-17.3; rows of 288-384 bytes read ~10%
-# faster eight at a time. Eight rows share each load of x, two rows share it less, which
-# only pays where the reads are the limit. A row's operations do not depend on how many rows
-# share its pass, so the bits are the same either way.
+# Rows of at least this many bytes (int4 in _int4_rows8, q8_0 in _matvec_q8) go through an
+# 8-row block two rows at a time. From DRAM (`python bench/row_stream.py`: 0.8 GiB of random
+# bytes, calls of 6144 rows after a cache flush, 2 threads), eight interleaved 1 KB int4 rows
+# (2048 inputs: Qwen3's q/k/v, gate and up) read at 16 GB/s on this VM where two read at 19;
+# int4 rows of 288-384 bytes read 15-25% faster eight at a time, 2 KB rows the same either
+# way; q8_0 rows of 1, 2 and 7 KB read 20 -> 28, 22 -> 25 and 26 -> 27 GB/s two at a time,
+# 576-byte ones the same. Eight rows share each load of x, two rows share it less, which only
+# pays where the reads are the limit. A row's operations do not depend on how many rows share
+# its pass, so the bits are the same either way.
 PAIR_ROW_BYTES = 1024
 
 
-_q8_dot8 = _one_row_tile(8, False)
+_q8_dot8, _q8_dot2 = _one_row_tile(8, False), _one_row_tile(2, False)
 
 
 # Tiles for several activation rows: TILE_W weight rows x 1..TILE_A activation rows (one
@@ -716,7 +718,12 @@ def _matvec_q8(q, scales, group, cshift, x, y, nthreads):
     for t in prange(nthreads):
         for blk in range(t * per, min(nblk, (t + 1) * per)):
             r = 8 * blk
-            _q8_dot8(q, scales, r, r + 8 if r + 16 <= out else r, x, group, cshift, y, r)
+            rn = r + 8 if r + 16 <= out else r
+            if q.shape[1] >= PAIR_ROW_BYTES:
+                for p in range(0, 8, 2):
+                    _q8_dot2(q, scales, r + p, r + p + 2 if p < 6 else rn, x, group, cshift, y, r + p)
+            else:
+                _q8_dot8(q, scales, r, rn, x, group, cshift, y, r)
     _q8_tail_rows(q, scales, group, x, y)
 
 

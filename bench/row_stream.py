@@ -1,10 +1,11 @@
-"""How fast the int4 row kernel reads weights from DRAM, eight rows at a time against two
+"""How fast the quantized row kernels read weights from DRAM, eight rows at a time against two
 (colibri/kernels/cpu.py, PAIR_ROW_BYTES). Benchmark only: no asserts.
 
-    python bench/int4_stream.py [--shapes 2048,576,768,4096] [--gib 0.8] [--rows-per-call 6144]
+    python bench/row_stream.py [--scheme int4_g64|q8_0] [--shapes 2048,576,768,4096] [--gib 0.8]
+                               [--rows-per-call 6144]
 
-For each input width, an int4_g64 matrix of random bytes (about --gib GiB, far past the
-caches), read by matvecs of --rows-per-call rows each (as a model's matrices are), after a 1
+For each input width, a matrix of random bytes (about --gib GiB, far past the caches), read
+by matvecs of --rows-per-call rows each (as a model's matrices are), after a 1
 GiB pass over other memory before every timing; 2 threads, each a contiguous half of every
 call's 8-row blocks. Prints GB/s (weights + scales) for the two row orders, alternated, medians
 of 5. Repeated rows or a matrix read twice measure the caches, not DRAM: a matrix whose rows
@@ -21,6 +22,25 @@ from numba import njit, prange
 
 from colibri.kernels import cpu
 from colibri.memory import huge_pages
+
+
+_q8_dot2 = cpu._q8_dot2
+
+
+@njit(parallel=True)
+def _matvec_q8(q, s, x, y, pairs):
+    out = q.shape[0]
+    nblk = out // 8
+    per = (nblk + 1) // 2
+    for t in prange(2):
+        for blk in range(t * per, min(nblk, (t + 1) * per)):
+            r = 8 * blk
+            rn = r + 8 if r + 16 <= out else r
+            if pairs:
+                for p in range(0, 8, 2):
+                    _q8_dot2(q, s, r + p, r + p + 2 if p < 6 else rn, x, 32, 1, y, r + p)
+            else:
+                cpu._q8_dot8(q, s, r, rn, x, 32, 1, y, r)
 
 
 @njit(parallel=True)
@@ -52,6 +72,7 @@ def _flush(a):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--scheme", choices=["int4_g64", "q8_0"], default="int4_g64")
     ap.add_argument("--shapes", default="2048,576,768,4096", help="input widths (multiples of 128)")
     ap.add_argument("--gib", type=float, default=0.8)
     ap.add_argument("--rows-per-call", type=int, default=6144)
@@ -59,29 +80,35 @@ def main() -> None:
     rng = np.random.default_rng(0)
     flush = huge_pages(1 << 30)
     flush[:] = 1
-    print("int4_g64 from DRAM, 2 threads: GB/s of weights + scales (median of 5, alternated)")
+    int4 = args.scheme == "int4_g64"
+    print(f"{args.scheme} from DRAM, 2 threads: GB/s of weights + scales (median of 5, alternated)")
     for cols in (int(c) for c in args.shapes.split(",")):
         chunk = args.rows_per_call
-        rows = max(chunk, int(args.gib * 2**30 / (cols // 2 + cols // 16)) // chunk * chunk)
-        q = huge_pages(rows * cols // 2).reshape(rows, cols // 2)
+        row_bytes, group = (cols // 2, 64) if int4 else (cols, 32)
+        rows = max(chunk, int(args.gib * 2**30 / (row_bytes + 4 * cols // group)) // chunk * chunk)
+        q = huge_pages(rows * row_bytes).reshape(rows, row_bytes)
         q[:] = rng.integers(0, 256, q.shape, dtype=np.uint8)
-        s = huge_pages(rows * cols // 16).view(np.float32).reshape(rows, cols // 64)
+        if not int4:
+            q = q.view(np.int8)
+        s = huge_pages(rows * 4 * cols // group).view(np.float32).reshape(rows, cols // group)
         s[:] = rng.uniform(0.5, 1.5, s.shape).astype(np.float32)
-        xp = cpu._prepare_x(rng.standard_normal(cols, dtype=np.float32), 32)
+        x = rng.standard_normal(cols, dtype=np.float32)
+        xp = cpu._prepare_x(x, 32) if int4 else x
+        matvec = _matvec if int4 else _matvec_q8
         y = np.empty(rows, np.float32)
         times = {False: [], True: []}
         for pairs in (False, True):
-            _matvec(q[:chunk], s[:chunk], xp, y[:chunk], pairs)
+            matvec(q[:chunk], s[:chunk], xp, y[:chunk], pairs)
         for _ in range(5):
             for pairs in (False, True):
                 _flush(flush)
                 t0 = time.perf_counter()
                 for r0 in range(0, rows, chunk):
-                    _matvec(q[r0:r0 + chunk], s[r0:r0 + chunk], xp, y[r0:r0 + chunk], pairs)
+                    matvec(q[r0:r0 + chunk], s[r0:r0 + chunk], xp, y[r0:r0 + chunk], pairs)
                 times[pairs].append(time.perf_counter() - t0)
         nbytes = q.nbytes + s.nbytes
         eight, two = (nbytes / np.median(times[p]) / 1e9 for p in (False, True))
-        print(f"{cols:5d} inputs ({cols // 2:4d}-byte rows), {nbytes / 2**30:.2f} GiB: eight rows at a time "
+        print(f"{cols:5d} inputs ({row_bytes:4d}-byte rows), {nbytes / 2**30:.2f} GiB: eight rows at a time "
               f"{eight:5.1f} GB/s, two at a time {two:5.1f} GB/s", flush=True)
         del q, s
 
