@@ -10,7 +10,11 @@ Prints, for a token decoded after a ~150-token prompt:
 - the matrix kernels alone on the token's weights, once with the weights in the CPU caches
   (one layer's matrix, repeated) and once streamed from memory (every layer's in turn, as a
   token reads them): how fast the arithmetic is, and what reading from DRAM adds;
-- the roof: the token's weight bytes over the measured read bandwidth (bench/membw.py).
+- where the default path's token goes: the embedding and RoPE tables, the one compiled call
+  through every layer, the head (final norm and lm_head), and the rest of forward();
+- the roof: the token's weight bytes over the measured read bandwidth (bench/membw.py), and
+  the same bytes read matrix by matrix with the threads meeting after each, as a token reads
+  them, by a plain sum with no arithmetic in the way (membw.read_bandwidth_each).
 """
 from __future__ import annotations
 
@@ -41,7 +45,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
 
-    from membw import read_bandwidth
+    from membw import read_bandwidth, read_bandwidth_each
     from numba import get_num_threads
 
     from colibri import Engine
@@ -58,6 +62,7 @@ def main() -> None:
         # with more teams than cores it stops spinning between regions (27 ms a token here
         # instead of 8 when the bandwidth probe ran on the main thread first).
         out["bw"] = read_bandwidth()
+        out["bw_each"] = read_bandwidth_each(_token_arrays(m))
         cache = m.new_cache(150 + a.tokens + 8)
         m.forward(np.arange(150) % e.vocab_size, cache)
         start = cache.length
@@ -80,6 +85,10 @@ def main() -> None:
             if covered:
                 whole.append(run(None))
             layers.append(run(False))
+        if covered:
+            m._program = None
+            split = [_one_call_split(m, cache, start, a.tokens) for _ in range(a.rounds)]
+            out["split"] = {k: statistics.median(s[k] for s in split) for k in split[0]}
         m._program = None
         cache.length = start
         PHASES.start()
@@ -102,10 +111,18 @@ def main() -> None:
           f"roof {roof * 1e3:.2f} ms = {1 / roof:.0f} tok/s")
     rows = ([("every layer in one call", out["whole"])] if out["covered"] else []) + [
         ("layer by layer", out["layers"])]
+    bw_each = out["bw_each"]
+    print(f"the same bytes read matrix by matrix (a plain sum, the threads meeting after each): "
+          f"{bw_each / 1e9:.1f} GB/s, {weight_bytes / bw_each * 1e3:.2f} ms")
     print(f"{'decode path':28} {'ms/token':>9} {'tok/s':>7} {'% of roof':>9}   (median of {a.rounds})")
     for name, ts in rows:
         t = statistics.median(ts)
         print(f"{name:28} {t * 1e3:9.2f} {1 / t:7.1f} {roof / t:9.0%}")
+    if "split" in out:
+        sp = dict(out["split"])
+        forward = sp.pop("forward")
+        print(f"the one-call path's token, {forward * 1e3:.2f} ms (its parts run alternately with it): "
+              + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in sp.items()))
     print("phase clock of the layer-by-layer path (ms/token): "
           + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in out["phases"].items()))
     print(f"{'matrices (all layers)':28} {'MB':>6} {'in cache ms':>11} {'GB/s':>6} {'streamed ms':>11} {'GB/s':>6}")
@@ -114,13 +131,57 @@ def main() -> None:
               f"{nbytes / cold / 1e9:6.1f}")
 
 
-def _weight_bytes(m) -> int:
-    total = m.lm_head.nbytes  # QTensor.nbytes: all its parts
+def _one_call_split(m, cache, start: int, n: int) -> dict:
+    """Seconds per token of the one-call path's parts, run as DecoderModel.forward runs them
+    for one token (this bench's copy of its steps: keep them in step with forward), and of
+    forward() itself, the two alternating token by token so that both see the same machine."""
+    from colibri.generate import decode_one
+    from colibri.kernels import idot
+    from colibri.kernels.cpu import embedding
+    from colibri.models.common import linear, rms_norm
+
+    program = m._token_program()
+    parts = {"embedding + RoPE": 0.0, "layers (one call)": 0.0, "head": 0.0}
+    whole = 0.0
+    cache.length = start
+    for i in range(n):
+        token = 100 + i % 50
+        t0 = time.perf_counter()
+        decode_one(m, cache, token)
+        whole += time.perf_counter() - t0
+        cache.length -= 1  # the same position again, by the parts
+        with idot.activations(m.activations):
+            pos = cache.length
+            t0 = time.perf_counter()
+            cos, sin = m.rope.cos_sin(np.arange(pos, pos + 1))
+            x = embedding(m.embed, np.asarray([token], np.int64))
+            t1 = time.perf_counter()
+            x = m._token_layers(program, x, cache, pos, cos, sin)
+            cache.length = pos + 1
+            t2 = time.perf_counter()
+            linear(rms_norm(x, m.norm, m.args.rms_norm_eps), m.lm_head)
+            t3 = time.perf_counter()
+        parts["embedding + RoPE"] += t1 - t0
+        parts["layers (one call)"] += t2 - t1
+        parts["head"] += t3 - t2
+    parts["the rest of forward()"] = whole - sum(parts.values())
+    return {k: v / n for k, v in parts.items()} | {"forward": whole / n}
+
+
+def _token_arrays(m) -> list:
+    """The arrays a token's matrix products read, in the order it reads them."""
+    arrays = []
     for layer in m.layers:
         attn_args, mlp_args = layer._fused if layer._fused is not None else layer._build_fused()
         for w in ([attn_args[1], attn_args[3]] if attn_args else []) + ([mlp_args[1], mlp_args[3]] if mlp_args else []):
-            total += w[0].nbytes + w[1].nbytes + (w[2].nbytes if w[2] is not w[1] else 0)
-    return total
+            arrays += [w[0], w[1]] + ([w[2]] if w[2] is not w[1] else [])
+    head = m.lm_head
+    arrays += [getattr(head, k) for k in ("q", "scales", "mins") if getattr(head, k, None) is not None]
+    return arrays
+
+
+def _weight_bytes(m) -> int:
+    return sum(a.nbytes for a in _token_arrays(m))
 
 
 def _kernels(m, idot) -> dict:

@@ -12,6 +12,8 @@ import time
 import numba
 import numpy as np
 
+from colibri.kernels.team import claim, counters_size, finish, run_team
+
 
 @numba.njit(parallel=True, fastmath=True)
 def _sum(a, nthreads):
@@ -41,4 +43,64 @@ def read_bandwidth(threads: int | None = None, nbytes: int = 512 << 20) -> float
         t0 = time.perf_counter()
         _sum(a, nthreads)
         best = max(best, a.nbytes / (time.perf_counter() - t0))
+    return best
+
+
+PIECE_WORDS = 1024  # 8 KB: about what a decode thread takes at a time (32 rows of 288 bytes)
+
+
+@numba.njit(nogil=True)
+def _sum_each(t, buf, bounds, ctr, nthreads, sums):
+    """Team member t's part of summing each piece buf[bounds[k]:bounds[k + 1]] in turn, shared
+    out in PIECE_WORDS runs as colibri.kernels.decode shares a matrix's rows, all members
+    meeting after each piece (colibri.kernels.team)."""
+    state = np.zeros(2, np.int64)
+    s = np.uint64(0)
+    for k in range(bounds.shape[0] - 1):
+        lo, hi = bounds[k], bounds[k + 1]
+        n = (hi - lo + PIECE_WORDS - 1) // PIECE_WORDS
+        state[0] = 0
+        state[1] = 0
+        while True:
+            j = claim(ctr, k, n, nthreads, t, state)
+            if j < 0:
+                break
+            run = buf[lo + j * PIECE_WORDS: min(hi, lo + (j + 1) * PIECE_WORDS)]
+            for i in range(run.shape[0]):
+                s += run[i]
+        finish(ctr, k, n, nthreads, state)
+    sums[t] = s
+
+
+def read_bandwidth_each(arrays: list[np.ndarray], threads: int | None = None) -> float:
+    """Bytes per second read by a plain sum over `arrays` one after another, each shared out
+    to the threads as a decode token shares a matrix (colibri's thread team, the threads
+    meeting after each): the bandwidth a token's access pattern (many matrices of a few hundred
+    KB) leaves with no arithmetic in the way. The bytes are summed as 64-bit integers (random
+    bytes as floats would hold denormals, slow on some CPUs), laid out back to back, each
+    rounded down to whole words; copies are cycled past 256 MB, so each comes from memory.
+    Best of 5 passes."""
+    nthreads = threads or numba.get_num_threads()
+    sizes = [a.nbytes // 8 for a in arrays]
+    bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    nbytes = int(bounds[-1]) * 8
+    copies = []
+    for _ in range(max(2, -(-(256 << 20) // max(nbytes, 1)))):
+        buf = np.empty(int(bounds[-1]), np.uint64)
+        for a, lo, hi in zip(arrays, bounds[:-1], bounds[1:]):
+            buf[lo:hi] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)[: (hi - lo) * 8].view(np.uint64)
+        copies.append(buf)
+    sums = np.zeros(nthreads, np.uint64)
+
+    def one_pass():
+        for buf in copies:
+            run_team(_sum_each, nthreads, buf, bounds, np.zeros(counters_size(len(arrays), nthreads), np.int64),
+                     nthreads, sums)
+
+    one_pass()
+    best = 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        one_pass()
+        best = max(best, nbytes * len(copies) / (time.perf_counter() - t0))
     return best
