@@ -206,11 +206,11 @@ def _kernels(m, idot) -> dict:
         prepared = [idot.quantize(x, w[4]) for x, w in zip(xs, ws)]
 
         def one(w, x, xa, y):
-            q, s, o, c, h, cs = w
+            q, s, o, c, h, cs, ilv = w
             if int8:
-                idot.matvec_prepared(q, s, o, c, h, xa, y, nthreads)
+                idot.matvec_prepared(q, s, o, c, h, ilv, xa, y, nthreads)
             else:
-                _matvec_int4(q, s, o, c, h, cs, x, y, nthreads)
+                _matvec_int4(q, s, o, c, h, cs, ilv, x, y, nthreads)
 
         def hot():
             for _ in ws:

@@ -28,7 +28,7 @@ import numpy as np
 
 from colibri.errors import ColibriError, EngineFault
 from colibri.io.safetensors_io import ALIGN, SafetensorsFile, safetensors_header
-from colibri.kernels.quant import SCHEMES, QTensor
+from colibri.kernels.quant import SCHEMES, QTensor, interleaved
 from colibri.memory import WEIGHTS
 
 MANIFEST = "colibri.json"
@@ -130,6 +130,9 @@ class Container:
         self.manifest = _read_object(manifest_path, f"{self.dir}: its manifest {MANIFEST}")
         self.config = _read_object(self.dir / "config.json", f"{self.dir}: its config.json")
         self.on_read: Callable[[int], None] | None = None  # told the bytes of each dense tensor read (progress)
+        # int4 matrices as read: their rows interleaved for the CPU kernels (quant.py, Layout),
+        # or row-major as stored (EngineConfig.int4_layout "rows": a comparison, a fallback).
+        self.interleave_int4 = True
         if self.manifest.get("version") != FORMAT_VERSION:
             raise ColibriError(f"{self.dir}: container version {self.manifest.get('version')} is not "
                                f"supported (expected {FORMAT_VERSION}); re-convert the model")
@@ -158,7 +161,8 @@ class Container:
         return name in self.manifest["tensors"]
 
     def tensor(self, name: str) -> QTensor | np.ndarray:
-        """A dense tensor copied into RAM: 2-D -> QTensor, 1-D -> float32 array."""
+        """A dense tensor copied into RAM: 2-D -> QTensor (int4 rows interleaved in place unless
+        interleave_int4 is off), 1-D -> float32 array."""
         spec = self.manifest["tensors"].get(name)
         if spec is None:
             raise ColibriError(f"{self.dir}: tensor {name} is missing; the container does not match its config")
@@ -168,7 +172,8 @@ class Container:
             self.on_read(sum(a.nbytes for a in parts.values()))
         if len(spec["shape"]) == 1:
             return parts["q"].astype(np.float32)
-        return QTensor(spec["scheme"], tuple(spec["shape"]), parts["q"], parts.get("scales"), parts.get("mins"))
+        t = QTensor(spec["scheme"], tuple(spec["shape"]), parts["q"], parts.get("scales"), parts.get("mins"))
+        return interleaved(t, in_place=True) if self.interleave_int4 else t
 
     @property
     def has_checksums(self) -> bool:

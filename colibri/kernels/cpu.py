@@ -28,7 +28,7 @@ from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .quant import GROUP_SIZE, INT4_SCHEMES, SCHEMES, QTensor
+from .quant import GROUP_SIZE, INT4_SCHEMES, PAIR_ROW_BYTES, SCHEMES, QTensor
 
 # reassoc lets LLVM split each reduction over vector lanes; contract fuses to FMA. Sums
 # change only by float32 rounding.
@@ -127,6 +127,34 @@ def _deq_int4_row(qr, sr, mr, half, has_min, dst):
 
 
 @njit(cache=True)
+def _int4_row_bytes(q, ilv, r, out):
+    """out[:] = row r's bytes of q, whose rows are interleaved in blocks of ilv (quant.py,
+    Layout): its whole 64-byte blocks 64 * ilv bytes apart, then its tail."""
+    rb = q.shape[1]
+    flat = q.reshape(-1)
+    nfull = rb // 64
+    jj = r & (ilv - 1)
+    start = (r - jj) * rb
+    for k in range(nfull):
+        src = start + k * 64 * ilv + jj * 64
+        out[k * 64:(k + 1) * 64] = flat[src:src + 64]
+    tail = rb - 64 * nfull
+    src = start + nfull * 64 * ilv + jj * tail
+    out[64 * nfull:] = flat[src:src + tail]
+
+
+@njit(cache=True)
+def _deq_int4_row_at(q, scales, mins, half, has_min, ilv, r, dst):
+    """Row r of an int4 matrix dequantized into dst, whatever q's layout."""
+    if ilv == 1:
+        _deq_int4_row(q[r], scales[r], mins[r], half, has_min, dst)
+    else:
+        row = np.empty(q.shape[1], np.uint8)
+        _int4_row_bytes(q, ilv, r, row)
+        _deq_int4_row(row, scales[r], mins[r], half, has_min, dst)
+
+
+@njit(cache=True)
 def _deq_q8_row(qr, sr, group, dst):
     for g in range(sr.shape[0]):
         s = sr[g]
@@ -211,10 +239,10 @@ def _hsum(builder, v):
 _BLOCK_MASKS = [ir.Constant(_V16I, [15 << (4 * k)] * 16) for k in range(7)]  # nibble 7: a shift
 
 
-def _int4_block(builder, bi, cshift, qrows, srows, xrows, accs, fma, prefetch_next):
-    """Block bi (bytes 64 bi.., prepared x floats 128 bi..) of every weight row x every
-    activation row, into the accumulators."""
-    b = builder.shl(bi, _i64(6))
+def _int4_block(builder, bi, cshift, qstep, qrows, srows, xrows, accs, fma, prefetch_next):
+    """Block bi (prepared x floats 128 bi..) of every weight row x every activation row, into
+    the accumulators; a row's block bi is at qrows[j] + bi * qstep (quant.py, Layout)."""
+    b = builder.mul(bi, qstep)
     e = builder.shl(bi, _i64(7))
     g0 = builder.lshr(builder.shl(bi, _i64(2)), cshift)  # the block's first group
     xs = [[builder.load(builder.bitcast(builder.gep(row, [builder.add(e, _i64(16 * k))]), _V16F.as_pointer()), align=4)
@@ -258,11 +286,12 @@ def _spread(builder, srow, g0, n):
 
 
 def _tile_codegen(nibbles: bool, wrows: int, arows: int):
-    """Codegen of a (q, scales, offs, r, rn, x, a0, half_or_group, cshift, out) -> None
+    """Codegen of a (q, scales, offs, r, rn, x, a0, half_or_group, cshift, ilv, out) -> None
     intrinsic over weight rows r..r+wrows-1 and activation rows a0..a0+arows-1.
 
     nibbles: q is int4 (byte k of a group holds element k low, k + half high) with
-    half = group / 2 bytes per group; else q is int8, one element per byte.
+    half = group / 2 bytes per group, its rows interleaved in blocks of `ilv` (1: row-major;
+    quant.py, Layout); else q is int8, one element per byte, row-major (ilv 1).
     cshift = log2(16-byte chunks per group); every group is a whole number of chunks.
     x is one activation row [n] (arows 1) or rows [B, n]. For a one-row x, out[a0 + j]
     receives weight row r + j; else out [>= arows, >= wrows] receives out[a, j] for activation
@@ -270,15 +299,17 @@ def _tile_codegen(nibbles: bool, wrows: int, arows: int):
     caller adds their term) are prefetched (pass rn = r on the last block); offs may be scales.
     """
     def codegen(context, builder, sig, args):
-        qty, sty, oty_, _, _, xty, _, _, _, oty = sig.args
+        qty, sty, oty_, _, _, xty, _, _, _, _, oty = sig.args
         qa = context.make_array(qty)(context, builder, args[0])
         sa = context.make_array(sty)(context, builder, args[1])
         ma = context.make_array(oty_)(context, builder, args[2])
         xa = context.make_array(xty)(context, builder, args[5])
-        oa = context.make_array(oty)(context, builder, args[9])
-        r, rn, a0, gbytes, cshift = args[3], args[4], args[6], args[7], args[8]
+        oa = context.make_array(oty)(context, builder, args[10])
+        r, rn, a0, gbytes, cshift, ilv = args[3], args[4], args[6], args[7], args[8], args[9]
         qstride = cgutils.unpack_tuple(builder, qa.strides, 2)[0]
         ngroups = cgutils.unpack_tuple(builder, sa.shape, 2)[1]
+        nchunks = builder.lshr(builder.mul(ngroups, gbytes), _i64(4))
+        nfull = builder.lshr(nchunks, _i64(2)) if nibbles else _i64(0)  # whole 64-byte blocks a row
         qbase = builder.bitcast(qa.data, _I8.as_pointer())
         sbase = builder.bitcast(sa.data, _F32.as_pointer())
         xbase = builder.bitcast(xa.data, _F32.as_pointer())
@@ -293,8 +324,26 @@ def _tile_codegen(nibbles: bool, wrows: int, arows: int):
         def row_ptr(base, row, j, stride):
             return builder.gep(base, [builder.mul(builder.add(row, _i64(j)), stride)])
 
-        qrows = [row_ptr(qbase, r, j, qstride) for j in range(wrows)]
-        nrows = [row_ptr(qbase, rn, j, qstride) for j in range(wrows)]
+        # q rows in blocks of ilv (quant.py, Layout): row rr = G * ilv + jj has its block k at
+        # G * ilv * qstride + k * 64 * ilv + jj * 64 and its tail (the bytes past the last whole
+        # block, L of them) at G * ilv * qstride + nfull * 64 * ilv + jj * L. A row's pointers
+        # are kept so that the block loop adds k * qstep and the chunk loop the row's own byte
+        # offset, as for row-major rows (ilv 1, where both are the row's start).
+        qstep = builder.shl(ilv, _i64(6))
+        tail = builder.sub(qstride, builder.shl(nfull, _i64(6)))
+
+        # (ilv is a power of two: a row's place in its block is a mask, no division)
+        def q_ptrs(row, j):
+            rr = builder.add(row, _i64(j))
+            jj = builder.and_(rr, builder.sub(ilv, _i64(1)))
+            start = builder.mul(builder.sub(rr, jj), qstride)  # (rr // ilv) * ilv rows in
+            blocks = builder.add(start, builder.shl(jj, _i64(6)))
+            tails = builder.add(builder.add(start, builder.mul(builder.shl(nfull, _i64(6)), builder.sub(ilv, _i64(1)))),
+                                builder.mul(jj, tail))
+            return builder.gep(qbase, [blocks]), builder.gep(qbase, [tails])
+
+        qrows, qtails = zip(*(q_ptrs(r, j) for j in range(wrows)))
+        nrows, ntails = zip(*(q_ptrs(rn, j) for j in range(wrows)))
         srows = [row_ptr(sbase, r, j, ngroups) for j in range(wrows)]
         nsrows = [row_ptr(sbase, rn, j, ngroups) for j in range(wrows)]
         mbase = builder.bitcast(ma.data, _F32.as_pointer())
@@ -311,15 +360,14 @@ def _tile_codegen(nibbles: bool, wrows: int, arows: int):
         def prefetch(base, index):  # read, keep in all cache levels, data
             builder.call(pf, [builder.bitcast(builder.gep(base, [index]), _I8.as_pointer()), _i32(0), _i32(3), _i32(1)])
 
-        nchunks = builder.lshr(builder.mul(ngroups, gbytes), _i64(4))
         cmask = builder.sub(builder.shl(_i64(1), cshift), _i64(1))
 
         def load_x(row, offset):
             return builder.load(builder.bitcast(builder.gep(row, [offset]), _V16F.as_pointer()), align=4)
 
-        def prefetch_next(b, g):  # the next block's rows: weights at byte b, scales (and mins) at group g
+        def prefetch_next(b, g, q_next=nrows):  # the next rows: weights at q_next[j] + b, scales (and mins) at group g
             for j in range(wrows):
-                prefetch(nrows[j], b)
+                prefetch(q_next[j], b)
             for j in range(wrows):
                 prefetch(nsrows[j], g)
             with builder.if_then(has_offs):
@@ -328,10 +376,9 @@ def _tile_codegen(nibbles: bool, wrows: int, arows: int):
 
         c0 = _i64(0)
         if nibbles:  # whole 64-byte blocks first (x prepared by _prepare_x_into), then chunks
-            nblocks = builder.lshr(nchunks, _i64(2))
-            c0 = builder.shl(nblocks, _i64(2))
-            with cgutils.for_range(builder, nblocks) as loop:
-                _int4_block(builder, loop.index, cshift, qrows, srows, xrows, accs, fma, prefetch_next)
+            c0 = builder.shl(nfull, _i64(2))
+            with cgutils.for_range(builder, nfull) as loop:
+                _int4_block(builder, loop.index, cshift, qstep, qrows, srows, xrows, accs, fma, prefetch_next)
         with cgutils.for_range(builder, builder.sub(nchunks, c0)) as loop:
             i = builder.add(c0, loop.index)
             g = builder.lshr(i, cshift)
@@ -346,9 +393,9 @@ def _tile_codegen(nibbles: bool, wrows: int, arows: int):
             # prefetch is an instruction like any other, and 24 per chunk were a third of the
             # one-token tile's.
             with builder.if_then(builder.icmp_unsigned("==", builder.and_(i, _i64(3)), _i64(0))):
-                prefetch_next(b, g)
+                prefetch_next(b, g, ntails)
             for j in range(wrows):
-                raw = builder.load(builder.bitcast(builder.gep(qrows[j], [b]), _V16B.as_pointer()), align=1)
+                raw = builder.load(builder.bitcast(builder.gep(qtails[j], [b]), _V16B.as_pointer()), align=1)
                 if nibbles:
                     w = builder.zext(raw, _V16I)
                     lo = builder.uitofp(builder.and_(w, ir.Constant(_V16I, [15] * 16)), _V16F)
@@ -376,21 +423,25 @@ def _one_row_tile(wrows: int, nibbles: bool):
     """An intrinsic over `wrows` weight rows r.. times one activation row, into out[o:o + wrows]
     (see _tile_codegen)."""
     if nibbles:
-        def tile(typingctx, q, scales, offs, r, rn, x, half, cshift, out, o):
-            sig = types.void(q, scales, offs, types.intp, types.intp, x, types.intp, types.intp, out, types.intp)
+        def tile(typingctx, q, scales, offs, r, rn, x, half, cshift, ilv, out, o):
+            sig = types.void(q, scales, offs, types.intp, types.intp, x, types.intp, types.intp, types.intp, out,
+                             types.intp)
 
             def codegen(context, builder, sig_, args):
-                full = types.void(q, scales, offs, types.intp, types.intp, x, types.intp, types.intp, types.intp, out)
-                return _tile_codegen(True, wrows, 1)(context, builder, full, [*args[:6], args[9], *args[6:9]])
+                full = types.void(q, scales, offs, types.intp, types.intp, x, types.intp, types.intp, types.intp,
+                                  types.intp, out)
+                return _tile_codegen(True, wrows, 1)(context, builder, full, [*args[:6], args[10], *args[6:10]])
             return sig, codegen
     else:
         def tile(typingctx, q, scales, r, rn, x, group, cshift, out, o):
             sig = types.void(q, scales, types.intp, types.intp, x, types.intp, types.intp, out, types.intp)
 
-            def codegen(context, builder, sig_, args):  # no offsets: scales stand in for them
-                full = types.void(q, scales, scales, types.intp, types.intp, x, types.intp, types.intp, types.intp, out)
+            def codegen(context, builder, sig_, args):  # no offsets: scales stand in for them; row-major
+                full = types.void(q, scales, scales, types.intp, types.intp, x, types.intp, types.intp, types.intp,
+                                  types.intp, out)
                 return _tile_codegen(False, wrows, 1)(context, builder, full,
-                                                      [args[0], args[1], args[1], *args[2:5], args[8], *args[5:8]])
+                                                      [args[0], args[1], args[1], *args[2:5], args[8], *args[5:7],
+                                                       ir.Constant(_I64, 1), args[7]])
             return sig, codegen
     tile.__name__ = tile.__qualname__ = f"_{'int4' if nibbles else 'q8'}_dot{wrows}"
     return intrinsic(tile)
@@ -407,7 +458,8 @@ _int4_dot8, _int4_dot2 = _one_row_tile(8, True), _one_row_tile(2, True)
 # 576-byte ones the same. Eight rows share each load of x, two rows share it less, which only
 # pays where the reads are the limit. A row's operations do not depend on how many rows share
 # its pass, so the bits are the same either way.
-PAIR_ROW_BYTES = 1024
+# (PAIR_ROW_BYTES lives in quant.py: it is also the block of rows an int4 matrix is
+# interleaved in, quant.interleave_width.)
 
 
 _q8_dot8, _q8_dot2 = _one_row_tile(8, False), _one_row_tile(2, False)
@@ -421,8 +473,9 @@ TILE_W, TILE_A = 4, 4
 
 def _tile_intrinsic(nibbles: bool, arows: int):
     if nibbles:
-        def tile(typingctx, q, scales, offs, r, rn, x, a0, half, cshift, out):
-            sig = types.void(q, scales, offs, types.intp, types.intp, x, types.intp, types.intp, types.intp, out)
+        def tile(typingctx, q, scales, offs, r, rn, x, a0, half, cshift, ilv, out):
+            sig = types.void(q, scales, offs, types.intp, types.intp, x, types.intp, types.intp, types.intp,
+                             types.intp, out)
             return sig, _tile_codegen(True, TILE_W, arows)
     else:
         def tile(typingctx, q, scales, r, rn, x, a0, group, cshift, out):
@@ -430,8 +483,9 @@ def _tile_intrinsic(nibbles: bool, arows: int):
 
             def codegen(context, builder, sig_, args):
                 full = types.void(q, scales, scales, types.intp, types.intp, x, types.intp, types.intp,
-                                  types.intp, out)
-                return _tile_codegen(False, TILE_W, arows)(context, builder, full, [args[0], args[1], *args[1:]])
+                                  types.intp, types.intp, out)
+                return _tile_codegen(False, TILE_W, arows)(context, builder, full,
+                                                           [args[0], args[1], *args[1:8], ir.Constant(_I64, 1), args[8]])
             return sig, codegen
     tile.__name__ = tile.__qualname__ = f"_{'int4' if nibbles else 'q8'}_tile{arows}"
     return intrinsic(tile)
@@ -599,24 +653,24 @@ def _int4_row(q, scales, r, half, x, acc):
 
 
 @njit(cache=True)
-def _int4_rows8(q, scales, offs, coef, half, cshift, xp, xs, r, d):
+def _int4_rows8(q, scales, offs, coef, half, cshift, ilv, xp, xs, r, d):
     """d[0:8] = rows r..r+7 of the int4 matvec (xp: x prepared by _prepare_x, xs: group sums
-    of x), the next block's rows prefetched. Shared by the matvec here and the fused MoE
-    kernel in moe.py."""
+    of x; q's rows interleaved in blocks of ilv), the next block's rows prefetched. Shared by
+    the matvec here and the fused MoE kernel in moe.py."""
     out = q.shape[0]
     rn = r + 8 if r + 16 <= out else r
     if q.shape[1] >= PAIR_ROW_BYTES:
         for p in range(0, 8, 2):
-            _int4_dot2(q, scales, offs, r + p, r + p + 2 if p < 6 else rn, xp, half, cshift, d, p)
+            _int4_dot2(q, scales, offs, r + p, r + p + 2 if p < 6 else rn, xp, half, cshift, ilv, d, p)
     else:
-        _int4_dot8(q, scales, offs, r, rn, xp, half, cshift, d, 0)
+        _int4_dot8(q, scales, offs, r, rn, xp, half, cshift, ilv, d, 0)
     for j in range(8):
         d[j] = _with_offset(d[j], offs, r + j, coef, xs)
 
 
 @njit(cache=True)
 def _int4_tail_rows(q, scales, offs, coef, half, x, xs, y):
-    """The last rows (out % 8) one at a time."""
+    """The last rows (out % 8) one at a time (row-major: an interleaved q has none)."""
     out = q.shape[0]
     acc1 = np.empty(half, np.float32)
     for r in range(out - out % 8, out):
@@ -625,7 +679,7 @@ def _int4_tail_rows(q, scales, offs, coef, half, x, xs, y):
 
 
 @njit(parallel=True, cache=True)
-def _matvec_int4(q, scales, offs, coef, half, cshift, x, y, nthreads):
+def _matvec_int4(q, scales, offs, coef, half, cshift, ilv, x, y, nthreads):
     """int4_g64 / q4_0 / q4_1: y[r] = sum_g s[r,g] * dot(nib, x_g) + coef * dot(offs[r], xsum).
 
     Symmetric schemes pass offs = scales, coef = -8 (w = (nib - 8) * s); q4_1 passes
@@ -641,26 +695,26 @@ def _matvec_int4(q, scales, offs, coef, half, cshift, x, y, nthreads):
         d = np.empty(8, np.float32)
         for blk in range(t * per, min(nblk, (t + 1) * per)):
             r = 8 * blk
-            _int4_rows8(q, scales, offs, coef, half, cshift, xp, xs, r, d)
+            _int4_rows8(q, scales, offs, coef, half, cshift, ilv, xp, xs, r, d)
             for j in range(8):
                 y[r + j] = d[j]
     _int4_tail_rows(q, scales, offs, coef, half, x, xs, y)
 
 
 @njit(cache=True)
-def _int4_tile(q, scales, offs, r, rn, x, a0, na, half, cshift, d):
+def _int4_tile(q, scales, offs, r, rn, x, a0, na, half, cshift, ilv, d):
     if na == 4:
-        _int4_tile4(q, scales, offs, r, rn, x, a0, half, cshift, d)
+        _int4_tile4(q, scales, offs, r, rn, x, a0, half, cshift, ilv, d)
     elif na == 3:
-        _int4_tile3(q, scales, offs, r, rn, x, a0, half, cshift, d)
+        _int4_tile3(q, scales, offs, r, rn, x, a0, half, cshift, ilv, d)
     elif na == 2:
-        _int4_tile2(q, scales, offs, r, rn, x, a0, half, cshift, d)
+        _int4_tile2(q, scales, offs, r, rn, x, a0, half, cshift, ilv, d)
     else:
-        _int4_tile1(q, scales, offs, r, rn, x, a0, half, cshift, d)
+        _int4_tile1(q, scales, offs, r, rn, x, a0, half, cshift, ilv, d)
 
 
 @njit(parallel=True, cache=True)
-def _matmul_rows_int4(q, scales, offs, coef, half, cshift, x, y, nthreads):
+def _matmul_rows_int4(q, scales, offs, coef, half, cshift, ilv, x, y, nthreads):
     """y [B, out] = x [B, n] @ W.T for a few tokens (batched decode, drafted tokens): row a of
     y equals _matvec_int4(x[a]) bit for bit (_tile_codegen), each weight chunk unpacked once
     per tile of TILE_W weight rows x up to TILE_A tokens."""
@@ -679,7 +733,7 @@ def _matmul_rows_int4(q, scales, offs, coef, half, cshift, x, y, nthreads):
             rn = r + TILE_W if r + 2 * TILE_W <= out else r
             for a0 in range(0, B, TILE_A):
                 na = min(TILE_A, B - a0)
-                _int4_tile(q, scales, offs, r, rn, xp, a0, na, half, cshift, d)
+                _int4_tile(q, scales, offs, r, rn, xp, a0, na, half, cshift, ilv, d)
                 for a in range(na):
                     for j in range(TILE_W):
                         y[a0 + a, r + j] = _with_offset(d[a, j], offs, r + j, coef, xs[a0 + a])
@@ -852,10 +906,9 @@ def _matvec_u16(w, is_bf16, x, y):
 
 
 @njit(parallel=True, cache=True)
-def _embed_int4(q, scales, mins, half, has_min, ids, y):
+def _embed_int4(q, scales, mins, half, has_min, ilv, ids, y):
     for i in prange(ids.shape[0]):
-        r = ids[i]
-        _deq_int4_row(q[r], scales[r], mins[r], half, has_min, y[i])
+        _deq_int4_row_at(q, scales, mins, half, has_min, ilv, ids[i], y[i])
 
 
 @njit(parallel=True, cache=True)
@@ -895,6 +948,10 @@ def _check_tensor_once(t: QTensor) -> None:
             f"[{out}, {qcols}], got {t.q.dtype.name} {t.q.shape}"
             + ("" if t.q.flags.c_contiguous else " (not contiguous)")
         )
+    ilv = t.interleave
+    if ilv != 1 and (t.scheme not in INT4_SCHEMES or ilv < 1 or ilv & (ilv - 1) or out % 8 or out % ilv):
+        raise ValueError(f"{t.scheme} tensor of shape {t.shape} cannot have its rows interleaved in blocks of "
+                         f"{ilv} (int4 schemes only, a power of two dividing the rows, rows a multiple of 8)")
     if t.scheme in GROUP_SIZE:
         g = GROUP_SIZE[t.scheme]
         for name in ("scales", "mins") if t.scheme == "q4_1" else ("scales",):
@@ -925,20 +982,21 @@ def _result(out: np.ndarray | None, shape: tuple[int, ...], what: str) -> np.nda
 
 
 def _int4_args(t: QTensor) -> tuple:
+    """The dequantizers' arguments (q, scales, mins, half, has_min, ilv)."""
     has_min = t.scheme == "q4_1"
     # Symmetric schemes have no mins; scales stands in so numba sees one signature.
-    return t.q, t.scales, t.mins if has_min else t.scales, GROUP_SIZE[t.scheme] // 2, has_min
+    return t.q, t.scales, t.mins if has_min else t.scales, GROUP_SIZE[t.scheme] // 2, has_min, t.interleave
 
 
 def int4_weight(t: QTensor) -> tuple | None:
-    """The int4 matvec kernel's weight arguments for t, (q, scales, offs, coef, half, cshift),
-    or None when t is not an int4 scheme (used by matvec and by the fused decode blocks)."""
+    """The int4 matvec kernel's weight arguments for t, (q, scales, offs, coef, half, cshift,
+    ilv), or None when t is not an int4 scheme (used by matvec and by the fused decode blocks)."""
     if t.scheme not in INT4_SCHEMES:
         return None
     _check_tensor(t)
     half = GROUP_SIZE[t.scheme] // 2
     offs, coef = (t.mins, 1.0) if t.scheme == "q4_1" else (t.scales, -8.0)
-    return t.q, t.scales, offs, np.float32(coef), half, _chunk_shift(half)
+    return t.q, t.scales, offs, np.float32(coef), half, _chunk_shift(half), t.interleave
 
 
 def matvec(t: QTensor, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

@@ -11,7 +11,7 @@ rounding, not bit for bit: the kernels' small reductions reassociate, and LLVM p
 per compiled specialization (tests/models/harness.py checks every family).
 
 A weight is passed as the tuple colibri.kernels.cpu.int4_weight(t) returns:
-(q, scales, offs, coef, half, cshift). Every block takes `act`, colibri.kernels.idot.marker() of
+(q, scales, offs, coef, half, cshift, ilv). Every block takes `act`, colibri.kernels.idot.marker() of
 the model's activation mode: its type picks the exact or the int8-activation row code.
 """
 from __future__ import annotations
@@ -196,7 +196,7 @@ ROWS_PIECE = 4  # blocks of eight rows per piece a thread takes: 32 rows
 def _rows_phase(w, x, xp, y, ctr, phase, nthreads, t, act, d, state):
     """y = W @ x (xp = idot.prepare(x)), the team's rows: pieces of ROWS_PIECE blocks of eight,
     then the rows past the last block as one piece."""
-    q, scales, offs, coef, half, cshift = w
+    q, scales, offs, coef, half, cshift, ilv = w
     out = q.shape[0]
     nblk = out // 8
     nfull = (nblk + ROWS_PIECE - 1) // ROWS_PIECE
@@ -210,7 +210,7 @@ def _rows_phase(w, x, xp, y, ctr, phase, nthreads, t, act, d, state):
         if k < nfull:
             for blk in range(k * ROWS_PIECE, min(nblk, (k + 1) * ROWS_PIECE)):
                 r = 8 * blk
-                rows8_into(q, scales, offs, coef, half, cshift, x, xp, r, d, act)
+                rows8_into(q, scales, offs, coef, half, cshift, ilv, x, xp, r, d, act)
                 for j in range(8):
                     y[r + j] = d[j]
         else:
@@ -241,7 +241,7 @@ def _attention_phase(q, kc, vc, n_keys, scale, ms, ls, accs, scratch, ctr, phase
 
 @njit(cache=True)
 def _unmanaged_weight(w):
-    return unmanaged(w[0]), unmanaged(w[1]), unmanaged(w[2]), w[3], w[4], w[5]
+    return unmanaged(w[0]), unmanaged(w[1]), unmanaged(w[2]), w[3], w[4], w[5], w[6]
 
 
 @njit(cache=True)

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 from numba import get_num_threads, njit, prange
 
-from .cpu import (_FAST, _activations, _check_tensor, _deq_int4_row, _deq_q8_row, _deq_u16_row, _f32_row_dot,
+from .cpu import (_FAST, _activations, _check_tensor, _deq_int4_row_at, _deq_q8_row, _deq_u16_row, _f32_row_dot,
                   _f32_rows_dot4, _int4_args, _result)
 from .quant import GROUP_SIZE, INT4_SCHEMES, QTensor
 from .tasks import run_tasks
@@ -119,7 +119,7 @@ def _tile_matmul(w, nr, x, y, y0):
 
 
 @njit(parallel=True, cache=True)
-def _matmul_int4(q, scales, mins, half, has_min, x, y, nthreads):
+def _matmul_int4(q, scales, mins, half, has_min, ilv, x, y, nthreads):
     out, n = q.shape[0], x.shape[1]
     nblk = (out + _TILE - 1) // _TILE
     nth = min(nthreads, nblk)
@@ -131,7 +131,7 @@ def _matmul_int4(q, scales, mins, half, has_min, x, y, nthreads):
             r0 = blk * _TILE
             nr = min(_TILE, out - r0)
             for j in range(nr):
-                _deq_int4_row(q[r0 + j], scales[r0 + j], mins[r0 + j], half, has_min, buf[j])
+                _deq_int4_row_at(q, scales, mins, half, has_min, ilv, r0 + j, buf[j])
             _tile_matmul(buf, nr, x, y, r0)
 
 
@@ -185,9 +185,9 @@ def _matmul_f32(w, x, y, nthreads):
 
 
 @njit(cache=True, nogil=True)
-def _deq_int4_tile(q, scales, mins, half, has_min, r0, nr, buf):
+def _deq_int4_tile(q, scales, mins, half, has_min, ilv, r0, nr, buf):
     for j in range(nr):
-        _deq_int4_row(q[r0 + j], scales[r0 + j], mins[r0 + j], half, has_min, buf[j])
+        _deq_int4_row_at(q, scales, mins, half, has_min, ilv, r0 + j, buf[j])
 
 
 @njit(cache=True, nogil=True)

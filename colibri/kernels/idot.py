@@ -132,8 +132,9 @@ def _hsum(builder, v):
 
 
 def _idot_codegen(nrows: int, half: int, mins: bool, ncols: int | None = None):
-    """Codegen of (q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, out) -> None: out[0:nrows] =
-    rows r..r+nrows-1 of the int4 x int8 product; the same bytes of rows rn.. are prefetched, with
+    """Codegen of (q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, out, ilv) -> None:
+    out[0:nrows] = rows r..r+nrows-1 of the int4 x int8 product (q's rows interleaved in blocks
+    of ilv: quant.py, Layout; cpu._tile_codegen addresses them the same way); the same bytes of rows rn.. are prefetched, with
     their scales (and mins): without the scales' prefetch SmolLM2's int8 decode took 10.4-11.9 ms a
     token against 9.4-10.4 with it (AMD EPYC, 2 threads, `python bench/decode_phases.py
     --activations int8`, alternated).
@@ -143,7 +144,7 @@ def _idot_codegen(nrows: int, half: int, mins: bool, ncols: int | None = None):
     lane's sum of xq), xsl float32 (s_x * that sum), sxl float32 (s_x of the lane's group).
 
     ncols (prefill's tile): the x arrays are [L, ...] (quantize_rows), an argument l0 follows
-    sxl, and out is y [L, out_features]: y[l0 + i, r + j] for i < ncols, j < nrows. Each weight
+    sxl, and out (before ilv) is y [L, out_features]: y[l0 + i, r + j] for i < ncols, j < nrows. Each weight
     chunk is loaded and unpacked once for the ncols activation rows; every (row, activation row)
     pair runs the same operations in the same order as the one-row form, so the same bits."""
     tile = ncols is not None
@@ -156,9 +157,11 @@ def _idot_codegen(nrows: int, half: int, mins: bool, ncols: int | None = None):
         r, rn = args[3], args[4]
         xlo, xhi, negc, xsl, sxl = (arrays[i] for i in (5, 6, 7, 8, 9))
         l0, oa = (args[10], arrays[11]) if tile else (None, arrays[10])
+        ilv = args[-1]
         qstride = cgutils.unpack_tuple(builder, qa.strides, 2)[0]
         ngroups = cgutils.unpack_tuple(builder, sa.shape, 2)[1]
         nbytes = builder.mul(ngroups, _i64(half))
+        nfull = builder.udiv(nbytes, _i64(64))
 
         def ptr(a, ty):
             return builder.bitcast(a.data, ty.as_pointer())
@@ -181,8 +184,23 @@ def _idot_codegen(nrows: int, half: int, mins: bool, ncols: int | None = None):
         def row(base, rr, j, stride):
             return builder.gep(base, [builder.mul(builder.add(rr, _i64(j)), stride)])
 
-        qrows = [row(qbase, r, j, qstride) for j in range(nrows)]
-        nrows_q = [row(qbase, rn, j, qstride) for j in range(nrows)]
+        # q's rows in blocks of ilv: a row's 64-byte block k at its block pointer + k * qstep,
+        # its tail chunks at its tail pointer + the chunk's byte offset in the row
+        # (cpu._tile_codegen's q_ptrs; ilv 1: both are the row's start).
+        qstep = builder.shl(ilv, _i64(6))
+        tail = builder.sub(qstride, builder.shl(nfull, _i64(6)))
+
+        def q_ptrs(rr_, j):
+            rr = builder.add(rr_, _i64(j))
+            jj = builder.and_(rr, builder.sub(ilv, _i64(1)))
+            start = builder.mul(builder.sub(rr, jj), qstride)
+            blocks = builder.add(start, builder.shl(jj, _i64(6)))
+            tails = builder.add(builder.add(start, builder.mul(builder.shl(nfull, _i64(6)), builder.sub(ilv, _i64(1)))),
+                                builder.mul(jj, tail))
+            return builder.gep(qbase, [blocks]), builder.gep(qbase, [tails])
+
+        qrows, qtails = zip(*(q_ptrs(r, j) for j in range(nrows)))
+        nrows_q, ntails = zip(*(q_ptrs(rn, j) for j in range(nrows)))
         srows = [row(sbase, r, j, ngroups) for j in range(nrows)]
         mrows = [row(mbase, r, j, ngroups) for j in range(nrows)]
         nsrows = [row(sbase, rn, j, ngroups) for j in range(nrows)]
@@ -219,8 +237,10 @@ def _idot_codegen(nrows: int, half: int, mins: bool, ncols: int | None = None):
         def chunk_loop(start, stop, width, accs):
             lanes = width // 4
             vb, vi, vf = _vec(_I8, width), _vec(_I32, lanes), _vec(_F32, lanes)
+            q_at, q_next = (qrows, nrows_q) if width == 64 else (qtails, ntails)
             with cgutils.for_range_slice(builder, start, stop, _i64(1)) as (i, _):
                 b = builder.mul(i, _i64(width))
+                qb = builder.mul(i, qstep) if width == 64 else b  # where the chunk sits in q
                 lane0 = builder.udiv(b, _i64(4))
                 xl = [load(xlob[c], b, vb) for c in range(nc)]
                 xh = [load(xhib[c], b, vb) for c in range(nc)]
@@ -228,13 +248,13 @@ def _idot_codegen(nrows: int, half: int, mins: bool, ncols: int | None = None):
                 init = [ir.Constant(vi, [0] * lanes) if mins else load(ncb[c], lane0, vi) for c in range(nc)]
                 xs = [load(xslb[c], lane0, vf) for c in range(nc)] if mins else None
                 for j in range(nrows):
-                    prefetch(nrows_q[j], b)
+                    prefetch(q_next[j], qb)
                     if width == 64:  # and their scales (and mins), which come from memory as well
                         g = builder.udiv(b, _i64(half))
                         prefetch(builder.bitcast(builder.gep(nsrows[j], [g]), _I8.as_pointer()), _i64(0))
                         if mins:
                             prefetch(builder.bitcast(builder.gep(nmrows[j], [g]), _I8.as_pointer()), _i64(0))
-                    w = load(qrows[j], b, vb)
+                    w = load(q_at[j], qb, vb)
                     lo = builder.and_(w, ir.Constant(vb, [15] * width))
                     hi = builder.lshr(w, ir.Constant(vb, [4] * width))
                     sw = group_lanes(srows[j], b, lanes)
@@ -253,9 +273,8 @@ def _idot_codegen(nrows: int, half: int, mins: bool, ncols: int | None = None):
                      for _ in range(nc)] for _ in range(nrows)]
 
         acc64, acc16 = zeros(16), zeros(4)
-        n64 = builder.udiv(nbytes, _i64(64))
-        chunk_loop(_i64(0), n64, 64, acc64)
-        chunk_loop(builder.mul(n64, _i64(4)), builder.udiv(nbytes, _i64(16)), 16, acc16)
+        chunk_loop(_i64(0), nfull, 64, acc64)
+        chunk_loop(builder.mul(nfull, _i64(4)), builder.udiv(nbytes, _i64(16)), 16, acc16)
         for j in range(nrows):
             for c in range(nc):
                 total = builder.fadd(_hsum(builder, builder.load(acc64[j][c])),
@@ -277,14 +296,14 @@ def _splat(builder, value, lanes):
 
 
 def _variants_codegen(nrows: int, ncols: int | None = None):
-    """Codegen of one intrinsic taking the weights' (coef, half) last: it branches, once per
+    """Codegen of one intrinsic taking the weights' (coef, half, ilv) last: it branches, once per
     call, to the body for symmetric or q4_1 weights and 16- or 32-byte groups (the bodies need
     them as constants)."""
     bodies = {(h, m): _idot_codegen(nrows, h, m, ncols) for h in (16, 32) for m in (False, True)}
 
     def codegen(context, builder, sig, args):
-        inner_sig, inner = types.void(*sig.args[:-2]), args[:-2]
-        coef, half = args[-2], args[-1]
+        inner_sig, inner = types.void(*sig.args[:-3], sig.args[-1]), [*args[:-3], args[-1]]
+        coef, half = args[-3], args[-2]
         q4_1 = builder.fcmp_ordered("==", coef, ir.Constant(coef.type, 1.0))  # symmetric: -8
         h16 = builder.icmp_signed("==", half, ir.Constant(half.type, 16))
         with builder.if_else(h16) as (then16, then32):
@@ -299,16 +318,18 @@ def _variants_codegen(nrows: int, ncols: int | None = None):
 
 
 @intrinsic
-def _idot8(typingctx, q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, out, coef, half):
+def _idot8(typingctx, q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, out, coef, half, ilv):
     """out[0:8] = rows r..r+7 (see _idot_codegen)."""
-    sig = types.void(q, scales, offs, types.intp, types.intp, xlo, xhi, negc, xsl, sxl, out, coef, types.intp)
+    sig = types.void(q, scales, offs, types.intp, types.intp, xlo, xhi, negc, xsl, sxl, out, coef, types.intp,
+                     types.intp)
     return sig, _variants_codegen(8)
 
 
 @intrinsic
-def _idot1(typingctx, q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, out, coef, half):
+def _idot1(typingctx, q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, out, coef, half, ilv):
     """out[0] = row r."""
-    sig = types.void(q, scales, offs, types.intp, types.intp, xlo, xhi, negc, xsl, sxl, out, coef, types.intp)
+    sig = types.void(q, scales, offs, types.intp, types.intp, xlo, xhi, negc, xsl, sxl, out, coef, types.intp,
+                     types.intp)
     return sig, _variants_codegen(1)
 
 
@@ -316,10 +337,10 @@ TILE_ROWS, TILE_COLS = 4, 4  # prefill: weight rows x activation rows per tile
 
 
 @intrinsic
-def _idot_tile(typingctx, q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, l0, y, coef, half):
+def _idot_tile(typingctx, q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, l0, y, coef, half, ilv):
     """y[l0 + i, r + j] for i < TILE_COLS, j < TILE_ROWS (see _idot_codegen's ncols)."""
     sig = types.void(q, scales, offs, types.intp, types.intp, xlo, xhi, negc, xsl, sxl, types.intp, y, coef,
-                     types.intp)
+                     types.intp, types.intp)
     return sig, _variants_codegen(TILE_ROWS, TILE_COLS)
 
 
@@ -381,23 +402,23 @@ def quantize_rows(x, half):
 
 
 @njit(cache=True)
-def rows8(q, scales, offs, coef, half, xa, r, d):
-    """d[0:8] = rows r..r+7 of int4 weights (cpu.int4_weight's q, scales, offs, coef, half)
-    times quantized activations xa; the next block's rows are prefetched."""
+def rows8(q, scales, offs, coef, half, ilv, xa, r, d):
+    """d[0:8] = rows r..r+7 of int4 weights (cpu.int4_weight's q, scales, offs, coef, half,
+    ilv) times quantized activations xa; the next block's rows are prefetched."""
     xlo, xhi, negc, xsl, sxl = xa
     rn = r + 8 if r + 16 <= q.shape[0] else r
-    _idot8(q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, d, coef, half)
+    _idot8(q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, d, coef, half, ilv)
 
 
 @njit(cache=True)
-def row1(q, scales, offs, coef, half, xa, r, d):
+def row1(q, scales, offs, coef, half, ilv, xa, r, d):
     """d[0] = row r alone (the rows past the last whole block of eight)."""
     xlo, xhi, negc, xsl, sxl = xa
-    _idot1(q, scales, offs, r, r, xlo, xhi, negc, xsl, sxl, d, coef, half)
+    _idot1(q, scales, offs, r, r, xlo, xhi, negc, xsl, sxl, d, coef, half, ilv)
 
 
 @njit(cache=True)
-def _rows_into(q, scales, offs, coef, half, xa, y, t, nthreads):
+def _rows_into(q, scales, offs, coef, half, ilv, xa, y, t, nthreads):
     """Thread t's contiguous run of 8-row blocks of y = W @ x; thread 0 also takes the rows
     past the last block."""
     out = q.shape[0]
@@ -406,30 +427,30 @@ def _rows_into(q, scales, offs, coef, half, xa, y, t, nthreads):
     d = np.empty(8, np.float32)
     for blk in range(t * per, min(nblk, (t + 1) * per)):
         r = 8 * blk
-        rows8(q, scales, offs, coef, half, xa, r, d)
+        rows8(q, scales, offs, coef, half, ilv, xa, r, d)
         for j in range(8):
             y[r + j] = d[j]
     if t == 0:
         for r in range(8 * nblk, out):
-            row1(q, scales, offs, coef, half, xa, r, d)
+            row1(q, scales, offs, coef, half, ilv, xa, r, d)
             y[r] = d[0]
 
 
 @njit(parallel=True, cache=True)
-def matvec_prepared(q, scales, offs, coef, half, xa, y, nthreads):
+def matvec_prepared(q, scales, offs, coef, half, ilv, xa, y, nthreads):
     """y = W @ x for activations already quantized (xa = quantize(x, half))."""
     for t in prange(nthreads):
-        _rows_into(q, scales, offs, coef, half, xa, y, t, nthreads)
+        _rows_into(q, scales, offs, coef, half, ilv, xa, y, t, nthreads)
 
 
 @njit(cache=True)
-def matvec(q, scales, offs, coef, half, x, y, nthreads):
+def matvec(q, scales, offs, coef, half, ilv, x, y, nthreads):
     """y = W @ x, x float32 [n] quantized here (the weight tuple of cpu.int4_weight)."""
-    matvec_prepared(q, scales, offs, coef, half, quantize(x, half), y, nthreads)
+    matvec_prepared(q, scales, offs, coef, half, ilv, quantize(x, half), y, nthreads)
 
 
 @njit(parallel=True, cache=True)
-def matmul(q, scales, offs, coef, half, x, y, nthreads):
+def matmul(q, scales, offs, coef, half, ilv, x, y, nthreads):
     """y [L, out] = x [L, n] @ W.T: tiles of 4 weight rows x 4 activation rows, each weight
     chunk unpacked once per tile; the rows and activation rows past the last whole tile one at
     a time. Row l of y equals matvec(x[l]) bit for bit (the same operations per pair)."""
@@ -445,12 +466,12 @@ def matmul(q, scales, offs, coef, half, x, y, nthreads):
             l0 = 0
             if whole:
                 while l0 + TILE_COLS <= L:
-                    _idot_tile(q, scales, offs, r, r, xlo, xhi, negc, xsl, sxl, l0, y, coef, half)
+                    _idot_tile(q, scales, offs, r, r, xlo, xhi, negc, xsl, sxl, l0, y, coef, half, ilv)
                     l0 += TILE_COLS
             for lrow in range(l0, L):
                 xa = (xlo[lrow], xhi[lrow], negc[lrow], xsl[lrow], sxl[lrow])
                 for rr in range(r, min(r + TILE_ROWS, out)):
-                    row1(q, scales, offs, coef, half, xa, rr, d)
+                    row1(q, scales, offs, coef, half, ilv, xa, rr, d)
                     y[lrow, rr] = d[0]
 
 
@@ -493,7 +514,7 @@ def row_of(xp, k, act):
     raise NotImplementedError("called from compiled code only")
 
 
-def rows8_into(q, scales, offs, coef, half, cshift, x, xp, r, d, act):
+def rows8_into(q, scales, offs, coef, half, cshift, ilv, x, xp, r, d, act):
     """d[0:8] = rows r..r+7 of W @ x, xp = prepare(x, half, act) (compiled only)."""
     raise NotImplementedError("called from compiled code only")
 
@@ -512,13 +533,13 @@ def _int8(act) -> bool:
 def _matvec_into(w, x, y, nthreads, act):
     if _int8(act):
         def int8(w, x, y, nthreads, act):
-            q, scales, offs, coef, half, _ = w
-            matvec(q, scales, offs, coef, half, x, y, nthreads)
+            q, scales, offs, coef, half, _, ilv = w
+            matvec(q, scales, offs, coef, half, ilv, x, y, nthreads)
         return int8
 
     def exact(w, x, y, nthreads, act):
-        q, scales, offs, coef, half, cshift = w
-        _matvec_int4(q, scales, offs, coef, half, cshift, x, y, nthreads)
+        q, scales, offs, coef, half, cshift, ilv = w
+        _matvec_int4(q, scales, offs, coef, half, cshift, ilv, x, y, nthreads)
     return exact
 
 
@@ -526,13 +547,13 @@ def _matvec_into(w, x, y, nthreads, act):
 def _matmul_rows_into(w, x, y, nthreads, act):
     if _int8(act):
         def int8(w, x, y, nthreads, act):
-            q, scales, offs, coef, half, _ = w
-            matmul(q, scales, offs, coef, half, x, y, nthreads)
+            q, scales, offs, coef, half, _, ilv = w
+            matmul(q, scales, offs, coef, half, ilv, x, y, nthreads)
         return int8
 
     def exact(w, x, y, nthreads, act):
-        q, scales, offs, coef, half, cshift = w
-        _matmul_rows_int4(q, scales, offs, coef, half, cshift, x, y, nthreads)
+        q, scales, offs, coef, half, cshift, ilv = w
+        _matmul_rows_int4(q, scales, offs, coef, half, cshift, ilv, x, y, nthreads)
     return exact
 
 
@@ -566,11 +587,12 @@ def _row_of(xp, k, act):
 
 
 @overload(rows8_into)
-def _rows8_into(q, scales, offs, coef, half, cshift, x, xp, r, d, act):
+def _rows8_into(q, scales, offs, coef, half, cshift, ilv, x, xp, r, d, act):
     if _int8(act):
-        return lambda q, scales, offs, coef, half, cshift, x, xp, r, d, act: rows8(q, scales, offs, coef, half, xp, r, d)
-    return lambda q, scales, offs, coef, half, cshift, x, xp, r, d, act: _int4_rows8(
-        q, scales, offs, coef, half, cshift, xp[0], xp[1], r, d)
+        return lambda q, scales, offs, coef, half, cshift, ilv, x, xp, r, d, act: rows8(
+            q, scales, offs, coef, half, ilv, xp, r, d)
+    return lambda q, scales, offs, coef, half, cshift, ilv, x, xp, r, d, act: _int4_rows8(
+        q, scales, offs, coef, half, cshift, ilv, xp[0], xp[1], r, d)
 
 
 @overload(tail_rows_into)
@@ -578,8 +600,8 @@ def _tail_rows_into(q, scales, offs, coef, half, x, xp, y, act):
     if _int8(act):
         def int8(q, scales, offs, coef, half, x, xp, y, act):
             d = np.empty(8, np.float32)
-            for r in range(q.shape[0] - q.shape[0] % 8, q.shape[0]):
-                row1(q, scales, offs, coef, half, xp, r, d)
+            for r in range(q.shape[0] - q.shape[0] % 8, q.shape[0]):  # row-major: interleaved q has none
+                row1(q, scales, offs, coef, half, 1, xp, r, d)
                 y[r] = d[0]
         return int8
     return lambda q, scales, offs, coef, half, x, xp, y, act: _int4_tail_rows(q, scales, offs, coef, half, x, xp[1], y)
@@ -590,20 +612,20 @@ def _tail_rows_into(q, scales, offs, coef, half, x, xp, y, act):
 
 def matvec_q(t: QTensor, x: np.ndarray) -> np.ndarray:
     """dequantize(t) @ x with x rounded to int8 per group; t an int4 scheme."""
-    q, scales, offs, coef, half, _ = int4_weight(t)
+    q, scales, offs, coef, half, _, ilv = int4_weight(t)
     x = _activations(x, 1, t.shape[1], "matvec")
     y = np.empty(t.shape[0], np.float32)
     if y.size:
-        matvec(q, scales, offs, coef, half, x, y, get_num_threads())
+        matvec(q, scales, offs, coef, half, ilv, x, y, get_num_threads())
     return y
 
 
 def matmul_q(t: QTensor, x: np.ndarray) -> np.ndarray:
     """x @ dequantize(t).T with each row of x rounded to int8 per group; row l equals
     matvec_q(t, x[l]) bit for bit."""
-    q, scales, offs, coef, half, _ = int4_weight(t)
+    q, scales, offs, coef, half, _, ilv = int4_weight(t)
     x = _activations(x, 2, t.shape[1], "matmul")
     y = np.empty((x.shape[0], t.shape[0]), np.float32)
     if y.size:
-        matmul(q, scales, offs, coef, half, x, y, get_num_threads())
+        matmul(q, scales, offs, coef, half, ilv, x, y, get_num_threads())
     return y

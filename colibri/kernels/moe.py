@@ -142,11 +142,11 @@ def routed_experts(x, memory, layout, slots, weights, half, cshift, nthreads, ac
             k = it // nblk
             r = 8 * (it - k * nblk)
             gq, gs = _weight(memory, slots[k], layout, 0, half)
-            rows8_into(gq, gs, gs, coef, half, cshift, x, xp, r, d, act)
+            rows8_into(gq, gs, gs, coef, half, cshift, 1, x, xp, r, d, act)
             for j in range(8):
                 g[k, r + j] = d[j]
             uq, us = _weight(memory, slots[k], layout, 1, half)
-            rows8_into(uq, us, us, coef, half, cshift, x, xp, r, d, act)
+            rows8_into(uq, us, us, coef, half, cshift, 1, x, xp, r, d, act)
             for j in range(8):
                 u[k, r + j] = d[j]
     a = np.empty((K, I), np.float32)
@@ -168,7 +168,7 @@ def routed_experts(x, memory, layout, slots, weights, half, cshift, nthreads, ac
             apk = row_of(ap, k, act)
             for blk in range(t * per, min(nblk, (t + 1) * per)):
                 r = 8 * blk
-                rows8_into(dq, ds, ds, coef, half, cshift, a[k], apk, r, d, act)
+                rows8_into(dq, ds, ds, coef, half, cshift, 1, a[k], apk, r, d, act)
                 for j in range(8):
                     out[r + j] += d[j] * w
     return out

@@ -14,6 +14,17 @@ nibble and element k + g/2 in its high nibble. That is GGUF's own Q4_0/Q4_1 orde
 import is a byte copy, and it lets a kernel expand one byte into two contiguous half-group
 runs (DESIGN.md section 6: ~10x faster in numba than interleaved even/odd nibbles).
 Scales and mins are float32 (GGUF's f16 scales widen exactly).
+
+Layout: an int4 matrix's q is row-major as stored (interleave 1), or, for the CPU kernels,
+its rows are interleaved in blocks of W (`interleaved`, done once at load): within each block
+of W rows, the rows' first 64-byte blocks lie side by side, then their second ones, and so
+on; the bytes past a row's last whole 64-byte block (its tail) follow, row after row. A decode
+kernel reading W rows at a time then walks one contiguous run of W x 64 bytes per step where
+it walked W streams a row apart: 18 -> 24-28 GB/s from DRAM on an AMD EPYC (Zen 4) VM
+(bench/interleaved_layout.py; llama.cpp repacks Q4_0 the same way for x86, block_q4_0x8).
+Scales and mins stay row-major: W consecutive rows' scales are one short run already. Only
+where bytes sit changes, never what is computed with them: every kernel gives the same bits
+on either layout (tests/kernels/test_layout.py).
 """
 from __future__ import annotations
 
@@ -35,6 +46,8 @@ class QTensor:
             f32: float32 [out, in]; f16: float16 [out, in]; bf16: uint16 [out, in] raw bits.
     scales: float32 [out, in // group] for quantized schemes, else None.
     mins:   float32 [out, in // group] for q4_1, else None.
+    interleave: int4 schemes: q's rows interleaved in blocks of this many (1: row-major; see
+            Layout above; `interleaved` makes one, `row_major` undoes it).
     """
 
     scheme: str
@@ -42,6 +55,7 @@ class QTensor:
     q: np.ndarray
     scales: np.ndarray | None = None
     mins: np.ndarray | None = None
+    interleave: int = 1
 
     @property
     def nbytes(self) -> int:
@@ -57,14 +71,78 @@ class QTensor:
         return out
 
     def rows(self, start: int, stop: int) -> "QTensor":
-        """Rows [start, stop) as a view (no copy): a slice of output channels."""
+        """Rows [start, stop) as a view (no copy): a slice of output channels (of whole
+        interleaved blocks, when q is interleaved)."""
+        if start % self.interleave or stop % self.interleave:
+            raise ValueError(f"rows [{start}, {stop}) cut blocks of {self.interleave} interleaved rows")
         return QTensor(
             self.scheme,
             (stop - start, self.shape[1]),
             self.q[start:stop],
             None if self.scales is None else self.scales[start:stop],
             None if self.mins is None else self.mins[start:stop],
+            self.interleave,
         )
+
+
+# --- Layout: interleaved int4 rows (module docstring) -------------------------------------
+
+# Row bytes from which the decode kernels read an int4 matrix two rows at a time, not eight
+# (why: cpu.py, where the kernels use it); so also the block of rows it is interleaved in.
+PAIR_ROW_BYTES = 1024
+
+
+def interleave_width(t: QTensor) -> int:
+    """The block of rows the decode kernels read t in: 2 for rows of PAIR_ROW_BYTES or more,
+    else 8; 1 (leave row-major) for other schemes and for row counts the kernels' blocks of
+    eight do not cover (their last rows are read one at a time, row-major)."""
+    if t.scheme not in INT4_SCHEMES or t.shape[0] % 8 or t.shape[0] == 0:
+        return 1
+    return 2 if t.q.shape[1] >= PAIR_ROW_BYTES else 8
+
+
+def _interleave_q(q: np.ndarray, width: int) -> np.ndarray:
+    """Row-major q [rows, row_bytes] -> interleaved in blocks of `width` (a new array)."""
+    rows, rb = q.shape
+    nfull, groups = rb // 64, rows // width
+    blocks = q[:, :64 * nfull].reshape(groups, width, nfull, 64).transpose(0, 2, 1, 3).reshape(groups, -1)
+    tails = q[:, 64 * nfull:].reshape(groups, -1)
+    return np.concatenate([blocks, tails], axis=1).reshape(rows, rb)
+
+
+def _deinterleave_q(q: np.ndarray, width: int) -> np.ndarray:
+    """_interleave_q undone (a new array)."""
+    rows, rb = q.shape
+    nfull, groups = rb // 64, rows // width
+    flat = q.reshape(groups, width * rb)
+    blocks = flat[:, :width * 64 * nfull].reshape(groups, nfull, width, 64).transpose(0, 2, 1, 3)
+    tails = flat[:, width * 64 * nfull:].reshape(groups, width, rb - 64 * nfull)
+    return np.concatenate([blocks.reshape(groups, width, -1), tails], axis=2).reshape(rows, rb)
+
+
+def interleaved(t: QTensor, width: int | None = None, in_place: bool = False) -> QTensor:
+    """t with q's rows interleaved in blocks of `width` (default interleave_width(t)); t
+    itself when that is its layout already. in_place: rewrite t's own q array (no second copy
+    of the matrix is kept; t must not be used afterwards)."""
+    width = interleave_width(t) if width is None else width
+    if width == t.interleave:
+        return t
+    if t.interleave != 1:
+        t = row_major(t)
+    if t.scheme not in INT4_SCHEMES or width & (width - 1) or t.shape[0] % width:
+        raise ValueError(f"a {t.scheme} matrix of {t.shape[0]} rows cannot be interleaved in blocks of {width}")
+    moved = _interleave_q(t.q, width)
+    if in_place:
+        t.q[...] = moved
+        moved = t.q
+    return QTensor(t.scheme, t.shape, moved, t.scales, t.mins, width)
+
+
+def row_major(t: QTensor) -> QTensor:
+    """t with a row-major q (a copy when t is interleaved; t itself otherwise)."""
+    if t.interleave == 1:
+        return t
+    return QTensor(t.scheme, t.shape, _deinterleave_q(t.q, t.interleave), t.scales, t.mins)
 
 
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
@@ -169,6 +247,7 @@ def quantize(w: np.ndarray, scheme: str) -> QTensor:
 
 def dequantize(t: QTensor) -> np.ndarray:
     """QTensor -> float32 [out, in]. The reference every kernel is tested against."""
+    t = row_major(t)
     out, n = t.shape
     if t.scheme == "f32":
         return np.asarray(t.q, dtype=np.float32)

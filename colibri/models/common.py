@@ -108,7 +108,7 @@ def fuse_rows(*ts: QTensor) -> QTensor | None:
     """Stack matrices that read the same input into one (q/k/v, gate/up): one kernel call
     instead of several per token. Rows are computed independently, so the outputs are the
     same numbers. None when the schemes or input widths differ."""
-    if len({t.scheme for t in ts}) != 1 or len({t.shape[1] for t in ts}) != 1:
+    if len({t.scheme for t in ts}) != 1 or len({t.shape[1] for t in ts}) != 1 or len({t.interleave for t in ts}) != 1:
         return None
 
     def cat(arrays):  # into the huge-page slab, where the container puts the weights it reads
@@ -117,8 +117,9 @@ def fuse_rows(*ts: QTensor) -> QTensor | None:
         out = WEIGHTS.empty((sum(a.shape[0] for a in arrays), *arrays[0].shape[1:]), arrays[0].dtype)
         return np.concatenate(arrays, axis=0, out=out)
 
+    # (interleaved blocks never straddle two matrices: stacked, they stay whole)
     return QTensor(ts[0].scheme, (sum(t.shape[0] for t in ts), ts[0].shape[1]), cat([t.q for t in ts]),
-                   cat([t.scales for t in ts]), cat([t.mins for t in ts]))
+                   cat([t.scales for t in ts]), cat([t.mins for t in ts]), ts[0].interleave)
 
 
 def linear(x: np.ndarray, w: QTensor, bias: np.ndarray | None = None) -> np.ndarray:

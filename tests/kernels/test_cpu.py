@@ -181,5 +181,5 @@ def test_int4_row_kernel_with_groups_wider_than_a_block(group):
         nib[:, g * group + half:(g + 1) * group] = b >> 4
     w = (nib - 8.0) * np.repeat(scales, group, axis=1)
     y = np.empty(rows, np.float32)
-    _matvec_int4(q, scales, scales, np.float32(-8.0), half, _chunk_shift(half), x, y, 2)
+    _matvec_int4(q, scales, scales, np.float32(-8.0), half, _chunk_shift(half), 1, x, y, 2)
     assert_close(y, w @ x)

@@ -55,13 +55,13 @@ def test_rows_do_not_depend_on_caller_or_threads(scheme):
     t, _ = _case(scheme, 77, 576 if scheme == "q4_1" else 640, seed=3)
     rng = np.random.default_rng(4)
     X = rng.standard_normal((5, t.shape[1])).astype(np.float32)
-    q, scales, offs, coef, half, _ = int4_weight(t)
+    q, scales, offs, coef, half, _, ilv = int4_weight(t)
     for nthreads in (1, 2):
         Y = np.empty((5, t.shape[0]), np.float32)
-        idot.matmul(q, scales, offs, coef, half, X, Y, nthreads)
+        idot.matmul(q, scales, offs, coef, half, ilv, X, Y, nthreads)
         for r in range(5):
             y = np.empty(t.shape[0], np.float32)
-            idot.matvec(q, scales, offs, coef, half, X[r], y, 3 - nthreads)
+            idot.matvec(q, scales, offs, coef, half, ilv, X[r], y, 3 - nthreads)
             np.testing.assert_array_equal(Y[r], y)
 
 

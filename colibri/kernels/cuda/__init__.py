@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from colibri.errors import ColibriError
-from colibri.kernels.quant import GROUP_SIZE, INT4_SCHEMES, QTensor
+from colibri.kernels.quant import GROUP_SIZE, INT4_SCHEMES, QTensor, row_major
 
 try:  # numba's built-in CUDA target, or numba-cuda's (which replaces it when installed)
     from numba import config as _numba_config
@@ -146,7 +146,9 @@ class DeviceMatrix:
 
 def upload(t: QTensor, stream=0) -> DeviceMatrix:
     """Copy a weight matrix to the device (dense weights: once, for the model's life; routed
-    experts: into the VRAM tier, on its copy stream)."""
+    experts: into the VRAM tier, on its copy stream). The device kernels read rows
+    row-major: a matrix interleaved for the CPU kernels is put back first."""
+    t = row_major(t)
     out, n = t.shape
 
     def dev(a):
@@ -177,6 +179,7 @@ def upload_stacked(ts: list[QTensor], stream=0) -> DeviceMatrix:
     def cat(arrays):
         return None if arrays[0] is None else np.concatenate(arrays, axis=0)
 
+    ts = [row_major(t) for t in ts]
     return upload(QTensor(ts[0].scheme, (sum(t.shape[0] for t in ts), ts[0].shape[1]), cat([t.q for t in ts]),
                           cat([t.scales for t in ts]), cat([t.mins for t in ts])), stream)
 
