@@ -49,7 +49,7 @@ def rss() -> int:
 def child_colibri(a) -> dict:
     from colibri import Engine
 
-    e = Engine.load(a.container, activations=_activations(a), kv_cache=_kv_cache(a))
+    e = Engine.load(a.container, activations=_activations(a), kv_cache=_kv_cache(a), int4_layout=_layout(a))
     g = e.generate(SHORT, max_tokens=1)
     first = time.time()
     # One decode step outside the timing: a cached start loads the decode kernels from numba's
@@ -75,6 +75,10 @@ def _kv_cache(a) -> str:
     return "f16" if a.child == "colibri-f16kv" else "f32"
 
 
+def _layout(a) -> str:
+    return "rows" if a.child == "colibri-rows" else "interleaved"
+
+
 def context_ids(tokenize, n: int) -> list[int]:
     """At least n token ids of a long plain text (the same text for every engine)."""
     words = 1000
@@ -93,7 +97,7 @@ def child_colibri_contexts(a) -> dict:
 
     lengths = [int(x) for x in a.contexts.split(",")]
     e = Engine.load(a.container, max_context=max(lengths) + a.tokens, activations=_activations(a),
-                    kv_cache=_kv_cache(a))
+                    kv_cache=_kv_cache(a), int4_layout=_layout(a))
     ids = context_ids(lambda t: e.tokenizer.encode(t, add_special_tokens=False), max(lengths))
     e.generate(SHORT, max_tokens=3, stop_at_eos=False)  # kernels compiled (or loaded) outside the timing
     e.reset()
@@ -232,15 +236,18 @@ def main() -> None:
     ap.add_argument("--contexts", default=None, help="e.g. 1024,4096,8160: decode after contexts this long")
     ap.add_argument("--int8", action="store_true", help="also colibri with --activations int8 (colibri-int8)")
     ap.add_argument("--f16-kv", action="store_true", help="also colibri with --kv-cache f16 (colibri-f16kv)")
-    ap.add_argument("--child", choices=["colibri", "colibri-int8", "colibri-f16kv", "llama", "transformers"])
+    ap.add_argument("--rows-layout", action="store_true",
+                    help="also colibri with its int4 matrices row-major, as stored (colibri-rows; EngineConfig.int4_layout)")
+    ap.add_argument("--child", choices=["colibri", "colibri-int8", "colibri-f16kv", "colibri-rows", "llama",
+                                        "transformers"])
     a = ap.parse_args()
     if a.child:
         fn = {"colibri": child_colibri, "colibri-int8": child_colibri, "colibri-f16kv": child_colibri,
-              "llama": child_llama,
+              "colibri-rows": child_colibri, "llama": child_llama,
               "transformers": child_transformers}[a.child]
         if a.contexts:
             fn = {"colibri": child_colibri_contexts, "colibri-int8": child_colibri_contexts,
-                  "colibri-f16kv": child_colibri_contexts,
+                  "colibri-f16kv": child_colibri_contexts, "colibri-rows": child_colibri_contexts,
                   "llama": child_llama_contexts}[a.child]
         print(json.dumps(fn(a)))
         return
@@ -263,6 +270,8 @@ def main() -> None:
         engines.append(("colibri-int8", sys.executable))
     if a.f16_kv:
         engines.append(("colibri-f16kv", sys.executable))
+    if a.rows_layout:
+        engines.append(("colibri-rows", sys.executable))
     if a.llama_python:
         engines.append(("llama", a.llama_python))
     if not a.no_transformers and not a.contexts:

@@ -143,6 +143,29 @@ def _int4_row_bytes(q, ilv, r, out):
     out[64 * nfull:] = flat[src:src + tail]
 
 
+@njit(cache=True, nogil=True)
+def interleave_in_place(q, width):
+    """q [rows, row_bytes] (row-major int4 bytes) rewritten interleaved in blocks of `width`
+    rows (quant.py, Layout; quant.interleaved is the numpy reference), one block at a time
+    through a buffer of one block: a loader's repacking at about copy speed, no second copy
+    of the matrix. Releases the GIL (expert readers repack in their own threads)."""
+    rows, rb = q.shape
+    flat = q.reshape(-1)
+    nfull = rb // 64
+    tail = rb - 64 * nfull
+    buf = np.empty(width * rb, np.uint8)
+    for g in range(rows // width):
+        start = g * width * rb
+        buf[:] = flat[start:start + width * rb]
+        for jj in range(width):
+            src = jj * rb
+            for k in range(nfull):
+                dst = start + k * 64 * width + jj * 64
+                flat[dst:dst + 64] = buf[src + 64 * k:src + 64 * k + 64]
+            dst = start + nfull * 64 * width + jj * tail
+            flat[dst:dst + tail] = buf[src + 64 * nfull:src + rb]
+
+
 @njit(cache=True)
 def _deq_int4_row_at(q, scales, mins, half, has_min, ilv, r, dst):
     """Row r of an int4 matrix dequantized into dst, whatever q's layout."""

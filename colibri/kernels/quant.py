@@ -123,7 +123,7 @@ def _deinterleave_q(q: np.ndarray, width: int) -> np.ndarray:
 def interleaved(t: QTensor, width: int | None = None, in_place: bool = False) -> QTensor:
     """t with q's rows interleaved in blocks of `width` (default interleave_width(t)); t
     itself when that is its layout already. in_place: rewrite t's own q array (no second copy
-    of the matrix is kept; t must not be used afterwards)."""
+    of the matrix; t must not be used afterwards; cpu.interleave_in_place)."""
     width = interleave_width(t) if width is None else width
     if width == t.interleave:
         return t
@@ -131,11 +131,12 @@ def interleaved(t: QTensor, width: int | None = None, in_place: bool = False) ->
         t = row_major(t)
     if t.scheme not in INT4_SCHEMES or width & (width - 1) or t.shape[0] % width:
         raise ValueError(f"a {t.scheme} matrix of {t.shape[0]} rows cannot be interleaved in blocks of {width}")
-    moved = _interleave_q(t.q, width)
     if in_place:
-        t.q[...] = moved
-        moved = t.q
-    return QTensor(t.scheme, t.shape, moved, t.scales, t.mins, width)
+        from .cpu import interleave_in_place  # (cpu.py imports this module)
+
+        interleave_in_place(t.q, width)
+        return QTensor(t.scheme, t.shape, t.q, t.scales, t.mins, width)
+    return QTensor(t.scheme, t.shape, _interleave_q(t.q, width), t.scales, t.mins, width)
 
 
 def row_major(t: QTensor) -> QTensor:
