@@ -28,7 +28,7 @@ import numpy as np
 
 from colibri.errors import ColibriError, EngineFault
 from colibri.io.safetensors_io import ALIGN, SafetensorsFile, safetensors_header
-from colibri.kernels.quant import SCHEMES, QTensor, interleaved
+from colibri.kernels.quant import SCHEMES, QTensor, interleave_width_of, interleaved, row_major
 from colibri.memory import WEIGHTS
 
 MANIFEST = "colibri.json"
@@ -82,26 +82,36 @@ class ExpertLayout:
     checksum: str | None = None          # algorithm of `digests`; None: written before checksums
     digests: tuple[str, ...] | None = None  # one hex digest per expert blob
 
-    def unpack(self, blob: np.ndarray) -> dict[str, QTensor]:
-        """Views into one expert's blob (uint8 [blob_bytes]) -> {projection: QTensor}; no copy."""
+    def unpack(self, blob: np.ndarray, interleaved: bool = False) -> dict[str, QTensor]:
+        """Views into one expert's blob (uint8 [blob_bytes]) -> {projection: QTensor}; no copy.
+        interleaved: the blob's int4 rows were interleaved (interleave())."""
         out = {}
         for proj, spec in self.projections.items():
             arrays = {}
             for part, (off, dtype, shape) in spec["parts"].items():
                 n = int(np.prod(shape)) * np.dtype(dtype).itemsize
                 arrays[part] = blob[off : off + n].view(dtype).reshape(shape)
+            width = interleave_width_of(spec["scheme"], spec["shape"]) if interleaved else 1
             out[proj] = QTensor(spec["scheme"], tuple(spec["shape"]), arrays["q"],
-                                arrays.get("scales"), arrays.get("mins"))
+                                arrays.get("scales"), arrays.get("mins"), width)
         return out
+
+    def interleave(self, blob: np.ndarray) -> None:
+        """Rewrite a blob as read from disk with its int4 rows interleaved for the CPU kernels
+        (quant.py, Layout), in place: unpack(blob, interleaved=True) then reads it. After the
+        checksum: the file holds the stored layout."""
+        for t in self.unpack(blob).values():
+            interleaved(t, in_place=True)
 
 
 def pack_expert(projections: dict[str, QTensor]) -> tuple[np.ndarray, dict]:
-    """{projection: QTensor} -> (uint8 blob padded to a multiple of 4096, layout spec)."""
+    """{projection: QTensor} -> (uint8 blob padded to a multiple of 4096, layout spec); rows
+    row-major, as files hold them."""
     spec: dict = {}
     pos = 0
     pieces = []
     for proj in EXPERT_PROJECTIONS:
-        t = projections[proj]
+        t = row_major(projections[proj])
         parts = {}
         for part, arr in t.parts().items():
             pos = _round_up(pos, _PART_ALIGN)
@@ -318,6 +328,7 @@ class ContainerWriter:
 
     def add_dense(self, name: str, t: QTensor | np.ndarray) -> None:
         if isinstance(t, QTensor):
+            t = row_major(t)  # files hold rows as stored; interleaving is the reader's (quant.py, Layout)
             self.tensors[name] = {"scheme": t.scheme, "shape": list(t.shape)}
             parts = t.parts()
         else:

@@ -72,10 +72,13 @@ class ResidentExperts:
         for prefix, layout in container.expert_layouts.items():
             store = arena(layout.num_experts * layout.blob_bytes, touch=False)
             store = store.reshape(layout.num_experts, layout.blob_bytes)
-            self.layers[prefix] = [layout.unpack(store[e]) for e in range(layout.num_experts)]
+            # Each blob's int4 rows are interleaved once read (_read), as the container's dense
+            # matrices are: the layout the kernels stream fastest (kernels/quant.py, Layout).
+            ilv = container.interleave_int4
+            self.layers[prefix] = [layout.unpack(store[e], interleaved=ilv) for e in range(layout.num_experts)]
             self._blobs[prefix] = store
             self._stacked[prefix] = StackedExperts.view(store, layout.blob_bytes, layout.num_experts,
-                                                        layout.projections)
+                                                        layout.projections, interleaved=ilv)
             self.bytes_resident += store.nbytes
         self._container, self._verify, self.on_read = container, verify, on_read
         self._state = {p: np.full(b.shape[0], _PENDING, np.uint8) for p, b in self._blobs.items()}
@@ -146,7 +149,10 @@ class ResidentExperts:
     def _read(self, prefix: str, e: int) -> None:
         """Read expert e (its state set to _READING by the caller); _READY or _FAILED after."""
         try:
-            nbytes = read_expert(self._container, self._fd(prefix), prefix, e, self._blobs[prefix][e], self._verify)
+            blob = self._blobs[prefix][e]
+            nbytes = read_expert(self._container, self._fd(prefix), prefix, e, blob, self._verify)
+            if self._container.interleave_int4:
+                self._container.expert_layouts[prefix].interleave(blob)
         except BaseException as err:
             with self._cv:
                 self._state[prefix][e] = _FAILED
@@ -232,8 +238,8 @@ class ResidentExperts:
             self._queue.extendleft((prefix, e) for e in ids if state[e] == _PENDING)
 
     def fused(self, prefix: str) -> FusedExperts | None:
-        """The fused decode kernel for this layer's blob format (None: the format needs the
-        step-by-step path)."""
+        """The fused decode kernel for this layer's blob format and layout (None: the format
+        needs the step-by-step path)."""
         view = self._stacked.get(prefix)
         return None if view is None else view.kernel
 

@@ -38,7 +38,7 @@ from numba import njit, prange
 from .cpu import _chunk_shift
 from .idot import marker, prepare, prepare_rows, row_of, rows8_into
 from .ops import _silu_gate
-from .quant import GROUP_SIZE
+from .quant import GROUP_SIZE, interleave_width_of
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -51,14 +51,15 @@ class FusedExperts:
     """The fused kernel for one MoE layer's blob format: where each projection's arrays sit
     inside an expert blob."""
 
-    layout: np.ndarray   # int64 [3 projections, 4]: q offset, scales offset, rows, cols
+    layout: np.ndarray   # int64 [3 projections, 5]: q offset, scales offset, rows, cols, interleave
     half: int            # bytes per int4 group (group / 2)
     cshift: int
 
     @classmethod
-    def of(cls, projections: dict) -> "FusedExperts | None":
-        """The kernel for a layer whose blob layout is `projections` (ExpertLayout.projections);
-        None unless all three are symmetric int4 with one group size (the only format it takes)."""
+    def of(cls, projections: dict, interleaved: bool = False) -> "FusedExperts | None":
+        """The kernel for a layer whose blob layout is `projections` (ExpertLayout.projections),
+        its q arrays interleaved (ExpertLayout.interleave) or as stored; None unless all three
+        are symmetric int4 with one group size (the only format it takes)."""
         schemes = {projections[p]["scheme"] for p in PROJECTIONS}
         if len(schemes) != 1 or not schemes <= {"int4_g64", "q4_0"}:
             return None
@@ -66,7 +67,9 @@ class FusedExperts:
             return None  # (every row count is a multiple of 32 for int4 experts: their rows are
             #             the other projections' inputs, so the 8-row blocks cover them all)
         layout = np.array([[projections[p]["parts"]["q"][0], projections[p]["parts"]["scales"][0],
-                            *projections[p]["shape"]] for p in PROJECTIONS], dtype=np.int64)
+                            *projections[p]["shape"],
+                            interleave_width_of(projections[p]["scheme"], projections[p]["shape"]) if interleaved else 1]
+                           for p in PROJECTIONS], dtype=np.int64)
         half = GROUP_SIZE[schemes.pop()] // 2
         return cls(layout, half, _chunk_shift(half))
 
@@ -96,10 +99,12 @@ class StackedExperts:
     kernel: FusedExperts
 
     @classmethod
-    def view(cls, memory: np.ndarray, stride: int, slots: int, projections: dict) -> "StackedExperts | None":
+    def view(cls, memory: np.ndarray, stride: int, slots: int, projections: dict,
+             interleaved: bool = False) -> "StackedExperts | None":
         """`memory` (uint8, `slots` blobs of `stride` bytes each) for a layer whose blob layout
-        is `projections`; None when there are no slots or the kernel does not take the format."""
-        kernel = FusedExperts.of(projections)
+        is `projections` (q arrays interleaved or not); None when there are no slots or the
+        kernel does not take the format."""
+        kernel = FusedExperts.of(projections, interleaved)
         if kernel is None or slots == 0:
             return None
         return cls(memory.reshape(-1)[: slots * stride].reshape(slots, stride), kernel)
@@ -142,11 +147,11 @@ def routed_experts(x, memory, layout, slots, weights, half, cshift, nthreads, ac
             k = it // nblk
             r = 8 * (it - k * nblk)
             gq, gs = _weight(memory, slots[k], layout, 0, half)
-            rows8_into(gq, gs, gs, coef, half, cshift, 1, x, xp, r, d, act)
+            rows8_into(gq, gs, gs, coef, half, cshift, layout[0, 4], x, xp, r, d, act)
             for j in range(8):
                 g[k, r + j] = d[j]
             uq, us = _weight(memory, slots[k], layout, 1, half)
-            rows8_into(uq, us, us, coef, half, cshift, 1, x, xp, r, d, act)
+            rows8_into(uq, us, us, coef, half, cshift, layout[1, 4], x, xp, r, d, act)
             for j in range(8):
                 u[k, r + j] = d[j]
     a = np.empty((K, I), np.float32)
@@ -168,7 +173,7 @@ def routed_experts(x, memory, layout, slots, weights, half, cshift, nthreads, ac
             apk = row_of(ap, k, act)
             for blk in range(t * per, min(nblk, (t + 1) * per)):
                 r = 8 * blk
-                rows8_into(dq, ds, ds, coef, half, cshift, 1, a[k], apk, r, d, act)
+                rows8_into(dq, ds, ds, coef, half, cshift, layout[2, 4], a[k], apk, r, d, act)
                 for j in range(8):
                     out[r + j] += d[j] * w
     return out

@@ -93,12 +93,18 @@ PAIR_ROW_BYTES = 1024
 
 
 def interleave_width(t: QTensor) -> int:
-    """The block of rows the decode kernels read t in: 2 for rows of PAIR_ROW_BYTES or more,
-    else 8; 1 (leave row-major) for other schemes and for row counts the kernels' blocks of
-    eight do not cover (their last rows are read one at a time, row-major)."""
-    if t.scheme not in INT4_SCHEMES or t.shape[0] % 8 or t.shape[0] == 0:
+    """The block of rows the decode kernels read t in (interleave_width_of)."""
+    return interleave_width_of(t.scheme, t.shape)
+
+
+def interleave_width_of(scheme: str, shape) -> int:
+    """The block of rows the decode kernels read a [rows, inputs] matrix of `scheme` in: 2 for
+    rows of PAIR_ROW_BYTES or more, else 8; 1 (leave row-major) for other schemes and for row
+    counts the kernels' blocks of eight do not cover (their last rows are read one at a time)."""
+    rows, inputs = shape
+    if scheme not in INT4_SCHEMES or rows % 8 or rows == 0:
         return 1
-    return 2 if t.q.shape[1] >= PAIR_ROW_BYTES else 8
+    return 2 if inputs // 2 >= PAIR_ROW_BYTES else 8
 
 
 def _interleave_q(q: np.ndarray, width: int) -> np.ndarray:
