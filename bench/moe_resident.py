@@ -30,8 +30,9 @@ sys.path.insert(0, str(REPO / "bench"))
 
 
 # colibri: the fused routed-experts kernel; -int8: the same with --activations int8;
-# -per-expert: one SwiGLU call per expert (the path the fused kernel replaced); llama: llama.cpp.
-ENGINES = ["colibri", "colibri-int8", "colibri-per-expert", "llama"]
+# -per-expert: one SwiGLU call per expert (the path the fused kernel replaced); -rows: int4
+# matrices row-major as stored, not interleaved (EngineConfig.int4_layout); llama: llama.cpp.
+ENGINES = ["colibri", "colibri-int8", "colibri-per-expert", "colibri-rows", "llama"]
 
 
 def token_sequence(n: int) -> list[int]:
@@ -40,7 +41,7 @@ def token_sequence(n: int) -> list[int]:
     return np.random.default_rng(0).integers(100, 49000, size=n).tolist()
 
 
-def child_colibri(a, fused: bool, activations: str = "f32") -> dict:
+def child_colibri(a, fused: bool, activations: str = "f32", layout: str = "interleaved") -> dict:
     from colibri import Engine
     from colibri.bench import layer_kinds
     from colibri.io.experts import ResidentExperts
@@ -50,7 +51,7 @@ def child_colibri(a, fused: bool, activations: str = "f32") -> dict:
         ResidentExperts.stacked = lambda self, prefix, ids: None
     t0 = time.perf_counter()
     e = Engine.load(a.model, stream_experts=False, max_context=a.tokens + 8, threads=a.threads,
-                    activations=activations)
+                    activations=activations, int4_layout=layout)
     load_s = time.perf_counter() - t0
     seq = token_sequence(a.tokens)
     e.reset()
@@ -105,7 +106,8 @@ def main() -> None:
     if a.child:
         out = (child_llama(a) if a.child == "llama" else
                child_colibri(a, fused=a.child != "colibri-per-expert",
-                             activations="int8" if a.child == "colibri-int8" else "f32"))
+                             activations="int8" if a.child == "colibri-int8" else "f32",
+                             layout="rows" if a.child == "colibri-rows" else "interleaved"))
         print(json.dumps(out))
         return
     from membw import read_bandwidth

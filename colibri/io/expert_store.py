@@ -185,15 +185,16 @@ class _Pool:
 class _Layer:
     """One MoE layer's view of the RAM tier: its pinned experts and routing heat."""
 
-    def __init__(self, prefix: str, layout: ExpertLayout, pool: _Pool):
+    def __init__(self, prefix: str, layout: ExpertLayout, pool: _Pool, interleaved: bool):
         self.prefix = prefix
         self.layout = layout
         self.pool = pool
         self.pinned: dict[int, int] = {}                    # expert -> slot, never evicted
         self.counts = np.zeros(layout.num_experts, dtype=np.int64)  # routing heat (this process)
         # The fused decode kernel for this layer's blob layout, and the slot pool seen through it.
-        self.fused = FusedExperts.of(layout.projections)
-        self.stacked = StackedExperts.view(pool.memory, pool.slot_bytes, len(pool.buffers), layout.projections)
+        self.fused = FusedExperts.of(layout.projections, interleaved)
+        self.stacked = StackedExperts.view(pool.memory, pool.slot_bytes, len(pool.buffers), layout.projections,
+                                           interleaved)
 
     def slot_of(self, e: int) -> int | None:
         s = self.pinned.get(e)
@@ -223,7 +224,10 @@ class ExpertStore:
             per_layer, max((l.num_experts for l in container.expert_layouts.values()), default=0))
         max_blob = max((l.blob_bytes for l in container.expert_layouts.values()), default=0)
         self.slots = _Pool(self.slots_per_layer * len(prefixes), max_blob)
-        self.layers = {p: _Layer(p, container.expert_layouts[p], self.slots) for p in prefixes}
+        # Blobs read into RAM (slots, staging buffers) get their int4 rows interleaved, as the
+        # dense matrices do (kernels/quant.py, Layout); mapped files are served as stored.
+        self.interleaved = container.interleave_int4 and config.io != "mmap"
+        self.layers = {p: _Layer(p, container.expert_layouts[p], self.slots, self.interleaved) for p in prefixes}
         # Staging buffers serve misses that have no RAM slot (budget 0, or every slot in use by
         # this very call); 2 per reader keeps the pipeline full.
         self._staging = [aligned_buffer(max_blob) for _ in range(2 * max(1, config.threads))] if max_blob else []
@@ -263,6 +267,8 @@ class ExpertStore:
         EngineFaults: the client's request is fine, the model files are not."""
         path, _, _ = self.container.expert_range(prefix, e)
         nbytes = read_expert(self.container, self._fds[str(path)], prefix, e, buf, self.config.verify)
+        if self.interleaved:
+            self.layers[prefix].layout.interleave(buf)
         with self._lock:
             self.stats.bytes_read += nbytes
             self.stats.reads += 1
@@ -358,7 +364,7 @@ class ExpertStore:
         until the next one is requested (staging buffers are reused after that)."""
         layer = self.layers[prefix]
         layout = layer.layout
-        unpack = (lambda blob: blob) if blobs else layout.unpack
+        unpack = (lambda blob: blob) if blobs else (lambda blob: layout.unpack(blob, self.interleaved))
         for e in ids:
             layer.counts[e] += 1
         if self.config.io == "mmap":
