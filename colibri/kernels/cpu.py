@@ -28,7 +28,7 @@ from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .quant import GROUP_SIZE, INT4_SCHEMES, PAIR_ROW_BYTES, SCHEMES, QTensor
+from .quant import GROUP_SIZE, INT4_SCHEMES, INTERLEAVED_SCHEMES, PAIR_ROW_BYTES, SCHEMES, QTensor
 
 # reassoc lets LLVM split each reduction over vector lanes; contract fuses to FMA. Sums
 # change only by float32 rounding.
@@ -127,9 +127,9 @@ def _deq_int4_row(qr, sr, mr, half, has_min, dst):
 
 
 @njit(cache=True)
-def _int4_row_bytes(q, ilv, r, out):
-    """out[:] = row r's bytes of q, whose rows are interleaved in blocks of ilv (quant.py,
-    Layout): its whole 64-byte blocks 64 * ilv bytes apart, then its tail."""
+def _row_bytes(q, ilv, r, out):
+    """out[:] = row r's bytes of q (int4 or q8_0), whose rows are interleaved in blocks of ilv
+    (quant.py, Layout): its whole 64-byte blocks 64 * ilv bytes apart, then its tail."""
     rb = q.shape[1]
     flat = q.reshape(-1)
     nfull = rb // 64
@@ -145,7 +145,7 @@ def _int4_row_bytes(q, ilv, r, out):
 
 @njit(cache=True, nogil=True)
 def interleave_in_place(q, width):
-    """q [rows, row_bytes] (row-major int4 bytes) rewritten interleaved in blocks of `width`
+    """q [rows, row_bytes] (row-major int4 or q8_0 bytes) rewritten interleaved in blocks of `width`
     rows (quant.py, Layout; quant.interleaved is the numpy reference), one block at a time
     through a buffer of one block: a loader's repacking at about copy speed, no second copy
     of the matrix. Releases the GIL (expert readers repack in their own threads)."""
@@ -153,7 +153,7 @@ def interleave_in_place(q, width):
     flat = q.reshape(-1)
     nfull = rb // 64
     tail = rb - 64 * nfull
-    buf = np.empty(width * rb, np.uint8)
+    buf = np.empty(width * rb, q.dtype)
     for g in range(rows // width):
         start = g * width * rb
         buf[:] = flat[start:start + width * rb]
@@ -172,9 +172,20 @@ def _deq_int4_row_at(q, scales, mins, half, has_min, ilv, r, dst):
     if ilv == 1:
         _deq_int4_row(q[r], scales[r], mins[r], half, has_min, dst)
     else:
-        row = np.empty(q.shape[1], np.uint8)
-        _int4_row_bytes(q, ilv, r, row)
+        row = np.empty(q.shape[1], q.dtype)
+        _row_bytes(q, ilv, r, row)
         _deq_int4_row(row, scales[r], mins[r], half, has_min, dst)
+
+
+@njit(cache=True)
+def _deq_q8_row_at(q, scales, group, ilv, r, dst):
+    """Row r of a q8_0 matrix dequantized into dst, whatever q's layout."""
+    if ilv == 1:
+        _deq_q8_row(q[r], scales[r], group, dst)
+    else:
+        row = np.empty(q.shape[1], q.dtype)
+        _row_bytes(q, ilv, r, row)
+        _deq_q8_row(row, scales[r], group, dst)
 
 
 @njit(cache=True)
@@ -332,7 +343,7 @@ def _tile_codegen(nibbles: bool, wrows: int, arows: int):
         qstride = cgutils.unpack_tuple(builder, qa.strides, 2)[0]
         ngroups = cgutils.unpack_tuple(builder, sa.shape, 2)[1]
         nchunks = builder.lshr(builder.mul(ngroups, gbytes), _i64(4))
-        nfull = builder.lshr(nchunks, _i64(2)) if nibbles else _i64(0)  # whole 64-byte blocks a row
+        nfull = builder.lshr(nchunks, _i64(2))  # whole 64-byte blocks a row
         qbase = builder.bitcast(qa.data, _I8.as_pointer())
         sbase = builder.bitcast(sa.data, _F32.as_pointer())
         xbase = builder.bitcast(xa.data, _F32.as_pointer())
@@ -397,13 +408,9 @@ def _tile_codegen(nibbles: bool, wrows: int, arows: int):
                 for j in range(wrows):
                     prefetch(nmrows[j], g)
 
-        c0 = _i64(0)
-        if nibbles:  # whole 64-byte blocks first (x prepared by _prepare_x_into), then chunks
-            c0 = builder.shl(nfull, _i64(2))
-            with cgutils.for_range(builder, nfull) as loop:
-                _int4_block(builder, loop.index, cshift, qstep, qrows, srows, xrows, accs, fma, prefetch_next)
-        with cgutils.for_range(builder, builder.sub(nchunks, c0)) as loop:
-            i = builder.add(c0, loop.index)
+        def chunk(i, q_at, q_next, qoff, prefetch_here):
+            """16-byte chunk i of every weight row (at q_at[j] + qoff) x every activation row;
+            prefetch_here: a builder condition, or True / False known now."""
             g = builder.lshr(i, cshift)
             b = builder.shl(i, _i64(4))  # byte offset in the row
             if nibbles:  # low nibbles pair with x[2*g*half + c*16 ...], high ones half later
@@ -415,10 +422,13 @@ def _tile_codegen(nibbles: bool, wrows: int, arows: int):
             # One prefetch per row per 64-byte line (every 4th chunk), not per chunk: a
             # prefetch is an instruction like any other, and 24 per chunk were a third of the
             # one-token tile's.
-            with builder.if_then(builder.icmp_unsigned("==", builder.and_(i, _i64(3)), _i64(0))):
-                prefetch_next(b, g, ntails)
+            if prefetch_here is True:
+                prefetch_next(qoff, g, q_next)
+            elif prefetch_here is not False:
+                with builder.if_then(prefetch_here):
+                    prefetch_next(qoff, g, q_next)
             for j in range(wrows):
-                raw = builder.load(builder.bitcast(builder.gep(qtails[j], [b]), _V16B.as_pointer()), align=1)
+                raw = builder.load(builder.bitcast(builder.gep(q_at[j], [qoff]), _V16B.as_pointer()), align=1)
                 if nibbles:
                     w = builder.zext(raw, _V16I)
                     lo = builder.uitofp(builder.and_(w, ir.Constant(_V16I, [15] * 16)), _V16F)
@@ -434,6 +444,22 @@ def _tile_codegen(nibbles: bool, wrows: int, arows: int):
                     w = builder.fmul(lo, s)
                     for a, (xl, _) in enumerate(xs):
                         builder.store(builder.call(fma, [w, xl, builder.load(accs[j][a])]), accs[j][a])
+
+        # Whole 64-byte blocks first, at qrows[j] + k * qstep: int4 through _int4_block (x
+        # prepared by _prepare_x_into), int8 as four chunks; then the tail's chunks.
+        c0 = builder.shl(nfull, _i64(2))
+        with cgutils.for_range(builder, nfull) as loop:
+            if nibbles:
+                _int4_block(builder, loop.index, cshift, qstep, qrows, srows, xrows, accs, fma, prefetch_next)
+            else:
+                qoff = builder.mul(loop.index, qstep)
+                for c in range(4):
+                    chunk(builder.add(builder.shl(loop.index, _i64(2)), _i64(c)), qrows, nrows,
+                          builder.add(qoff, _i64(16 * c)), c == 0)
+        with cgutils.for_range(builder, builder.sub(nchunks, c0)) as loop:
+            i = builder.add(c0, loop.index)
+            chunk(i, qtails, ntails, builder.shl(i, _i64(4)),
+                  builder.icmp_unsigned("==", builder.and_(i, _i64(3)), _i64(0)))
         for j in range(wrows):
             for a in range(arows):
                 at = builder.add(a0, _i64(j)) if ocols is None else builder.add(builder.mul(_i64(a), ocols), _i64(j))
@@ -456,15 +482,15 @@ def _one_row_tile(wrows: int, nibbles: bool):
                 return _tile_codegen(True, wrows, 1)(context, builder, full, [*args[:6], args[10], *args[6:10]])
             return sig, codegen
     else:
-        def tile(typingctx, q, scales, r, rn, x, group, cshift, out, o):
-            sig = types.void(q, scales, types.intp, types.intp, x, types.intp, types.intp, out, types.intp)
+        def tile(typingctx, q, scales, r, rn, x, group, cshift, ilv, out, o):
+            sig = types.void(q, scales, types.intp, types.intp, x, types.intp, types.intp, types.intp, out,
+                             types.intp)
 
-            def codegen(context, builder, sig_, args):  # no offsets: scales stand in for them; row-major
+            def codegen(context, builder, sig_, args):  # no offsets: scales stand in for them
                 full = types.void(q, scales, scales, types.intp, types.intp, x, types.intp, types.intp, types.intp,
                                   types.intp, out)
                 return _tile_codegen(False, wrows, 1)(context, builder, full,
-                                                      [args[0], args[1], args[1], *args[2:5], args[8], *args[5:7],
-                                                       ir.Constant(_I64, 1), args[7]])
+                                                      [args[0], args[1], args[1], *args[2:5], args[9], *args[5:9]])
             return sig, codegen
     tile.__name__ = tile.__qualname__ = f"_{'int4' if nibbles else 'q8'}_dot{wrows}"
     return intrinsic(tile)
@@ -501,14 +527,14 @@ def _tile_intrinsic(nibbles: bool, arows: int):
                              types.intp, out)
             return sig, _tile_codegen(True, TILE_W, arows)
     else:
-        def tile(typingctx, q, scales, r, rn, x, a0, group, cshift, out):
-            sig = types.void(q, scales, types.intp, types.intp, x, types.intp, types.intp, types.intp, out)
+        def tile(typingctx, q, scales, r, rn, x, a0, group, cshift, ilv, out):
+            sig = types.void(q, scales, types.intp, types.intp, x, types.intp, types.intp, types.intp, types.intp,
+                             out)
 
             def codegen(context, builder, sig_, args):
                 full = types.void(q, scales, scales, types.intp, types.intp, x, types.intp, types.intp,
                                   types.intp, types.intp, out)
-                return _tile_codegen(False, TILE_W, arows)(context, builder, full,
-                                                           [args[0], args[1], *args[1:8], ir.Constant(_I64, 1), args[8]])
+                return _tile_codegen(False, TILE_W, arows)(context, builder, full, [args[0], args[1], *args[1:]])
             return sig, codegen
     tile.__name__ = tile.__qualname__ = f"_{'int4' if nibbles else 'q8'}_tile{arows}"
     return intrinsic(tile)
@@ -787,7 +813,7 @@ def _q8_tail_rows(q, scales, group, x, y):
 
 
 @njit(parallel=True, cache=True)
-def _matvec_q8(q, scales, group, cshift, x, y, nthreads):
+def _matvec_q8(q, scales, group, cshift, ilv, x, y, nthreads):
     """q8_0, shaped like _matvec_int4 (no offsets: w = q * d)."""
     out = q.shape[0]
     nblk = out // 8
@@ -798,26 +824,26 @@ def _matvec_q8(q, scales, group, cshift, x, y, nthreads):
             rn = r + 8 if r + 16 <= out else r
             if q.shape[1] >= PAIR_ROW_BYTES:
                 for p in range(0, 8, 2):
-                    _q8_dot2(q, scales, r + p, r + p + 2 if p < 6 else rn, x, group, cshift, y, r + p)
+                    _q8_dot2(q, scales, r + p, r + p + 2 if p < 6 else rn, x, group, cshift, ilv, y, r + p)
             else:
-                _q8_dot8(q, scales, r, rn, x, group, cshift, y, r)
+                _q8_dot8(q, scales, r, rn, x, group, cshift, ilv, y, r)
     _q8_tail_rows(q, scales, group, x, y)
 
 
 @njit(cache=True)
-def _q8_tile(q, scales, r, rn, x, a0, na, group, cshift, d):
+def _q8_tile(q, scales, r, rn, x, a0, na, group, cshift, ilv, d):
     if na == 4:
-        _q8_tile4(q, scales, r, rn, x, a0, group, cshift, d)
+        _q8_tile4(q, scales, r, rn, x, a0, group, cshift, ilv, d)
     elif na == 3:
-        _q8_tile3(q, scales, r, rn, x, a0, group, cshift, d)
+        _q8_tile3(q, scales, r, rn, x, a0, group, cshift, ilv, d)
     elif na == 2:
-        _q8_tile2(q, scales, r, rn, x, a0, group, cshift, d)
+        _q8_tile2(q, scales, r, rn, x, a0, group, cshift, ilv, d)
     else:
-        _q8_tile1(q, scales, r, rn, x, a0, group, cshift, d)
+        _q8_tile1(q, scales, r, rn, x, a0, group, cshift, ilv, d)
 
 
 @njit(parallel=True, cache=True)
-def _matmul_rows_q8(q, scales, group, cshift, x, y, nthreads):
+def _matmul_rows_q8(q, scales, group, cshift, ilv, x, y, nthreads):
     """q8_0's _matmul_rows_int4: row a of y equals _matvec_q8(x[a]) bit for bit."""
     out, B = q.shape[0], x.shape[0]
     nblk = out // 8 * (8 // TILE_W)  # the one-row kernels' whole blocks of eight
@@ -829,7 +855,7 @@ def _matmul_rows_q8(q, scales, group, cshift, x, y, nthreads):
             rn = r + TILE_W if r + 2 * TILE_W <= out else r
             for a0 in range(0, B, TILE_A):
                 na = min(TILE_A, B - a0)
-                _q8_tile(q, scales, r, rn, x, a0, na, group, cshift, d)
+                _q8_tile(q, scales, r, rn, x, a0, na, group, cshift, ilv, d)
                 for a in range(na):
                     for j in range(TILE_W):
                         y[a0 + a, r + j] = d[a, j]
@@ -935,10 +961,9 @@ def _embed_int4(q, scales, mins, half, has_min, ilv, ids, y):
 
 
 @njit(parallel=True, cache=True)
-def _embed_q8(q, scales, group, ids, y):
+def _embed_q8(q, scales, group, ilv, ids, y):
     for i in prange(ids.shape[0]):
-        r = ids[i]
-        _deq_q8_row(q[r], scales[r], group, y[i])
+        _deq_q8_row_at(q, scales, group, ilv, ids[i], y[i])
 
 
 @njit(parallel=True, cache=True)
@@ -972,9 +997,9 @@ def _check_tensor_once(t: QTensor) -> None:
             + ("" if t.q.flags.c_contiguous else " (not contiguous)")
         )
     ilv = t.interleave
-    if ilv != 1 and (t.scheme not in INT4_SCHEMES or ilv < 1 or ilv & (ilv - 1) or out % 8 or out % ilv):
+    if ilv != 1 and (t.scheme not in INTERLEAVED_SCHEMES or ilv < 1 or ilv & (ilv - 1) or out % 8 or out % ilv):
         raise ValueError(f"{t.scheme} tensor of shape {t.shape} cannot have its rows interleaved in blocks of "
-                         f"{ilv} (int4 schemes only, a power of two dividing the rows, rows a multiple of 8)")
+                         f"{ilv} (int4 and q8_0 only, a power of two dividing the rows, rows a multiple of 8)")
     if t.scheme in GROUP_SIZE:
         g = GROUP_SIZE[t.scheme]
         for name in ("scales", "mins") if t.scheme == "q4_1" else ("scales",):
@@ -1034,7 +1059,7 @@ def matvec(t: QTensor, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarr
         _matvec_int4(*int4_weight(t), x, y, get_num_threads())
     elif s == "q8_0":
         group = GROUP_SIZE[s]
-        _matvec_q8(t.q, t.scales, group, _chunk_shift(group), x, y, get_num_threads())
+        _matvec_q8(t.q, t.scales, group, _chunk_shift(group), t.interleave, x, y, get_num_threads())
     elif s == "f32":
         _matvec_f32(t.q, x, y)
     else:
@@ -1055,7 +1080,7 @@ def matvec_rows(t: QTensor, x: np.ndarray, out: np.ndarray | None = None) -> np.
         _matmul_rows_int4(*int4_weight(t), x, y, get_num_threads())
     elif s == "q8_0":
         group = GROUP_SIZE[s]
-        _matmul_rows_q8(t.q, t.scales, group, _chunk_shift(group), x, y, get_num_threads())
+        _matmul_rows_q8(t.q, t.scales, group, _chunk_shift(group), t.interleave, x, y, get_num_threads())
     else:  # float weights: no unpacking to share
         for a in range(x.shape[0]):
             matvec(t, x[a], out=y[a])
@@ -1080,7 +1105,7 @@ def embedding(t: QTensor, ids: np.ndarray) -> np.ndarray:
     if s in ("int4_g64", "q4_0", "q4_1"):
         _embed_int4(*_int4_args(t), ids, y)
     elif s == "q8_0":
-        _embed_q8(t.q, t.scales, GROUP_SIZE[s], ids, y)
+        _embed_q8(t.q, t.scales, GROUP_SIZE[s], t.interleave, ids, y)
     elif s == "f32":
         np.take(t.q, ids, axis=0, out=y)
     else:

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 from numba import get_num_threads, njit, prange
 
-from .cpu import (_FAST, _activations, _check_tensor, _deq_int4_row_at, _deq_q8_row, _deq_u16_row, _f32_row_dot,
+from .cpu import (_FAST, _activations, _check_tensor, _deq_int4_row_at, _deq_q8_row_at, _deq_u16_row, _f32_row_dot,
                   _f32_rows_dot4, _int4_args, _result)
 from .quant import GROUP_SIZE, INT4_SCHEMES, QTensor
 from .tasks import run_tasks
@@ -136,7 +136,7 @@ def _matmul_int4(q, scales, mins, half, has_min, ilv, x, y, nthreads):
 
 
 @njit(parallel=True, cache=True)
-def _matmul_q8(q, scales, group, x, y, nthreads):
+def _matmul_q8(q, scales, group, ilv, x, y, nthreads):
     out, n = q.shape[0], x.shape[1]
     nblk = (out + _TILE - 1) // _TILE
     nth = min(nthreads, nblk)
@@ -146,7 +146,7 @@ def _matmul_q8(q, scales, group, x, y, nthreads):
             r0 = blk * _TILE
             nr = min(_TILE, out - r0)
             for j in range(nr):
-                _deq_q8_row(q[r0 + j], scales[r0 + j], group, buf[j])
+                _deq_q8_row_at(q, scales, group, ilv, r0 + j, buf[j])
             _tile_matmul(buf, nr, x, y, r0)
 
 
@@ -191,9 +191,9 @@ def _deq_int4_tile(q, scales, mins, half, has_min, ilv, r0, nr, buf):
 
 
 @njit(cache=True, nogil=True)
-def _deq_q8_tile(q, scales, group, r0, nr, buf):
+def _deq_q8_tile(q, scales, group, ilv, r0, nr, buf):
     for j in range(nr):
-        _deq_q8_row(q[r0 + j], scales[r0 + j], group, buf[j])
+        _deq_q8_row_at(q, scales, group, ilv, r0 + j, buf[j])
 
 
 @njit(cache=True, nogil=True)
@@ -238,7 +238,7 @@ def _dequantizer(t: QTensor):
         args = _int4_args(t)
         return lambda r0, nr, buf: _deq_int4_tile(*args, r0, nr, buf)
     if s == "q8_0":
-        return lambda r0, nr, buf: _deq_q8_tile(t.q, t.scales, GROUP_SIZE[s], r0, nr, buf)
+        return lambda r0, nr, buf: _deq_q8_tile(t.q, t.scales, GROUP_SIZE[s], t.interleave, r0, nr, buf)
     if s == "f32":
         return None
     w, is_bf16 = t.q.view(np.uint16), s == "bf16"
@@ -281,7 +281,7 @@ def matmul(t: QTensor, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarr
     if s in INT4_SCHEMES:
         _matmul_int4(*_int4_args(t), x, y, nthreads)
     elif s == "q8_0":
-        _matmul_q8(t.q, t.scales, GROUP_SIZE[s], x, y, nthreads)
+        _matmul_q8(t.q, t.scales, GROUP_SIZE[s], t.interleave, x, y, nthreads)
     elif s == "f32":
         _matmul_f32(t.q, x, y, nthreads)
     else:

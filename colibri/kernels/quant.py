@@ -15,7 +15,7 @@ import is a byte copy, and it lets a kernel expand one byte into two contiguous 
 runs (DESIGN.md section 6: ~10x faster in numba than interleaved even/odd nibbles).
 Scales and mins are float32 (GGUF's f16 scales widen exactly).
 
-Layout: an int4 matrix's q is row-major as stored (interleave 1), or, for the CPU kernels,
+Layout: an int4 or q8_0 matrix's q is row-major as stored (interleave 1), or, for the CPU kernels,
 its rows are interleaved in blocks of W (`interleaved`, done once at load): within each block
 of W rows, the rows' first 64-byte blocks lie side by side, then their second ones, and so
 on; the bytes past a row's last whole 64-byte block (its tail) follow, row after row. A decode
@@ -36,6 +36,7 @@ GROUP_SIZE = {"int4_g64": 64, "q4_0": 32, "q4_1": 32, "q8_0": 32}
 FLOAT_SCHEMES = ("f32", "f16", "bf16")
 SCHEMES = tuple(GROUP_SIZE) + FLOAT_SCHEMES
 INT4_SCHEMES = ("int4_g64", "q4_0", "q4_1")
+INTERLEAVED_SCHEMES = INT4_SCHEMES + ("q8_0",)  # those whose rows the CPU kernels take interleaved (Layout)
 
 
 @dataclass
@@ -46,7 +47,7 @@ class QTensor:
             f32: float32 [out, in]; f16: float16 [out, in]; bf16: uint16 [out, in] raw bits.
     scales: float32 [out, in // group] for quantized schemes, else None.
     mins:   float32 [out, in // group] for q4_1, else None.
-    interleave: int4 schemes: q's rows interleaved in blocks of this many (1: row-major; see
+    interleave: int4 and q8_0: q's rows interleaved in blocks of this many (1: row-major; see
             Layout above; `interleaved` makes one, `row_major` undoes it).
     """
 
@@ -87,7 +88,7 @@ class QTensor:
 
 # --- Layout: interleaved int4 rows (module docstring) -------------------------------------
 
-# Row bytes from which the decode kernels read an int4 matrix two rows at a time, not eight
+# Row bytes from which the decode kernels read a matrix two rows at a time, not eight
 # (why: cpu.py, where the kernels use it); so also the block of rows it is interleaved in.
 PAIR_ROW_BYTES = 1024
 
@@ -102,9 +103,10 @@ def interleave_width_of(scheme: str, shape) -> int:
     rows of PAIR_ROW_BYTES or more, else 8; 1 (leave row-major) for other schemes and for row
     counts the kernels' blocks of eight do not cover (their last rows are read one at a time)."""
     rows, inputs = shape
-    if scheme not in INT4_SCHEMES or rows % 8 or rows == 0:
+    if scheme not in INTERLEAVED_SCHEMES or rows % 8 or rows == 0:
         return 1
-    return 2 if inputs // 2 >= PAIR_ROW_BYTES else 8
+    row_bytes = inputs if scheme == "q8_0" else inputs // 2
+    return 2 if row_bytes >= PAIR_ROW_BYTES else 8
 
 
 def _interleave_q(q: np.ndarray, width: int) -> np.ndarray:
@@ -135,7 +137,7 @@ def interleaved(t: QTensor, width: int | None = None, in_place: bool = False) ->
         return t
     if t.interleave != 1:
         t = row_major(t)
-    if t.scheme not in INT4_SCHEMES or width & (width - 1) or t.shape[0] % width:
+    if t.scheme not in INTERLEAVED_SCHEMES or width & (width - 1) or t.shape[0] % width:
         raise ValueError(f"a {t.scheme} matrix of {t.shape[0]} rows cannot be interleaved in blocks of {width}")
     if in_place:
         from .cpu import interleave_in_place  # (cpu.py imports this module)

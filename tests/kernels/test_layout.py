@@ -12,6 +12,8 @@ from colibri.models.common import fuse_rows
 # 320 B (5 whole blocks), 768 B, 1 KB (read two rows at a time) and 1.5 KB with a tail.
 CASES = [("q4_1", 64, 576), ("int4_g64", 48, 640), ("q4_0", 32, 1536), ("int4_g64", 40, 2048),
          ("q4_1", 16, 3104)]
+# q8_0 (one byte a weight): rows of 576 B (a 0-byte tail), 608 B (a 32-byte tail), 2 KB.
+Q8_CASES = [("q8_0", 64, 576), ("q8_0", 24, 608), ("q8_0", 16, 2048)]
 
 
 def _matrix(scheme, rows, n, seed=0):
@@ -19,7 +21,7 @@ def _matrix(scheme, rows, n, seed=0):
     return quantize(rng.standard_normal((rows, n)).astype(np.float32), scheme)
 
 
-@pytest.mark.parametrize("scheme,rows,n", CASES)
+@pytest.mark.parametrize("scheme,rows,n", CASES + Q8_CASES)
 def test_repacking_round_trips(scheme, rows, n):
     t = _matrix(scheme, rows, n)
     for width in (2, 8):
@@ -31,18 +33,22 @@ def test_repacking_round_trips(scheme, rows, n):
     assert interleaved(t).interleave == (2 if t.q.shape[1] >= PAIR_ROW_BYTES else 8)
 
 
-def test_in_place_repacking_reuses_the_array():
-    t = _matrix("q4_1", 64, 576)
-    want = interleaved(t, 8).q.copy()
+@pytest.mark.parametrize("scheme,rows,n,width", [("q4_1", 64, 576, 8), ("q4_1", 16, 3104, 2),
+                                                  ("q8_0", 24, 608, 8)])
+def test_in_place_repacking_matches_the_reference(scheme, rows, n, width):
+    t = _matrix(scheme, rows, n)
+    want = interleaved(t, width).q.copy()  # numpy
     q = t.q
-    it = interleaved(t, 8, in_place=True)
+    it = interleaved(t, width, in_place=True)  # numba, in the array itself
     assert it.q is q
     np.testing.assert_array_equal(q, want)
 
 
 def test_width_follows_the_rows():
     assert interleave_width(_matrix("q4_1", 12, 576)) == 1  # rows past a block of eight: left row-major
-    assert interleave_width(_matrix("q8_0", 64, 576)) == 1
+    assert interleave_width(_matrix("f32", 64, 576)) == 1
+    assert interleave_width(_matrix("q8_0", 64, 576)) == 8
+    assert interleave_width(_matrix("q8_0", 64, 1024)) == 2  # q8_0 rows are 1 KB at 1024 inputs
     assert interleave_width(_matrix("int4_g64", 64, 2048)) == 2
     with pytest.raises(ValueError, match="cannot be interleaved"):
         interleaved(_matrix("q4_1", 12, 576), 8)
@@ -65,6 +71,23 @@ def test_kernels_give_the_same_bits(scheme, rows, n, width):
     np.testing.assert_array_equal(gemm.matmul(it, X), gemm.matmul(t, X))  # numba tiles
     L = rng.standard_normal((gemm.BLAS_MIN_ROWS, n)).astype(np.float32)
     np.testing.assert_array_equal(gemm.matmul(it, L), gemm.matmul(t, L))  # dequantized tiles + BLAS
+
+
+@pytest.mark.parametrize("scheme,rows,n", Q8_CASES)
+@pytest.mark.parametrize("width", [2, 8])
+def test_q8_kernels_give_the_same_bits(scheme, rows, n, width):
+    t = _matrix(scheme, rows, n, seed=5)
+    it = interleaved(t, width)
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal(n).astype(np.float32)
+    X = rng.standard_normal((5, n)).astype(np.float32)
+    np.testing.assert_array_equal(cpu.matvec(it, x), cpu.matvec(t, x))
+    np.testing.assert_array_equal(cpu.matvec_rows(it, X), cpu.matvec_rows(t, X))
+    ids = np.array([0, rows - 1, 3, 7, 3])
+    np.testing.assert_array_equal(cpu.embedding(it, ids), cpu.embedding(t, ids))
+    np.testing.assert_array_equal(gemm.matmul(it, X), gemm.matmul(t, X))
+    L = rng.standard_normal((gemm.BLAS_MIN_ROWS, n)).astype(np.float32)
+    np.testing.assert_array_equal(gemm.matmul(it, L), gemm.matmul(t, L))
 
 
 def test_stacking_and_slicing_keep_whole_blocks():
