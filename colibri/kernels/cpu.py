@@ -126,23 +126,6 @@ def _deq_int4_row(qr, sr, mr, half, has_min, dst):
                 dst[x0 + half + k] = (_nib_hi(b) - np.float32(8.0)) * s
 
 
-@njit(cache=True)
-def _row_bytes(q, ilv, r, out):
-    """out[:] = row r's bytes of q (int4 or q8_0), whose rows are interleaved in blocks of ilv
-    (quant.py, Layout): its whole 64-byte blocks 64 * ilv bytes apart, then its tail."""
-    rb = q.shape[1]
-    flat = q.reshape(-1)
-    nfull = rb // 64
-    jj = r & (ilv - 1)
-    start = (r - jj) * rb
-    for k in range(nfull):
-        src = start + k * 64 * ilv + jj * 64
-        out[k * 64:(k + 1) * 64] = flat[src:src + 64]
-    tail = rb - 64 * nfull
-    src = start + nfull * 64 * ilv + jj * tail
-    out[64 * nfull:] = flat[src:src + tail]
-
-
 @njit(cache=True, nogil=True)
 def interleave_in_place(q, width):
     """q [rows, row_bytes] (row-major int4 or q8_0 bytes) rewritten interleaved in blocks of `width`
@@ -167,14 +150,29 @@ def interleave_in_place(q, width):
 
 
 @njit(cache=True)
+def _byte_at(rb, ilv, r, b):
+    """Where byte b of row r lies in an interleaved q of rows of rb bytes (flat index); a group
+    never straddles a 64-byte block, so a group's bytes follow from its first one."""
+    jj = r & (ilv - 1)
+    start = (r - jj) * rb
+    nfull = rb // 64
+    if b < 64 * nfull:
+        return start + (b >> 6) * 64 * ilv + jj * 64 + (b & 63)
+    return start + nfull * 64 * ilv + jj * (rb - 64 * nfull) + b - 64 * nfull
+
+
+@njit(cache=True)
 def _deq_int4_row_at(q, scales, mins, half, has_min, ilv, r, dst):
-    """Row r of an int4 matrix dequantized into dst, whatever q's layout."""
+    """Row r of an int4 matrix dequantized into dst, whatever q's layout: group by group, each
+    group's bytes found where they lie (views, no copy)."""
     if ilv == 1:
         _deq_int4_row(q[r], scales[r], mins[r], half, has_min, dst)
-    else:
-        row = np.empty(q.shape[1], q.dtype)
-        _row_bytes(q, ilv, r, row)
-        _deq_int4_row(row, scales[r], mins[r], half, has_min, dst)
+        return
+    flat = q.reshape(-1)
+    for g in range(scales.shape[1]):
+        p = _byte_at(q.shape[1], ilv, r, g * half)
+        _deq_int4_row(flat[p:p + half], scales[r, g:g + 1], mins[r, g:g + 1], half, has_min,
+                      dst[2 * g * half:2 * (g + 1) * half])
 
 
 @njit(cache=True)
@@ -182,10 +180,11 @@ def _deq_q8_row_at(q, scales, group, ilv, r, dst):
     """Row r of a q8_0 matrix dequantized into dst, whatever q's layout."""
     if ilv == 1:
         _deq_q8_row(q[r], scales[r], group, dst)
-    else:
-        row = np.empty(q.shape[1], q.dtype)
-        _row_bytes(q, ilv, r, row)
-        _deq_q8_row(row, scales[r], group, dst)
+        return
+    flat = q.reshape(-1)
+    for g in range(scales.shape[1]):
+        p = _byte_at(q.shape[1], ilv, r, g * group)
+        _deq_q8_row(flat[p:p + group], scales[r, g:g + 1], group, dst[g * group:(g + 1) * group])
 
 
 @njit(cache=True)
