@@ -1,5 +1,7 @@
-"""Would a block-interleaved int4 layout stream faster than row-major rows? (issue 15, item 1;
-a measurement for the next step, not a kernel colibri uses yet). Benchmark only.
+"""Does a block-interleaved int4 layout stream faster than row-major rows? (issue 15, item 1).
+Benchmark only. The measurement that led to colibri's interleaved rows (kernels/quant.py,
+Layout); colibri interleaves q only, leaving scales row-major, which kept most of the gain
+(README, Measured, fifth session).
 
     python bench/interleaved_layout.py [--repeats 10]
 

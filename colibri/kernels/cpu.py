@@ -219,7 +219,9 @@ def _deq_u16_row(wr, is_bf16, dst):
 # prefetcher: int4 from DRAM went 30 -> 48 GB/s).
 # One-token decode uses 8 x 1 tiles; several tokens at once (a batch, drafted tokens) use
 # 4 x 4 tiles, so each weight byte is unpacked once for four tokens.
-# int4 rows take their whole 64-byte blocks first (_int4_block, below), then the chunks left.
+# Rows take their whole 64-byte blocks first (int4: _int4_block, below), then the chunks left;
+# the blocks are found through the matrix's row interleaving (quant.py, Layout), which moves
+# bytes only: the operations below are the same on either layout.
 # Every (weight row, activation row) pair gets the same operations in the same order whatever
 # the tile: per block t = sum_k n_k x'_k, acc = fmuladd(t, s, acc), per remaining chunk
 # t = fmuladd(hi, xh, lo * xl), acc = fmuladd(t, s, acc) (int4), or acc = fmuladd(q * s, x,

@@ -9,7 +9,8 @@ the down rows of the output are split over the threads with each row summing its
 two parallel regions per layer.
 
 The experts are addressed in place: `FusedExperts` knows where each projection's arrays sit
-inside one layer's expert blob, and runs the kernel over a block of blobs laid out at a fixed
+inside one layer's expert blob, and whether the blobs' q arrays were interleaved once read
+(quant.py, Layout: the sources that read blobs into RAM do; a mapped file is as stored), and runs the kernel over a block of blobs laid out at a fixed
 stride (ResidentExperts' per-layer array, the ExpertStore's slot pool: `StackedExperts`) or
 over one blob anywhere (a staging buffer, a mapped file), so nothing is copied.
 
