@@ -66,6 +66,18 @@ def test_placement_never_changes_tokens(synthetic, experts_per_layer, io, prefet
         assert stats["hits"] == 0 and stats["bytes_read"] > 0
 
 
+def test_row_layout_changes_no_bits(synthetic):
+    """Experts (and dense matrices) interleaved once read, or left row-major: the same bits,
+    resident and streamed (a streamed store under "rows" keeps its slots row-major)."""
+    ref_tokens, ref_logits = run(Engine.load(synthetic, stream_experts=False), SEQ)
+    assert Engine.load(synthetic, stream_experts=False).experts.fused(
+        next(iter(Container(synthetic).expert_layouts))).layout[:, 4].max() > 1  # interleaved kernel
+    for options in ({"stream_experts": False}, {"ram_gb": budget_gb(synthetic, 3.5), "stream_experts": True}):
+        tokens, logits = run(Engine.load(synthetic, int4_layout="rows", **options), SEQ)
+        assert tokens == ref_tokens
+        assert np.array_equal(logits, ref_logits)
+
+
 def test_upcycled_moe_speaks_as_the_dense_model(smollm2_container, upcycled):
     dense = Engine.load(smollm2_container)
     moe = Engine.load(upcycled, ram_gb=budget_gb(upcycled, 3), stream_experts=True)

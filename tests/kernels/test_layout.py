@@ -106,3 +106,26 @@ def test_a_bad_width_is_refused_by_the_kernels():
     bad = QTensor(t.scheme, t.shape, t.q, t.scales, t.mins, interleave=3)
     with pytest.raises(ValueError, match="interleaved in blocks of 3"):
         cpu.matvec(bad, np.zeros(576, np.float32))
+
+
+def test_engine_layouts_give_the_same_bits(smollm2_container):
+    """SmolLM2 (q4_1 layers, a tied q8_0 head) loaded interleaved and row-major: the same
+    logits over a prompt (prefill) and the same greedy tokens (the one-call decode)."""
+    from colibri.engine import Engine
+
+    engines = {layout: Engine.load(smollm2_container, int4_layout=layout, max_context=128)
+               for layout in ("interleaved", "rows")}
+    assert engines["interleaved"].model.layers[0].attn.qkv.interleave == 8
+    assert engines["rows"].model.layers[0].attn.qkv.interleave == 1
+    ids = engines["rows"].encode_prompt("The quick brown fox jumps over the lazy dog.", raw=True)
+    np.testing.assert_array_equal(engines["interleaved"].logits(ids), engines["rows"].logits(ids))
+    a, b = (e.generate("Name three fruits.", max_tokens=16, stop_at_eos=False).token_ids for e in engines.values())
+    assert a == b
+
+
+def test_engine_refuses_an_unknown_layout(smollm2_container):
+    from colibri.engine import Engine
+    from colibri.errors import ColibriError
+
+    with pytest.raises(ColibriError, match="int4_layout must be one of interleaved, rows"):
+        Engine.load(smollm2_container, int4_layout="columns")
