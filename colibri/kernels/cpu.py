@@ -508,7 +508,7 @@ _int4_dot8, _int4_dot2 = _one_row_tile(8, True), _one_row_tile(2, True)
 # 576-byte ones the same. Eight rows share each load of x, two rows share it less, which only
 # pays where the reads are the limit. A row's operations do not depend on how many rows share
 # its pass, so the bits are the same either way.
-# (PAIR_ROW_BYTES lives in quant.py: it is also the block of rows an int4 matrix is
+# (PAIR_ROW_BYTES lives in quant.py: it is also the block of rows a matrix is
 # interleaved in, quant.interleave_width.)
 
 
