@@ -320,6 +320,24 @@ def _spread(builder, srow, g0, n):
                                   ir.Constant(ir.VectorType(_I32, 16), [i * n // 16 for i in range(16)]))
 
 
+def _q_row_ptrs(builder, qbase, qstride, nfull, ilv, row, j):
+    """(block pointer, tail pointer) of q's row `row + j`, its rows interleaved in blocks of ilv
+    (quant.py, Layout): row rr = G * ilv + jj has its 64-byte block k at G * ilv * qstride +
+    k * 64 * ilv + jj * 64 and its tail (the L bytes past its last whole block) at
+    G * ilv * qstride + nfull * 64 * ilv + jj * L. The pointers are such that a kernel adds
+    k * 64 * ilv to the first for block k, and a chunk's byte offset in the row to the second,
+    as it adds k * 64 and the offset to a row-major row's start (ilv 1: both are the start).
+    ilv is a power of two: a row's place in its block is a mask, no division."""
+    rr = builder.add(row, _i64(j))
+    jj = builder.and_(rr, builder.sub(ilv, _i64(1)))
+    start = builder.mul(builder.sub(rr, jj), qstride)  # (rr // ilv) * ilv rows in
+    blocks = builder.add(start, builder.shl(jj, _i64(6)))
+    tail = builder.sub(qstride, builder.shl(nfull, _i64(6)))
+    tails = builder.add(builder.add(start, builder.mul(builder.shl(nfull, _i64(6)), builder.sub(ilv, _i64(1)))),
+                        builder.mul(jj, tail))
+    return builder.gep(qbase, [blocks]), builder.gep(qbase, [tails])
+
+
 def _tile_codegen(nibbles: bool, wrows: int, arows: int):
     """Codegen of a (q, scales, offs, r, rn, x, a0, half_or_group, cshift, ilv, out) -> None
     intrinsic over weight rows r..r+wrows-1 and activation rows a0..a0+arows-1.
@@ -359,26 +377,9 @@ def _tile_codegen(nibbles: bool, wrows: int, arows: int):
         def row_ptr(base, row, j, stride):
             return builder.gep(base, [builder.mul(builder.add(row, _i64(j)), stride)])
 
-        # q rows in blocks of ilv (quant.py, Layout): row rr = G * ilv + jj has its block k at
-        # G * ilv * qstride + k * 64 * ilv + jj * 64 and its tail (the bytes past the last whole
-        # block, L of them) at G * ilv * qstride + nfull * 64 * ilv + jj * L. A row's pointers
-        # are kept so that the block loop adds k * qstep and the chunk loop the row's own byte
-        # offset, as for row-major rows (ilv 1, where both are the row's start).
-        qstep = builder.shl(ilv, _i64(6))
-        tail = builder.sub(qstride, builder.shl(nfull, _i64(6)))
-
-        # (ilv is a power of two: a row's place in its block is a mask, no division)
-        def q_ptrs(row, j):
-            rr = builder.add(row, _i64(j))
-            jj = builder.and_(rr, builder.sub(ilv, _i64(1)))
-            start = builder.mul(builder.sub(rr, jj), qstride)  # (rr // ilv) * ilv rows in
-            blocks = builder.add(start, builder.shl(jj, _i64(6)))
-            tails = builder.add(builder.add(start, builder.mul(builder.shl(nfull, _i64(6)), builder.sub(ilv, _i64(1)))),
-                                builder.mul(jj, tail))
-            return builder.gep(qbase, [blocks]), builder.gep(qbase, [tails])
-
-        qrows, qtails = zip(*(q_ptrs(r, j) for j in range(wrows)))
-        nrows, ntails = zip(*(q_ptrs(rn, j) for j in range(wrows)))
+        qstep = builder.shl(ilv, _i64(6))  # from a row's block k to its block k + 1
+        qrows, qtails = zip(*(_q_row_ptrs(builder, qbase, qstride, nfull, ilv, r, j) for j in range(wrows)))
+        nrows, ntails = zip(*(_q_row_ptrs(builder, qbase, qstride, nfull, ilv, rn, j) for j in range(wrows)))
         srows = [row_ptr(sbase, r, j, ngroups) for j in range(wrows)]
         nsrows = [row_ptr(sbase, rn, j, ngroups) for j in range(wrows)]
         mbase = builder.bitcast(ma.data, _F32.as_pointer())

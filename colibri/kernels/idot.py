@@ -45,7 +45,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .cpu import (_activations, _group_sums, _group_sums_into, _int4_rows8, _int4_tail_rows, _matmul_rows_int4,
-                  _matvec_int4, _prepare_x, _prepare_x_into, int4_weight)
+                  _matvec_int4, _prepare_x, _prepare_x_into, _q_row_ptrs, int4_weight)
 from .quant import QTensor
 
 ACTIVATIONS = ("f32", "int8")
@@ -184,23 +184,10 @@ def _idot_codegen(nrows: int, half: int, mins: bool, ncols: int | None = None):
         def row(base, rr, j, stride):
             return builder.gep(base, [builder.mul(builder.add(rr, _i64(j)), stride)])
 
-        # q's rows in blocks of ilv: a row's 64-byte block k at its block pointer + k * qstep,
-        # its tail chunks at its tail pointer + the chunk's byte offset in the row
-        # (cpu._tile_codegen's q_ptrs; ilv 1: both are the row's start).
+        # q's rows in blocks of ilv (quant.py, Layout): cpu._q_row_ptrs
         qstep = builder.shl(ilv, _i64(6))
-        tail = builder.sub(qstride, builder.shl(nfull, _i64(6)))
-
-        def q_ptrs(rr_, j):
-            rr = builder.add(rr_, _i64(j))
-            jj = builder.and_(rr, builder.sub(ilv, _i64(1)))
-            start = builder.mul(builder.sub(rr, jj), qstride)
-            blocks = builder.add(start, builder.shl(jj, _i64(6)))
-            tails = builder.add(builder.add(start, builder.mul(builder.shl(nfull, _i64(6)), builder.sub(ilv, _i64(1)))),
-                                builder.mul(jj, tail))
-            return builder.gep(qbase, [blocks]), builder.gep(qbase, [tails])
-
-        qrows, qtails = zip(*(q_ptrs(r, j) for j in range(nrows)))
-        nrows_q, ntails = zip(*(q_ptrs(rn, j) for j in range(nrows)))
+        qrows, qtails = zip(*(_q_row_ptrs(builder, qbase, qstride, nfull, ilv, r, j) for j in range(nrows)))
+        nrows_q, ntails = zip(*(_q_row_ptrs(builder, qbase, qstride, nfull, ilv, rn, j) for j in range(nrows)))
         srows = [row(sbase, r, j, ngroups) for j in range(nrows)]
         mrows = [row(mbase, r, j, ngroups) for j in range(nrows)]
         nsrows = [row(sbase, rn, j, ngroups) for j in range(nrows)]
