@@ -49,7 +49,7 @@ def rss() -> int:
 def child_colibri(a) -> dict:
     from colibri import Engine
 
-    e = Engine.load(a.container, activations=_activations(a), kv_cache=_kv_cache(a), int4_layout=_layout(a))
+    e = Engine.load(a.container, activations=_activations(a), kv_cache=_kv_cache(a), weight_layout=_layout(a))
     g = e.generate(SHORT, max_tokens=1)
     first = time.time()
     # One decode step outside the timing: a cached start loads the decode kernels from numba's
@@ -97,7 +97,7 @@ def child_colibri_contexts(a) -> dict:
 
     lengths = [int(x) for x in a.contexts.split(",")]
     e = Engine.load(a.container, max_context=max(lengths) + a.tokens, activations=_activations(a),
-                    kv_cache=_kv_cache(a), int4_layout=_layout(a))
+                    kv_cache=_kv_cache(a), weight_layout=_layout(a))
     ids = context_ids(lambda t: e.tokenizer.encode(t, add_special_tokens=False), max(lengths))
     e.generate(SHORT, max_tokens=3, stop_at_eos=False)  # kernels compiled (or loaded) outside the timing
     e.reset()
@@ -237,7 +237,8 @@ def main() -> None:
     ap.add_argument("--int8", action="store_true", help="also colibri with --activations int8 (colibri-int8)")
     ap.add_argument("--f16-kv", action="store_true", help="also colibri with --kv-cache f16 (colibri-f16kv)")
     ap.add_argument("--rows-layout", action="store_true",
-                    help="also colibri with its int4 matrices row-major, as stored (colibri-rows; EngineConfig.int4_layout)")
+                    help="also colibri with its int4 and q8_0 matrices row-major, as stored "
+                         "(colibri-rows; EngineConfig.weight_layout)")
     ap.add_argument("--child", choices=["colibri", "colibri-int8", "colibri-f16kv", "colibri-rows", "llama",
                                         "transformers"])
     a = ap.parse_args()

@@ -31,7 +31,8 @@ sys.path.insert(0, str(REPO / "bench"))
 
 # colibri: the fused routed-experts kernel; -int8: the same with --activations int8;
 # -per-expert: one SwiGLU call per expert (the path the fused kernel replaced); -rows: int4
-# matrices row-major as stored, not interleaved (EngineConfig.int4_layout); llama: llama.cpp.
+# and q8_0 matrices row-major as stored, not interleaved (EngineConfig.weight_layout);
+# llama: llama.cpp.
 ENGINES = ["colibri", "colibri-int8", "colibri-per-expert", "colibri-rows", "llama"]
 
 
@@ -51,7 +52,7 @@ def child_colibri(a, fused: bool, activations: str = "f32", layout: str = "inter
         ResidentExperts.stacked = lambda self, prefix, ids: None
     t0 = time.perf_counter()
     e = Engine.load(a.model, stream_experts=False, max_context=a.tokens + 8, threads=a.threads,
-                    activations=activations, int4_layout=layout)
+                    activations=activations, weight_layout=layout)
     load_s = time.perf_counter() - t0
     seq = token_sequence(a.tokens)
     e.reset()

@@ -67,10 +67,10 @@ class EngineConfig:
     # int8 per weight group and dotted in integer arithmetic: faster where the CPU is the
     # bottleneck, at the fidelity cost the README measures; colibri/kernels/idot.py).
     activations: str = "f32"
-    # int4 matrices' layout in RAM: "interleaved" (each block of 2 or 8 rows read as one run of
-    # bytes by the decode kernels: 18 -> 24-28 GB/s from DRAM on a Zen 4 VM, quant.py, Layout)
-    # or "rows" (row-major, as stored). The same bits either way.
-    int4_layout: str = "interleaved"
+    # int4 and q8_0 matrices' layout in RAM: "interleaved" (each block of 2 or 8 rows read as
+    # one run of bytes by the decode kernels: 18 -> 24-28 GB/s from DRAM on a Zen 4 VM;
+    # quant.py, Layout) or "rows" (row-major, as stored). The same bits either way.
+    weight_layout: str = "interleaved"
     # The KV cache's element type: "f32" (exact) or "f16" (half the bytes decode attention
     # reads per token at long contexts, as llama.cpp's default cache; K and V rounded to
     # float16). GQA attention on the CPU; MLA's latent cache and the GPU path stay float32.
@@ -197,7 +197,7 @@ def _load_resident(container: Container, config: EngineConfig, module, show):
     return model, experts
 
 
-INT4_LAYOUTS = ("interleaved", "rows")
+WEIGHT_LAYOUTS = ("interleaved", "rows")
 
 
 def _check_kv_cache(kind: str) -> None:
@@ -346,9 +346,10 @@ class Engine:
 
             set_threads(config.threads)
         container = Container(model_dir)
-        if config.int4_layout not in INT4_LAYOUTS:
-            raise ColibriError(f"int4_layout must be one of {', '.join(INT4_LAYOUTS)}, not {config.int4_layout!r}")
-        container.interleave_int4 = config.int4_layout == "interleaved"
+        if config.weight_layout not in WEIGHT_LAYOUTS:
+            raise ColibriError(f"weight_layout must be one of {', '.join(WEIGHT_LAYOUTS)}, "
+                               f"not {config.weight_layout!r}")
+        container.interleave_rows = config.weight_layout == "interleaved"
         module = family(container.config.get("model_type"))
         from colibri.default_model import history_path
 

@@ -84,7 +84,7 @@ class ExpertLayout:
 
     def unpack(self, blob: np.ndarray, interleaved: bool = False) -> dict[str, QTensor]:
         """Views into one expert's blob (uint8 [blob_bytes]) -> {projection: QTensor}; no copy.
-        interleaved: the blob's int4 rows were interleaved (interleave())."""
+        interleaved: its rows were interleaved (interleave())."""
         out = {}
         for proj, spec in self.projections.items():
             arrays = {}
@@ -97,7 +97,7 @@ class ExpertLayout:
         return out
 
     def interleave(self, blob: np.ndarray) -> None:
-        """Rewrite a blob as read from disk with its int4 rows interleaved for the CPU kernels
+        """Rewrite a blob as read from disk with its rows interleaved for the CPU kernels
         (quant.py, Layout), in place: unpack(blob, interleaved=True) then reads it. After the
         checksum: the file holds the stored layout."""
         for t in self.unpack(blob).values():
@@ -140,9 +140,9 @@ class Container:
         self.manifest = _read_object(manifest_path, f"{self.dir}: its manifest {MANIFEST}")
         self.config = _read_object(self.dir / "config.json", f"{self.dir}: its config.json")
         self.on_read: Callable[[int], None] | None = None  # told the bytes of each dense tensor read (progress)
-        # int4 matrices as read: their rows interleaved for the CPU kernels (quant.py, Layout),
-        # or row-major as stored (EngineConfig.int4_layout "rows": a comparison, a fallback).
-        self.interleave_int4 = True
+        # int4 and q8_0 matrices as read: their rows interleaved for the CPU kernels (quant.py,
+        # Layout), or row-major as stored (EngineConfig.weight_layout "rows": for comparisons).
+        self.interleave_rows = True
         if self.manifest.get("version") != FORMAT_VERSION:
             raise ColibriError(f"{self.dir}: container version {self.manifest.get('version')} is not "
                                f"supported (expected {FORMAT_VERSION}); re-convert the model")
@@ -171,8 +171,8 @@ class Container:
         return name in self.manifest["tensors"]
 
     def tensor(self, name: str) -> QTensor | np.ndarray:
-        """A dense tensor copied into RAM: 2-D -> QTensor (int4 rows interleaved in place unless
-        interleave_int4 is off), 1-D -> float32 array."""
+        """A dense tensor copied into RAM: 2-D -> QTensor (int4 and q8_0 rows interleaved in place
+        unless interleave_rows is off), 1-D -> float32 array."""
         spec = self.manifest["tensors"].get(name)
         if spec is None:
             raise ColibriError(f"{self.dir}: tensor {name} is missing; the container does not match its config")
@@ -183,7 +183,7 @@ class Container:
         if len(spec["shape"]) == 1:
             return parts["q"].astype(np.float32)
         t = QTensor(spec["scheme"], tuple(spec["shape"]), parts["q"], parts.get("scales"), parts.get("mins"))
-        return interleaved(t, in_place=True) if self.interleave_int4 else t
+        return interleaved(t, in_place=True) if self.interleave_rows else t
 
     @property
     def has_checksums(self) -> bool:

@@ -224,9 +224,9 @@ class ExpertStore:
             per_layer, max((l.num_experts for l in container.expert_layouts.values()), default=0))
         max_blob = max((l.blob_bytes for l in container.expert_layouts.values()), default=0)
         self.slots = _Pool(self.slots_per_layer * len(prefixes), max_blob)
-        # Blobs read into RAM (slots, staging buffers) get their int4 rows interleaved, as the
+        # Blobs read into RAM (slots, staging buffers) get their rows interleaved, as the
         # dense matrices do (kernels/quant.py, Layout); mapped files are served as stored.
-        self.interleaved = container.interleave_int4 and config.io != "mmap"
+        self.interleaved = container.interleave_rows and config.io != "mmap"
         self.layers = {p: _Layer(p, container.expert_layouts[p], self.slots, self.interleaved) for p in prefixes}
         # Staging buffers serve misses that have no RAM slot (budget 0, or every slot in use by
         # this very call); 2 per reader keeps the pipeline full.

@@ -72,9 +72,9 @@ class ResidentExperts:
         for prefix, layout in container.expert_layouts.items():
             store = arena(layout.num_experts * layout.blob_bytes, touch=False)
             store = store.reshape(layout.num_experts, layout.blob_bytes)
-            # Each blob's int4 rows are interleaved once read (_read), as the container's dense
+            # Each blob's rows are interleaved once read (_read), as the container's dense
             # matrices are: the layout the kernels stream fastest (kernels/quant.py, Layout).
-            ilv = container.interleave_int4
+            ilv = container.interleave_rows
             self.layers[prefix] = [layout.unpack(store[e], interleaved=ilv) for e in range(layout.num_experts)]
             self._blobs[prefix] = store
             self._stacked[prefix] = StackedExperts.view(store, layout.blob_bytes, layout.num_experts,
@@ -151,7 +151,7 @@ class ResidentExperts:
         try:
             blob = self._blobs[prefix][e]
             nbytes = read_expert(self._container, self._fd(prefix), prefix, e, blob, self._verify)
-            if self._container.interleave_int4:
+            if self._container.interleave_rows:
                 self._container.expert_layouts[prefix].interleave(blob)
         except BaseException as err:
             with self._cv:

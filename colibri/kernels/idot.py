@@ -134,19 +134,20 @@ def _hsum(builder, v):
 def _idot_codegen(nrows: int, half: int, mins: bool, ncols: int | None = None):
     """Codegen of (q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, out, ilv) -> None:
     out[0:nrows] = rows r..r+nrows-1 of the int4 x int8 product (q's rows interleaved in blocks
-    of ilv: quant.py, Layout; cpu._tile_codegen addresses them the same way); the same bytes of rows rn.. are prefetched, with
-    their scales (and mins): without the scales' prefetch SmolLM2's int8 decode took 10.4-11.9 ms a
-    token against 9.4-10.4 with it (AMD EPYC, 2 threads, `python bench/decode_phases.py
-    --activations int8`, alternated).
+    of ilv: quant.py, Layout, found as cpu._tile_codegen finds them). The same bytes of rows rn..
+    are prefetched, with their scales (and mins): without the scales' prefetch SmolLM2's int8
+    decode took 10.4-11.9 ms a token against 9.4-10.4 with it (AMD EPYC, 2 threads,
+    `python bench/decode_phases.py --activations int8`, alternated).
     half: bytes per weight group (16 or 32), a constant so the lane -> group shuffles are.
     mins: q4_1 (offs holds the mins); else symmetric, offs unused.
     Per-x arrays (quantize_into): xlo/xhi int8 [n/2]; per 4-byte lane: negc int32 (-8 * the
     lane's sum of xq), xsl float32 (s_x * that sum), sxl float32 (s_x of the lane's group).
 
     ncols (prefill's tile): the x arrays are [L, ...] (quantize_rows), an argument l0 follows
-    sxl, and out (before ilv) is y [L, out_features]: y[l0 + i, r + j] for i < ncols, j < nrows. Each weight
-    chunk is loaded and unpacked once for the ncols activation rows; every (row, activation row)
-    pair runs the same operations in the same order as the one-row form, so the same bits."""
+    sxl, and out (before ilv) is y [L, out_features]: y[l0 + i, r + j] for i < ncols, j < nrows.
+    Each weight chunk is loaded and unpacked once for the ncols activation rows; every (row,
+    activation row) pair runs the same operations in the same order as the one-row form, so the
+    same bits."""
     tile = ncols is not None
     nc = ncols or 1
 

@@ -9,10 +9,11 @@ the down rows of the output are split over the threads with each row summing its
 two parallel regions per layer.
 
 The experts are addressed in place: `FusedExperts` knows where each projection's arrays sit
-inside one layer's expert blob, and whether the blobs' q arrays were interleaved once read
-(quant.py, Layout: the sources that read blobs into RAM do; a mapped file is as stored), and runs the kernel over a block of blobs laid out at a fixed
-stride (ResidentExperts' per-layer array, the ExpertStore's slot pool: `StackedExperts`) or
-over one blob anywhere (a staging buffer, a mapped file), so nothing is copied.
+inside one layer's expert blob and whether the blobs' q arrays were interleaved once read
+(quant.py, Layout: the sources that read blobs into RAM do; a mapped file is as stored). It
+runs the kernel over a block of blobs laid out at a fixed stride (ResidentExperts' per-layer
+array, the ExpertStore's slot pool: `StackedExperts`) or over one blob anywhere (a staging
+buffer, a mapped file), so nothing is copied.
 
 Placement must change speed, never tokens. Every int4 routed expert of a decode step goes
 through this one compiled function, however its blob is held: a row's value depends only on
@@ -67,10 +68,11 @@ class FusedExperts:
         if any("mins" in projections[p]["parts"] or projections[p]["shape"][0] % 8 for p in PROJECTIONS):
             return None  # (every row count is a multiple of 32 for int4 experts: their rows are
             #             the other projections' inputs, so the 8-row blocks cover them all)
+        def width(spec):
+            return interleave_width_of(spec["scheme"], spec["shape"]) if interleaved else 1
+
         layout = np.array([[projections[p]["parts"]["q"][0], projections[p]["parts"]["scales"][0],
-                            *projections[p]["shape"],
-                            interleave_width_of(projections[p]["scheme"], projections[p]["shape"]) if interleaved else 1]
-                           for p in PROJECTIONS], dtype=np.int64)
+                            *projections[p]["shape"], width(projections[p])] for p in PROJECTIONS], dtype=np.int64)
         half = GROUP_SIZE[schemes.pop()] // 2
         return cls(layout, half, _chunk_shift(half))
 

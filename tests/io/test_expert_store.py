@@ -73,7 +73,7 @@ def test_row_layout_changes_no_bits(synthetic):
     assert Engine.load(synthetic, stream_experts=False).experts.fused(
         next(iter(Container(synthetic).expert_layouts))).layout[:, 4].max() > 1  # interleaved kernel
     for options in ({"stream_experts": False}, {"ram_gb": budget_gb(synthetic, 3.5), "stream_experts": True}):
-        tokens, logits = run(Engine.load(synthetic, int4_layout="rows", **options), SEQ)
+        tokens, logits = run(Engine.load(synthetic, weight_layout="rows", **options), SEQ)
         assert tokens == ref_tokens
         assert np.array_equal(logits, ref_logits)
 

@@ -97,7 +97,7 @@ def test_engine_layouts_give_the_same_bits(smollm2_container):
     logits over a prompt (prefill) and the same greedy tokens (the one-call decode)."""
     from colibri.engine import Engine
 
-    engines = {layout: Engine.load(smollm2_container, int4_layout=layout, max_context=128)
+    engines = {layout: Engine.load(smollm2_container, weight_layout=layout, max_context=128)
                for layout in ("interleaved", "rows")}
     assert engines["interleaved"].model.layers[0].attn.qkv.interleave == 8
     assert engines["rows"].model.layers[0].attn.qkv.interleave == 1
@@ -111,5 +111,5 @@ def test_engine_refuses_an_unknown_layout(smollm2_container):
     from colibri.engine import Engine
     from colibri.errors import ColibriError
 
-    with pytest.raises(ColibriError, match="int4_layout must be one of interleaved, rows"):
-        Engine.load(smollm2_container, int4_layout="columns")
+    with pytest.raises(ColibriError, match="weight_layout must be one of interleaved, rows"):
+        Engine.load(smollm2_container, weight_layout="columns")
