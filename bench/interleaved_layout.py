@@ -1,22 +1,22 @@
 """Does a block-interleaved int4 layout stream faster than row-major rows? (issue 15, item 1).
 Benchmark only. The measurement that led to colibri's interleaved rows (kernels/quant.py,
-Layout); colibri interleaves q only, leaving scales row-major, which kept most of the gain
-(README, Measured, fifth session).
+Layout). Three layouts: row-major; q and scales interleaved; q only, scales row-major, which
+is what colibri does (README, Measured, fifth session).
 
     python bench/interleaved_layout.py [--repeats 10]
 
-colibri's int4 matrices are row-major: a row's bytes, then the next row's, and the scales in a
-separate [rows, groups] array. The decode kernels read W rows at a time (8, or 2 for rows of
+Row-major int4 matrices: a row's bytes, then the next row's, and the scales in a separate
+[rows, groups] array. The decode kernels read W rows at a time (8, or 2 for rows of
 1 KB or more), one 64-byte block of each row per step. That is W separate streams of weights and
 W of scales, each advancing 64 bytes (or 8 bytes of scales) a step. In the interleaved layout
 the W rows' k-th blocks lie side by side, and so do their scales, so a step reads one run of
 W x 64 contiguous bytes. llama.cpp repacks Q4_0 this way for its x86 kernels (block_q4_0x8).
 
-Both layouts run the same exact arithmetic: the int4 block of colibri.kernels.cpu (nibbles
+Every layout runs the same exact arithmetic: the int4 block of colibri.kernels.cpu (nibbles
 masked in place, converted, multiply-added in the same order), with the next step's data
-prefetched. The script checks that both give the same bits, then reads int4_g64 matrices at
+prefetched. The script checks that all give the same bits, then reads int4_g64 matrices at
 two widths (Qwen3's 2048 inputs, 1 KB rows; its experts' 768 inputs, 384 B rows) from DRAM:
-a pool of copies larger than the caches, W = 8 and 2, the two layouts alternated, medians.
+a pool of copies larger than the caches, W = 8 and 2, the layouts alternated, medians.
 The tile here is a stripped-down copy of the kernel's (one activation row, symmetric groups
 of 64, no offset term, whole blocks only): enough to time the reads.
 """
@@ -48,7 +48,11 @@ def _i32(v: int) -> ir.Constant:
     return ir.Constant(_I32, v)
 
 
-def make_tile(W: int, interleaved: bool):
+# The layouts compared: (q interleaved, scales interleaved). colibri uses "q only".
+LAYOUTS = {"row-major": (False, False), "interleaved": (True, True), "q only": (True, False)}
+
+
+def make_tile(W: int, q_inter: bool, s_inter: bool):
     """An intrinsic (q, scales, r, rn, xp, out): out[0:W] = rows r..r+W-1 of q (int4_g64
     nibbles, row-major or interleaved in blocks of W rows) times x prepared by
     cpu._prepare_x; the same data of rows rn.. prefetched."""
@@ -66,15 +70,15 @@ def make_tile(W: int, interleaved: bool):
             xb = builder.bitcast(xa.data, _F32.as_pointer())
             ob = builder.bitcast(oa.data, _F32.as_pointer())
 
-            def starts(base, row, stride, lane_step):
+            def starts(base, row, stride, lane_step, interleaved):
                 """Where row + j's data starts: row-major, or inside its block of W rows."""
                 if interleaved:
                     return [builder.gep(base, [builder.add(builder.mul(row, stride), _i64(lane_step * j))])
                             for j in range(W)]
                 return [builder.gep(base, [builder.mul(builder.add(row, _i64(j)), stride)]) for j in range(W)]
 
-            qrows, next_q = starts(qb, r, row_bytes, 64), starts(qb, rn, row_bytes, 64)
-            srows, next_s = starts(sb, r, ngroups, 2), starts(sb, rn, ngroups, 2)
+            qrows, next_q = starts(qb, r, row_bytes, 64, q_inter), starts(qb, rn, row_bytes, 64, q_inter)
+            srows, next_s = starts(sb, r, ngroups, 2, s_inter), starts(sb, rn, ngroups, 2, s_inter)
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3),
                                                  "llvm.fmuladd.v16f32")
             pf = cgutils.get_or_insert_function(
@@ -87,8 +91,8 @@ def make_tile(W: int, interleaved: bool):
             spread = ir.Constant(ir.VectorType(_I32, 16), [i * 2 // 16 for i in range(16)])  # 2 groups a block
             with cgutils.for_range(builder, builder.udiv(row_bytes, _i64(64))) as loop:
                 bi = loop.index
-                qoff = builder.mul(bi, _i64(64 * W if interleaved else 64))
-                soff = builder.mul(bi, _i64(2 * W if interleaved else 2))
+                qoff = builder.mul(bi, _i64(64 * W if q_inter else 64))
+                soff = builder.mul(bi, _i64(2 * W if s_inter else 2))
                 e = builder.shl(bi, _i64(7))
                 xs = [builder.load(builder.bitcast(builder.gep(xb, [builder.add(e, _i64(16 * k))]), _V16F.as_pointer()),
                                    align=4) for k in range(8)]
@@ -111,13 +115,13 @@ def make_tile(W: int, interleaved: bool):
                 builder.store(cpu._hsum(builder, builder.load(accs[j])), builder.gep(ob, [_i64(j)]))
             return context.get_dummy_value()
         return sig, codegen
-    tile.__name__ = tile.__qualname__ = f"_tile{W}_{'interleaved' if interleaved else 'rows'}"
+    tile.__name__ = tile.__qualname__ = f"_tile{W}_{int(q_inter)}{int(s_inter)}"
     return intrinsic(tile)
 
 
-def make_matvec(W: int, interleaved: bool):
+def make_matvec(W: int, q_inter: bool, s_inter: bool):
     """y = W @ x over the whole matrix with make_tile's tile, each thread a contiguous run."""
-    tile = make_tile(W, interleaved)
+    tile = make_tile(W, q_inter, s_inter)
 
     @njit(parallel=True)
     def matvec(q, scales, xp, y, nthreads):
@@ -161,29 +165,35 @@ def work(repeats: int) -> None:
         return (rng.integers(0, 256, (rows, n // 2), dtype=np.uint8),
                 rng.random((rows, n // 64), dtype=np.float32))
 
+    def laid_out(q, s, W, name):
+        q_inter, s_inter = LAYOUTS[name]
+        qi, si = interleave(q, s, W)
+        return (qi if q_inter else q), (si if s_inter else s)
+
     for W in (8, 2):
-        matvecs = {False: make_matvec(W, False), True: make_matvec(W, True)}
+        matvecs = {name: make_matvec(W, *LAYOUTS[name]) for name in LAYOUTS}
         q, s = matrix(64, 2048)
         xp = cpu._prepare_x(rng.standard_normal(2048).astype(np.float32), 32)
-        y_rows, y_inter = np.empty(64, np.float32), np.empty(64, np.float32)
-        matvecs[False](q, s, xp, y_rows, 2)
-        matvecs[True](*interleave(q, s, W), xp, y_inter, 2)
-        assert np.array_equal(y_rows, y_inter), "the two layouts must give the same bits"
+        ys = {name: np.empty(64, np.float32) for name in LAYOUTS}
+        for name in LAYOUTS:
+            matvecs[name](*laid_out(q, s, W, name), xp, ys[name], 2)
+            assert np.array_equal(ys[name], ys["row-major"]), "every layout must give the same bits"
         for n, rows, count in ((2048, 3072, 120), (768, 4096, 200)):  # ~0.4 GB each: past the caches
-            mats = {False: [matrix(rows, n) for _ in range(count)]}
-            mats[True] = [interleave(q, s, W) for q, s in mats[False]]
+            plain = [matrix(rows, n) for _ in range(count)]
+            mats = {name: [laid_out(q, s, W, name) for q, s in plain] for name in LAYOUTS}
+            del plain
             xp = cpu._prepare_x(rng.standard_normal(n).astype(np.float32), 32)
             y = np.empty(rows, np.float32)
-            nbytes = sum(q.nbytes + s.nbytes for q, s in mats[False])
-            gbs = {False: [], True: []}
+            nbytes = sum(q.nbytes + s.nbytes for q, s in mats["row-major"])
+            gbs = {name: [] for name in LAYOUTS}
             for rnd in range(repeats):
-                for inter in ((False, True) if rnd % 2 else (True, False)):
+                for name in (list(LAYOUTS) if rnd % 2 else list(LAYOUTS)[::-1]):
                     t0 = time.perf_counter()
-                    for q, s in mats[inter]:
-                        matvecs[inter](q, s, xp, y, 2)
-                    gbs[inter].append(nbytes / (time.perf_counter() - t0) / 1e9)
+                    for q, s in mats[name]:
+                        matvecs[name](q, s, xp, y, 2)
+                    gbs[name].append(nbytes / (time.perf_counter() - t0) / 1e9)
             print(f"W={W} {n:5d} inputs ({n // 2:4d} B rows), {nbytes / 1e9:.2f} GB from DRAM, 2 threads: "
-                  f"row-major {statistics.median(gbs[False]):5.1f}  interleaved {statistics.median(gbs[True]):5.1f} GB/s")
+                  + "  ".join(f"{name} {statistics.median(gbs[name]):5.1f}" for name in LAYOUTS) + " GB/s")
 
 
 if __name__ == "__main__":
