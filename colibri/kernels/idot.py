@@ -399,12 +399,14 @@ def quantize_rows(x, half):
 
 # Rows interleaved in pairs (rows of quant.PAIR_ROW_BYTES or more) are read a pair at a time,
 # each pair prefetching the next, so a thread walks its rows' bytes front to back in one
-# stream; an 8-row tile over pairs walks four streams 2 KB apart. From DRAM, int4 rows of
-# 1 KB (2048 inputs: Qwen3's q/k/v, gate and up), 65536-row matvecs, 2 threads, alternated in
-# one process: 18.8-22.2 GB/s in 8-row tiles, 26.1-33.6 in pairs (1.4x); in the L2 cache
-# pairs are ~13% slower (fewer rows share each load of x), which DRAM hides. Rows of 768 B
-# and less (interleaved in eights) read as fast in 8-row tiles, and keep them. A row's
-# operations do not depend on the tile, so the bits are the same either way.
+# stream; an 8-row tile over pairs walks four streams 2 KB apart. From DRAM, 1 KB int4 rows
+# (2048 inputs: Qwen3's q/k/v, gate and up), 2 threads (`python bench/row_stream.py --scheme
+# int4-int8 --layout interleaved --shapes 2048`, three runs): eight at a time 22.1-25.1 GB/s,
+# pairs 25.6-30.7; Qwen3-30B-A3B shapes, every expert in RAM, `--activations int8`: 0.78x ->
+# 0.98-1.00x llama.cpp (README, sixth session). In the L2 cache pairs are ~13% slower (fewer
+# rows share each load of x), which DRAM hides. Rows of 768 B and less (interleaved in
+# eights) read as fast either way and keep 8-row tiles. A row's operations do not depend on
+# the tile, so the bits are the same either way.
 
 
 @njit(cache=True)
