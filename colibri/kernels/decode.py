@@ -219,7 +219,7 @@ def _rows_phase(w, x, xp, y, ctr, phase, nthreads, t, act, d, state):
 
 
 @njit(cache=True)
-def _attention_phase(q, kc, vc, n_keys, scale, ms, ls, accs, ctr, phase, nthreads, t, state):
+def _attention_phase(q, kc, vc, n_keys, scale, ms, ls, accs, scratch, ctr, phase, nthreads, t, state):
     """ops.attend_rows' (KV head, chunk) items of one query, shared out to the team."""
     KV, nc = ms.shape[0], ms.shape[1]
     C = ops.ATTEND_CHUNK
@@ -235,7 +235,7 @@ def _attention_phase(q, kc, vc, n_keys, scale, ms, ls, accs, ctr, phase, nthread
         for g in range(a.shape[0]):
             for e in range(a.shape[1]):
                 a[g, e] = 0.0
-        ops._attend_chunk(q, kc, vc, kv, c * C, min(n_keys - c * C, C), scale, ms[kv, c], ls[kv, c], a)
+        ops._attend_chunk(q, kc, vc, kv, c * C, min(n_keys - c * C, C), scale, scratch, ms[kv, c], ls[kv, c], a)
     finish(ctr, phase, KV * nc, nthreads, state)
 
 
@@ -319,6 +319,7 @@ def _token_thread(t, x0, layers, kcs, vcs, pos, cos, sin, rot, n_heads, n_kv, he
     nc = ms.shape[2]
     d = np.empty(8, np.float32)
     state = np.zeros(2, np.int64)
+    scratch = np.empty((n_heads // n_kv, ops.ATTEND_CHUNK), np.float32)
     x = x0.copy()
     for i in range(len(layers)):
         in_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, down, q_norm, k_norm = layers[i]
@@ -332,8 +333,8 @@ def _token_thread(t, x0, layers, kcs, vcs, pos, cos, sin, rot, n_heads, n_kv, he
         # Every thread writes this position's K and V (the same bits) before it attends.
         _prepare_row(row, cos, sin, rot, kcs[i], vcs[i], pos, n_heads, n_kv, head_dim, qk_norm, q_norm, k_norm,
                      norm_eps, clip, q[0])
-        _attention_phase(q[0], kcs[i], vcs[i], pos + 1, scale, ms[i], ls[i], accs[i], ctr, 5 * i + 1, nthreads, t,
-                         state)
+        _attention_phase(q[0], kcs[i], vcs[i], pos + 1, scale, ms[i], ls[i], accs[i], scratch, ctr, 5 * i + 1,
+                         nthreads, t, state)
         att = np.empty((1, n_heads * head_dim), np.float32)
         ops._merge_chunks(ms[i], ls[i], accs[i], nc, att[0])
         _rows_phase(o, att[0], prepare(att[0], o[4], act), o_out[i], ctr, 5 * i + 2, nthreads, t, act, d, state)

@@ -89,16 +89,14 @@ ATTEND_CHUNK = 128
 
 
 # Decode attention streams the whole KV cache once per token (at 8k of context, SmolLM2's is
-# 377 MB of float32 against 112 MB of weights), so its loop is written for the memory: keys go
-# 16 at a time through one LLVM IR intrinsic (_step16) that prefetches the next 16 rows of its
-# K and V streams (one row stream per thread was too few reads in flight for the hardware
-# prefetcher: 11 GB/s; with the prefetches 20) and reads K and V of the same 16 keys together
-# under an online softmax rather than in two passes over the chunk. Scores come out as one
-# 16-lane vector per head by a transposed tree of shuffles instead of a horizontal sum per key;
-# the softmax runs on those vectors (a scalar loop had taken as long as the scores and values
-# together), and the value rows go through four column blocks at once on independent chains.
-# The kernel alone at SmolLM2's shapes, 8k of context (bench/decode_attention.py): 25.3 ->
-# 18.2 ms a token with the prefetches, then ~10% less with the vector softmax.
+# 377 MB of float32 against 112 MB of weights), so its loops are written for the memory: keys
+# go 16 at a time through two LLVM IR intrinsics, each of which prefetches the next 16 rows of
+# its own stream (one K or V row stream per thread was too few reads in flight for the
+# hardware prefetcher: 11 GB/s; with the prefetches 20), and K and V of the same 16 keys are
+# read together under an online softmax rather than in two passes over the chunk. The kernel
+# alone at SmolLM2's shapes, 8k of context: 25.3 -> 18.2 ms a token (bench/decode_attention.py).
+# Scores come out as one 16-lane vector per head by a transposed tree of shuffles instead of a
+# horizontal sum per key.
 _F32 = ir.FloatType()
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
@@ -231,145 +229,81 @@ def _kv_put(a, g, t, d, x):
     return put
 
 
-def _vmax(builder, a, b):
-    """max(a, b) lanewise as x86's maxps computes it (b where a is not greater): one
-    instruction, where llvm.maxnum adds NaN fix-ups."""
-    return builder.select(builder.fcmp_ordered(">", a, b), a, b)
-
-
-def _vmin(builder, a, b):
-    return builder.select(builder.fcmp_ordered("<", a, b), a, b)
-
-
-def _splat_const(c):
-    return ir.Constant(_V16F, [c] * 16)
-
-
-def _vexp(builder, x):
-    """expf (above) on 16 lanes: the same clamp, reduction and polynomial."""
-    x = _vmin(builder, _vmax(builder, x, _splat_const(-87.0)), _splat_const(88.0))
-    floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F]), "llvm.floor.v16f32")
-    n = builder.call(floor, [builder.fadd(builder.fmul(x, _splat_const(1.44269504088896341)), _splat_const(0.5))])
-    r = builder.fadd(builder.fsub(x, builder.fmul(n, _splat_const(0.693359375))),
-                     builder.fmul(n, _splat_const(2.12194440e-4)))
-    p = _splat_const(1.9875691500e-4)
-    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
-        p = builder.fadd(builder.fmul(p, r), _splat_const(c))
-    p = builder.fadd(builder.fadd(builder.fmul(builder.fmul(p, r), r), r), _splat_const(1.0))
-    v16i = ir.VectorType(_I32, 16)
-    bits = builder.shl(builder.add(builder.fptosi(n, v16i), ir.Constant(v16i, [127] * 16)), ir.Constant(v16i, [23] * 16))
-    return builder.fmul(p, builder.bitcast(bits, _V16F))
-
-
-def _fold(builder, v, op):
-    """The 16 lanes folded by halves with op (a fixed tree, so a fixed order): lane 0 of the result."""
-    n = 16
-    while n > 1:
-        n //= 2
-        v = op(v, builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 16), [(i + n) % 16 for i in range(16)])))
-    return builder.extract_element(v, ir.Constant(_I32, 0))
-
-
-STEP_MAX_GROUP = 32  # query heads per KV head _step16 takes (its score buffer); larger groups take the element loop
-_VALUE_UNROLL = 4  # 16-float column blocks of the value rows per pass: independent chains
-
-
 @intrinsic
-def _step16(typingctx, q, k, v, kv, t, scale, ms, ls, accs):
-    """Keys t .. t + 15 of KV head kv for its G = ms.shape[0] <= STEP_MAX_GROUP query heads
-    under the online softmax of _attend_chunk: every head's 16 scores (scale * q . k) first,
-    then per head its running max ms[g] raised (ls[g] and accs[g] rescaled) when a score passes
-    it and the 16 exponentials added to ls[g], then their value rows added to accs[g] [Dv].
-    Three passes over the heads, not one per head, so each pass's heads are independent work
-    the core overlaps (the softmax is a chain of dependent steps). Dk and Dv multiples of 16.
-    Prefetches the K and V rows of the next 16 keys."""
-    if not (_is_c_f32(q, 2) and _is_kv(k) and _is_kv(v) and _is_c_f32(ms, 1) and _is_c_f32(ls, 1)
-            and _is_c_f32(accs, 2)):
+def _scores16(typingctx, q, k, kv, t, scale, s, j):
+    """s[g, j + i] = scale * dot(q[kv * G + g], k[kv, t + i]) for i < 16 and every g < G =
+    s.shape[0]; Dk (q.shape[1]) a multiple of 16. Prefetches K rows t + 16 .. t + 31."""
+    if not (_is_c_f32(q, 2) and _is_kv(k) and _is_c_f32(s, 2)):
         return None
 
     def codegen(context, builder, sig, args):
-        qa, ka, va, msa, lsa, aa = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 1, 2, 6, 7, 8))
-        kv, t, scale = args[3], args[4], args[5]
-        G = cgutils.unpack_tuple(builder, msa.shape, 1)[0]
-        kdt, vdt = sig.args[1].dtype, sig.args[2].dtype
+        qa, ka, sa = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 1, 5))
+        kv, t, scale, j = args[2], args[3], args[4], args[6]
+        G, C = cgutils.unpack_tuple(builder, sa.shape, 2)
+        kdt = sig.args[1].dtype
         krows, Dk = _cache_rows(builder, ka, kdt, kv, t)
-        vrows, Dv = _cache_rows(builder, va, vdt, kv, t)
         fma = _fma16(builder)
         qbase = builder.bitcast(qa.data, _F32.as_pointer())
-        mbase = builder.bitcast(msa.data, _F32.as_pointer())
-        lbase = builder.bitcast(lsa.data, _F32.as_pointer())
-        abase = builder.bitcast(aa.data, _F32.as_pointer())
+        sbase = builder.bitcast(sa.data, _F32.as_pointer())
         scale16 = _splat16(builder, scale)
-        zero = _splat_const(0.0)
-        # every head's 16 scores, then its 16 exponentials, in place
-        sbuf = cgutils.alloca_once(builder, ir.ArrayType(_V16F, STEP_MAX_GROUP))
-        spos = builder.bitcast(sbuf, _V16F.as_pointer())
-        sacc = [cgutils.alloca_once(builder, _V16F) for _ in range(_ROWS)]
         with cgutils.for_range(builder, G) as head:
             g = head.index
             qrow = builder.gep(qbase, [builder.mul(builder.add(builder.mul(kv, G), g), Dk)])
-            for acc in sacc:
-                builder.store(zero, acc)
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * 16)) for _ in range(_ROWS)]
             with cgutils.for_range(builder, builder.lshr(Dk, _c64(4))) as chunk:
                 off = builder.shl(chunk.index, _c64(4))
                 qv = builder.load(_v16_ptr(builder, qrow, off), align=4)
-                for i, acc in enumerate(sacc):
+                for i, acc in enumerate(accs):
                     kv16 = _load16(builder, krows, builder.add(builder.mul(_c64(i), Dk), off), kdt)
                     builder.store(builder.call(fma, [qv, kv16, builder.load(acc)]), acc)
-            builder.store(builder.fmul(_transposed_sums(builder, [builder.load(a) for a in sacc]), scale16),
-                          builder.gep(spos, [g]))
-        with cgutils.for_range(builder, G) as head:
-            g = head.index
-            sc = builder.load(builder.gep(spos, [g]))
-            top = _fold(builder, sc, lambda a, b: _vmax(builder, a, b))
-            mptr, lptr = builder.gep(mbase, [g]), builder.gep(lbase, [g])
-            m_old = builder.load(mptr)
-            with builder.if_then(builder.fcmp_ordered(">", top, m_old), likely=False):
-                # the running max rises: the sums so far scale by e^(old - new)
-                c16 = _vexp(builder, _splat16(builder, builder.fsub(m_old, top)))
-                builder.store(builder.fmul(builder.load(lptr), builder.extract_element(c16, ir.Constant(_I32, 0))), lptr)
-                arow = builder.gep(abase, [builder.mul(g, Dv)])
-                with cgutils.for_range(builder, builder.lshr(Dv, _c64(4))) as chunk:
-                    p = _v16_ptr(builder, arow, builder.shl(chunk.index, _c64(4)))
-                    builder.store(builder.fmul(builder.load(p, align=4), c16), p, align=4)
-                builder.store(top, mptr)
-            e = _vexp(builder, builder.fsub(sc, _splat16(builder, builder.load(mptr))))
-            builder.store(e, builder.gep(spos, [g]))
-            builder.store(builder.fadd(builder.load(lptr), _fold(builder, e, builder.fadd)), lptr)
-        with cgutils.for_range(builder, G) as head:
-            g = head.index
-            arow = builder.gep(abase, [builder.mul(g, Dv)])
-            erow = builder.bitcast(builder.gep(spos, [g]), _F32.as_pointer())
-            ps = [_splat16(builder, builder.load(builder.gep(erow, [_c64(i)]))) for i in range(_ROWS)]
-
-            def blocks(base, n):
-                # accs[g] += sum_i e_i v_i over n column blocks of 16; even and odd keys on two chains
-                offs = [builder.add(base, _c64(16 * u)) for u in range(n)]
-                even = [builder.load(_v16_ptr(builder, arow, o), align=4) for o in offs]
-                odd = [zero] * n
-                for i in range(0, _ROWS, 2):
-                    for u, o in enumerate(offs):
-                        v0 = _load16(builder, vrows, builder.add(builder.mul(_c64(i), Dv), o), vdt)
-                        v1 = _load16(builder, vrows, builder.add(builder.mul(_c64(i + 1), Dv), o), vdt)
-                        even[u] = builder.call(fma, [ps[i], v0, even[u]])
-                        odd[u] = builder.call(fma, [ps[i + 1], v1, odd[u]])
-                for u, o in enumerate(offs):
-                    builder.store(builder.fadd(even[u], odd[u]), _v16_ptr(builder, arow, o), align=4)
-            wide = builder.udiv(Dv, _c64(16 * _VALUE_UNROLL))
-            with cgutils.for_range(builder, wide) as blk:
-                blocks(builder.mul(blk.index, _c64(16 * _VALUE_UNROLL)), _VALUE_UNROLL)
-            done = builder.mul(wide, _c64(16 * _VALUE_UNROLL))
-            with cgutils.for_range(builder, builder.lshr(builder.sub(Dv, done), _c64(4))) as blk:
-                blocks(builder.add(done, builder.shl(blk.index, _c64(4))), 1)
+            dots = _transposed_sums(builder, [builder.load(a) for a in accs])
+            dst = builder.gep(sbase, [builder.add(builder.mul(g, C), j)])
+            builder.store(builder.fmul(dots, scale16), builder.bitcast(dst, _V16F.as_pointer()), align=4)
         return context.get_dummy_value()
-    return types.void(q, k, v, kv, t, scale, ms, ls, accs), codegen
+    return types.void(q, k, kv, t, scale, s, j), codegen
+
+
+@intrinsic
+def _values16(typingctx, v, kv, t, s, j, accs):
+    """accs[g] += sum_i s[g, j + i] * v[kv, t + i] for i < 16 and every g; Dv a multiple of 16.
+    Even and odd keys go to two chains (one chain of dependent multiply-adds ran at half the
+    rate), added at the end. Prefetches V rows t + 16 .. t + 31."""
+    if not (_is_kv(v) and _is_c_f32(s, 2) and _is_c_f32(accs, 2)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        va, sa, aa = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 3, 5))
+        kv, t, j = args[1], args[2], args[4]
+        G, C = cgutils.unpack_tuple(builder, sa.shape, 2)
+        vdt = sig.args[0].dtype
+        vrows, Dv = _cache_rows(builder, va, vdt, kv, t)
+        fma = _fma16(builder)
+        sbase = builder.bitcast(sa.data, _F32.as_pointer())
+        abase = builder.bitcast(aa.data, _F32.as_pointer())
+        with cgutils.for_range(builder, G) as head:
+            g = head.index
+            srow = builder.gep(sbase, [builder.add(builder.mul(g, C), j)])
+            arow = builder.gep(abase, [builder.mul(g, Dv)])
+            ps = [_splat16(builder, builder.load(builder.gep(srow, [_c64(i)]))) for i in range(_ROWS)]
+            with cgutils.for_range(builder, builder.lshr(Dv, _c64(4))) as chunk:
+                off = builder.shl(chunk.index, _c64(4))
+                even = builder.load(_v16_ptr(builder, arow, off), align=4)
+                odd = ir.Constant(_V16F, [0.0] * 16)
+                for i in range(0, _ROWS, 2):
+                    v0 = _load16(builder, vrows, builder.add(builder.mul(_c64(i), Dv), off), vdt)
+                    v1 = _load16(builder, vrows, builder.add(builder.mul(_c64(i + 1), Dv), off), vdt)
+                    even = builder.call(fma, [ps[i], v0, even])
+                    odd = builder.call(fma, [ps[i + 1], v1, odd])
+                builder.store(builder.fadd(even, odd), _v16_ptr(builder, arow, off), align=4)
+        return context.get_dummy_value()
+    return types.void(v, kv, t, s, j, accs), codegen
 
 
 @njit(cache=True, fastmath={"reassoc", "contract", "nsz"})
-def _attend_chunk(q, k, v, kv, t0, m_len, scale, ms, ls, accs):
+def _attend_chunk(q, k, v, kv, t0, m_len, scale, s, ms, ls, accs):
     """Keys t0 .. t0+m_len of KV head kv for its G query heads, one pass under an online
     softmax: each head's max score into ms, its exp-sum into ls and its exp-weighted value sum
-    into accs (zeros on entry). Element loops only: a slice
+    into accs (zeros on entry); s is a [G, ATTEND_CHUNK] scratch. Element loops only: a slice
     store compiles its shape-mismatch error path, seconds of a first start's compile. No calls
     that take arrays inside the loops: each one paid reference counting on its arrays (with the
     rescale as a function, a third of the kernel's time with the cache in L2)."""
@@ -378,9 +312,27 @@ def _attend_chunk(q, k, v, kv, t0, m_len, scale, ms, ls, accs):
         ms[g] = -np.inf
         ls[g] = 0.0
     j = 0
-    if Dk % _ROWS == 0 and Dv % _ROWS == 0 and G <= STEP_MAX_GROUP:
+    if Dk % _ROWS == 0 and Dv % _ROWS == 0:
         while j + _ROWS <= m_len:
-            _step16(q, k, v, kv, t0 + j, scale, ms, ls, accs)
+            _scores16(q, k, kv, t0 + j, scale, s, j)
+            for g in range(G):
+                top = s[g, j]
+                for i in range(1, _ROWS):
+                    top = max(top, s[g, j + i])
+                if top > ms[g]:  # raise the running max: the sums so far scale by e^(old - new)
+                    c = expf(ms[g] - top)  # ~1e-38 while the max is still -inf, and the sums are 0
+                    ls[g] *= c
+                    for d in range(Dv):
+                        accs[g, d] *= c
+                    ms[g] = top
+                m = ms[g]
+                total = np.float32(0.0)
+                for i in range(_ROWS):
+                    e = expf(s[g, j + i] - m)
+                    s[g, j + i] = e
+                    total += e
+                ls[g] += total
+            _values16(v, kv, t0 + j, s, j, accs)
             j += _ROWS
     while j < m_len:  # the last < 16 keys (and head dims the intrinsics do not take)
         t = t0 + j
@@ -421,10 +373,12 @@ def attend_one(q, k, v, n, scale):
     ms = np.empty((KV, nc, G), np.float32)
     ls = np.empty((KV, nc, G), np.float32)
     accs = np.zeros((KV, nc, G, Dv), np.float32)
+    scratch = np.empty((KV * nc, G, C), np.float32)
     for item in prange(KV * nc):
         kv = item // nc
         c = item - kv * nc
-        _attend_chunk(q, k, v, kv, c * C, min(n - c * C, C), scale, ms[kv, c], ls[kv, c], accs[kv, c])
+        _attend_chunk(q, k, v, kv, c * C, min(n - c * C, C), scale, scratch[item], ms[kv, c], ls[kv, c],
+                      accs[kv, c])
     out = np.empty(H * Dv, np.float32)
     _merge_chunks(ms, ls, accs, nc, out)
     return out
@@ -478,14 +432,15 @@ def attend_rows(q, kcs, vcs, n, scale):
     ms = np.empty((B, KV, most, G), np.float32)
     ls = np.empty((B, KV, most, G), np.float32)
     accs = np.zeros((B, KV, most, G, Dv), np.float32)
+    scratch = np.empty((first[B], G, C), np.float32)
     for item in prange(first[B]):
         r = 0
         while first[r + 1] <= item:
             r += 1
         kv = (item - first[r]) // nc[r]
         c = item - first[r] - kv * nc[r]
-        _attend_chunk(q[r], kcs[r], vcs[r], kv, c * C, min(n[r] - c * C, C), scale, ms[r, kv, c], ls[r, kv, c],
-                      accs[r, kv, c])
+        _attend_chunk(q[r], kcs[r], vcs[r], kv, c * C, min(n[r] - c * C, C), scale, scratch[item],
+                      ms[r, kv, c], ls[r, kv, c], accs[r, kv, c])
     out = np.empty((B, H * Dv), np.float32)
     for r in range(B):
         _merge_chunks(ms[r], ls[r], accs[r], nc[r], out[r])
