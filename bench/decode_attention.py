@@ -5,7 +5,7 @@ layer's K/V comes from memory, not from the CPU caches. Benchmark only: no asser
 
 --baseline FILE times another copy of the kernels' module (say the last commit's, from `git show
 HEAD~1:colibri/kernels/ops.py > /tmp/ops_before.py`) in the same process, the two alternating
-repeat by repeat, and says whether their outputs are the same bits: this machine's speed
+repeat by repeat, each first in turn, and says whether their outputs are the same bits: this machine's speed
 drifts too much between processes for a before/after of a few percent.
 
     python bench/decode_attention.py [--contexts 1024,4096,8192] [--heads 9 --kv-heads 3 --head-dim 64 --layers 30]
@@ -73,8 +73,8 @@ def main() -> None:
         k, v = caches[kind]
         outs = {name: mod.attend_one(q, k[0], v[0], n, scale) for name, mod in kernels.items()}
         best = dict.fromkeys(kernels, float("inf"))
-        for _ in range(a.repeats):
-            for name, mod in kernels.items():
+        for rep in range(a.repeats):
+            for name, mod in (kernels.items() if rep % 2 == 0 else reversed(kernels.items())):  # either goes first
                 t0 = time.perf_counter()
                 for layer in range(a.layers):
                     mod.attend_one(q, k[layer], v[layer], n, scale)
