@@ -90,13 +90,15 @@ ATTEND_CHUNK = 128
 
 # Decode attention streams the whole KV cache once per token (at 8k of context, SmolLM2's is
 # 377 MB of float32 against 112 MB of weights), so its loops are written for the memory: keys
-# go 16 at a time through two LLVM IR intrinsics, each of which prefetches the next 16 rows of
-# its own stream (one K or V row stream per thread was too few reads in flight for the
-# hardware prefetcher: 11 GB/s; with the prefetches 20), and K and V of the same 16 keys are
-# read together under an online softmax rather than in two passes over the chunk. The kernel
-# alone at SmolLM2's shapes, 8k of context: 25.3 -> 18.2 ms a token (bench/decode_attention.py).
-# Scores come out as one 16-lane vector per head by a transposed tree of shuffles instead of a
-# horizontal sum per key.
+# go 16 at a time through two LLVM IR intrinsics, and K and V of the same 16 keys are read
+# together under an online softmax rather than in two passes over the chunk. Both intrinsics
+# read their 16 rows row by row, in address order, with no software prefetch: the hardware
+# prefetcher then runs ahead of the arithmetic. Read column block by column block (16 floats
+# of each of the 16 rows, then the next 16), the same bytes came at half the rate, and
+# prefetching the next 16 rows by hand only partly made up for it (the kernel alone at
+# SmolLM2's shapes, 8k of context, 2 threads: 22.2-22.7 -> 12.7 ms a token, 17 -> 30 GB/s;
+# bench/decode_attention.py --baseline). Scores come out as one 16-lane vector per head by a
+# transposed tree of shuffles instead of a horizontal sum per key.
 _F32 = ir.FloatType()
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
@@ -132,25 +134,10 @@ def _splat16(builder, value):
     return builder.shuffle_vector(v, ir.Constant(_V16F, ir.Undefined), ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
 
 
-def _prefetch_rows(builder, rows, width, dtype):
-    """Prefetch _ROWS contiguous rows of `width` elements from `rows`, one per 64-byte line."""
-    pf = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), _I32, _I32, _I32]),
-        "llvm.prefetch.p0")
-    per_line = 32 if dtype == types.uint16 else 16
-    with cgutils.for_range(builder, builder.udiv(builder.mul(width, _c64(_ROWS)), _c64(per_line))) as line:
-        p = builder.gep(rows, [builder.mul(line.index, _c64(per_line))])
-        # read, keep in all cache levels (a non-temporal hint measured 2x slower), data
-        builder.call(pf, [builder.bitcast(p, ir.IntType(8).as_pointer()), ir.Constant(_I32, 0),
-                          ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
-
-
 def _cache_rows(builder, ary, dtype, kv, t):
-    """Pointer to row t of KV head kv of a [KV, capacity, D] cache array, and D; the _ROWS rows
-    after the _ROWS from t on are prefetched (the next step's)."""
+    """Pointer to row t of KV head kv of a [KV, capacity, D] cache array, and D."""
     cap, width = cgutils.unpack_tuple(builder, ary.shape, 3)[1:]
     rows = builder.gep(_elements(builder, ary, dtype), [builder.mul(builder.add(builder.mul(kv, cap), t), width)])
-    _prefetch_rows(builder, builder.gep(rows, [builder.mul(_c64(_ROWS), width)]), width, dtype)
     return rows, width
 
 
@@ -232,7 +219,7 @@ def _kv_put(a, g, t, d, x):
 @intrinsic
 def _scores16(typingctx, q, k, kv, t, scale, s, j):
     """s[g, j + i] = scale * dot(q[kv * G + g], k[kv, t + i]) for i < 16 and every g < G =
-    s.shape[0]; Dk (q.shape[1]) a multiple of 16. Prefetches K rows t + 16 .. t + 31."""
+    s.shape[0]; Dk (q.shape[1]) a multiple of 16."""
     if not (_is_c_f32(q, 2) and _is_kv(k) and _is_c_f32(s, 2)):
         return None
 
@@ -250,10 +237,10 @@ def _scores16(typingctx, q, k, kv, t, scale, s, j):
             g = head.index
             qrow = builder.gep(qbase, [builder.mul(builder.add(builder.mul(kv, G), g), Dk)])
             accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * 16)) for _ in range(_ROWS)]
-            with cgutils.for_range(builder, builder.lshr(Dk, _c64(4))) as chunk:
-                off = builder.shl(chunk.index, _c64(4))
-                qv = builder.load(_v16_ptr(builder, qrow, off), align=4)
-                for i, acc in enumerate(accs):
+            for i, acc in enumerate(accs):  # row by row: the loads walk the cache in address order
+                with cgutils.for_range(builder, builder.lshr(Dk, _c64(4))) as chunk:
+                    off = builder.shl(chunk.index, _c64(4))
+                    qv = builder.load(_v16_ptr(builder, qrow, off), align=4)
                     kv16 = _load16(builder, krows, builder.add(builder.mul(_c64(i), Dk), off), kdt)
                     builder.store(builder.call(fma, [qv, kv16, builder.load(acc)]), acc)
             dots = _transposed_sums(builder, [builder.load(a) for a in accs])
@@ -265,9 +252,9 @@ def _scores16(typingctx, q, k, kv, t, scale, s, j):
 
 @intrinsic
 def _values16(typingctx, v, kv, t, s, j, accs):
-    """accs[g] += sum_i s[g, j + i] * v[kv, t + i] for i < 16 and every g; Dv a multiple of 16.
-    Even and odd keys go to two chains (one chain of dependent multiply-adds ran at half the
-    rate), added at the end. Prefetches V rows t + 16 .. t + 31."""
+    """accs[g] += sum_i s[g, j + i] * v[kv, t + i] for i < 16 in order, and every g; Dv a
+    multiple of 16. V is read row by row; each 16-float column block of accs[g] is its own
+    chain of multiply-adds (four or eight of them side by side at Dv 64 or 128)."""
     if not (_is_kv(v) and _is_c_f32(s, 2) and _is_c_f32(accs, 2)):
         return None
 
@@ -285,16 +272,36 @@ def _values16(typingctx, v, kv, t, s, j, accs):
             srow = builder.gep(sbase, [builder.add(builder.mul(g, C), j)])
             arow = builder.gep(abase, [builder.mul(g, Dv)])
             ps = [_splat16(builder, builder.load(builder.gep(srow, [_c64(i)]))) for i in range(_ROWS)]
-            with cgutils.for_range(builder, builder.lshr(Dv, _c64(4))) as chunk:
-                off = builder.shl(chunk.index, _c64(4))
-                even = builder.load(_v16_ptr(builder, arow, off), align=4)
-                odd = ir.Constant(_V16F, [0.0] * 16)
-                for i in range(0, _ROWS, 2):
-                    v0 = _load16(builder, vrows, builder.add(builder.mul(_c64(i), Dv), off), vdt)
-                    v1 = _load16(builder, vrows, builder.add(builder.mul(_c64(i + 1), Dv), off), vdt)
-                    even = builder.call(fma, [ps[i], v0, even])
-                    odd = builder.call(fma, [ps[i + 1], v1, odd])
-                builder.store(builder.fadd(even, odd), _v16_ptr(builder, arow, off), align=4)
+
+            def rows_into(blocks):
+                """accs[g] += p_i v_i, i = 0..15 in order, over Dv = 16 * blocks: the blocks'
+                sums in registers, V read row by row."""
+                offs = [_c64(16 * b) for b in range(blocks)]
+                sums = [builder.load(_v16_ptr(builder, arow, o), align=4) for o in offs]
+                for i in range(_ROWS):
+                    for b, o in enumerate(offs):
+                        vi = _load16(builder, vrows, builder.add(_c64(i * 16 * blocks), o), vdt)
+                        sums[b] = builder.call(fma, [ps[i], vi, sums[b]])
+                for b, o in enumerate(offs):
+                    builder.store(sums[b], _v16_ptr(builder, arow, o), align=4)
+
+            # The common head sizes with their sums in registers; others through memory, the
+            # same operations in the same order.
+            with builder.if_else(builder.icmp_unsigned("==", Dv, _c64(64))) as (d64, other):
+                with d64:
+                    rows_into(4)
+                with other:
+                    with builder.if_else(builder.icmp_unsigned("==", Dv, _c64(128))) as (d128, rest):
+                        with d128:
+                            rows_into(8)
+                        with rest:
+                            for i in range(_ROWS):
+                                with cgutils.for_range(builder, builder.lshr(Dv, _c64(4))) as chunk:
+                                    off = builder.shl(chunk.index, _c64(4))
+                                    acc = _v16_ptr(builder, arow, off)
+                                    vi = _load16(builder, vrows, builder.add(builder.mul(_c64(i), Dv), off), vdt)
+                                    builder.store(builder.call(fma, [ps[i], vi, builder.load(acc, align=4)]), acc,
+                                                  align=4)
         return context.get_dummy_value()
     return types.void(v, kv, t, s, j, accs), codegen
 

@@ -39,7 +39,9 @@ def test_rope_matches_rotate_half(L, H, Dh, rot):
 
 @pytest.mark.parametrize("H,KV,Dk,Dv,n,cap", [(1, 1, 8, 8, 1, 4), (4, 2, 16, 16, 37, 64), (9, 3, 64, 64, 200, 256),
                                               (8, 8, 24, 16, 5, 5), (6, 2, 32, 32, 1000, 1024),
-                                              (2, 1, 16, 16, 128, 128), (15, 5, 64, 64, 3001, 3072)])
+                                              (2, 1, 16, 16, 128, 128), (15, 5, 64, 64, 3001, 3072),
+                                              # head sizes of each value path: 128 in registers, 48 through memory
+                                              (8, 2, 128, 128, 300, 320), (4, 2, 48, 48, 100, 128)])
 def test_attend_one(H, KV, Dk, Dv, n, cap):
     q = rng.normal(size=(H, Dk)).astype(np.float32)
     k = rng.normal(size=(KV, cap, Dk)).astype(np.float32)
