@@ -5,8 +5,8 @@ layer's K/V comes from memory, not from the CPU caches. Benchmark only: no asser
 
 --baseline FILE times another copy of the kernels' module (say the last commit's, from `git show
 HEAD~1:colibri/kernels/ops.py > /tmp/ops_before.py`) in the same process, the two alternating
-repeat by repeat, each first in turn, and says whether their outputs are the same bits: this machine's speed
-drifts too much between processes for a before/after of a few percent.
+repeat by repeat, each first in turn, and says whether their outputs are the same bits: this
+machine's speed drifts too much between processes for a before/after of a few percent.
 
     python bench/decode_attention.py [--contexts 1024,4096,8192] [--heads 9 --kv-heads 3 --head-dim 64 --layers 30]
                                      [--kv-cache f32,f16] [--small-pages] [--baseline FILE]
@@ -86,6 +86,7 @@ def main() -> None:
             same = np.array_equal(outs["this"], outs["baseline"])
             print(f"{'':8} this / baseline time: {best['this'] / best['baseline']:.3f}; outputs "
                   + ("the same bits" if same else f"differ by {np.abs(outs['this'] - outs['baseline']).max():.2e}"))
+
 
 if __name__ == "__main__":
     main()
