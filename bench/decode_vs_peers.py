@@ -239,6 +239,9 @@ def main() -> None:
     ap.add_argument("--rows-layout", action="store_true",
                     help="also colibri with its int4 and q8_0 matrices row-major, as stored "
                          "(colibri-rows; EngineConfig.weight_layout)")
+    ap.add_argument("--baseline-tree", metavar="DIR",
+                    help="also colibri from another checkout (e.g. `git worktree add /tmp/base HEAD~1`), run "
+                         "by that tree's copy of this script, as colibri-base: an A/B of two versions in one run")
     ap.add_argument("--child", choices=["colibri", "colibri-int8", "colibri-f16kv", "colibri-rows", "llama",
                                         "transformers"])
     a = ap.parse_args()
@@ -267,6 +270,8 @@ def main() -> None:
     bw = read_bandwidth(a.threads)
     env = {**os.environ, "NUMBA_NUM_THREADS": str(a.threads), "OMP_NUM_THREADS": str(a.threads)}
     engines = [("colibri", sys.executable)]
+    if a.baseline_tree:
+        engines.append(("colibri-base", sys.executable))
     if a.int8:
         engines.append(("colibri-int8", sys.executable))
     if a.f16_kv:
@@ -285,7 +290,10 @@ def main() -> None:
     for _ in range(a.repeats):
         for name, py in engines:
             t_spawn = time.time()
-            p = subprocess.run([py, __file__, "--child", name, *common], capture_output=True, text=True, env=env)
+            script, child = __file__, name
+            if name == "colibri-base":  # the other tree's script imports that tree's colibri
+                script, child = str(Path(a.baseline_tree) / "bench" / Path(__file__).name), "colibri"
+            p = subprocess.run([py, script, "--child", child, *common], capture_output=True, text=True, env=env)
             if p.returncode != 0:
                 print(f"{name} failed: {p.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
                 continue
@@ -353,7 +361,7 @@ def report_contexts(a, c, results, engines, bw, weight_bytes) -> None:
                 continue
             rows = [r["rows"][i] for r in results[name]]
             d = statistics.median(r["decode_tok_s"] for r in rows)
-            kv_bytes = n * kv_row * (4 if name in ("colibri", "colibri-int8") else 2)
+            kv_bytes = n * kv_row * (4 if name in ("colibri", "colibri-base", "colibri-int8") else 2)
             roof = bw / (weight_bytes + kv_bytes)
             share = (f"{100 * statistics.median(r['attention_s'] * r['decode_tok_s'] for r in rows):14.0f}%"
                      if "attention_s" in rows[0] else f"{'':15}")

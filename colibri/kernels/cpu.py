@@ -274,9 +274,29 @@ def _hsum(builder, v):
 _BLOCK_MASKS = [ir.Constant(_V16I, [15 << (4 * k)] * 16) for k in range(7)]  # nibble 7: a shift
 
 
-def _int4_block(builder, bi, cshift, qstep, qrows, srows, xrows, accs, fma, prefetch_next):
+def _int4_blocks(builder, nfull, cshift, qstep, qrows, srows, xrows, accs, fma, prefetch_next):
+    """Blocks 0..nfull-1 of every weight row x every activation row, into the accumulators.
+    One loop per group width (cshift 0, 1, 2+), chosen here once rather than per block and
+    row: the per-block branch made LLVM spill the scales and accumulators to the stack."""
+    def loop(shift, spread: int):
+        with cgutils.for_range(builder, nfull) as it:
+            _int4_block(builder, it.index, shift, spread, qstep, qrows, srows, xrows, accs, fma, prefetch_next)
+
+    with builder.if_else(builder.icmp_unsigned("==", cshift, _i64(0))) as (four, fewer):
+        with four:
+            loop(_i64(0), 4)
+        with fewer:
+            with builder.if_else(builder.icmp_unsigned("==", cshift, _i64(1))) as (two, one):
+                with two:
+                    loop(_i64(1), 2)
+                with one:
+                    loop(cshift, 1)
+
+
+def _int4_block(builder, bi, cshift, spread: int, qstep, qrows, srows, xrows, accs, fma, prefetch_next):
     """Block bi (prepared x floats 128 bi..) of every weight row x every activation row, into
-    the accumulators; a row's block bi is at qrows[j] + bi * qstep (quant.py, Layout)."""
+    the accumulators; a row's block bi is at qrows[j] + bi * qstep (quant.py, Layout). The
+    block holds `spread` groups (4, 2 or 1: cshift 0, 1 or more)."""
     b = builder.mul(bi, qstep)
     e = builder.shl(bi, _i64(7))
     g0 = builder.lshr(builder.shl(bi, _i64(2)), cshift)  # the block's first group
@@ -285,7 +305,7 @@ def _int4_block(builder, bi, cshift, qstep, qrows, srows, xrows, accs, fma, pref
     prefetch_next(b, g0)
     for j in range(len(qrows)):
         raw = builder.load(builder.bitcast(builder.gep(qrows[j], [b]), _V16I.as_pointer()), align=1)
-        s = _block_scales(builder, srows[j], g0, cshift)
+        s = _block_scales(builder, srows[j], g0, spread)
         ns = [builder.sitofp(builder.and_(raw, m), _V16F) for m in _BLOCK_MASKS]
         ns.append(builder.sitofp(builder.lshr(raw, ir.Constant(_V16I, [28] * 16)), _V16F))
         for a, x in enumerate(xs):
@@ -295,21 +315,12 @@ def _int4_block(builder, bi, cshift, qstep, qrows, srows, xrows, accs, fma, pref
             builder.store(builder.call(fma, [t, s, builder.load(accs[j][a])]), accs[j][a])
 
 
-def _block_scales(builder, srow, g0, cshift):
-    """<16 x float> of lane i's group scale in a block from group g0: four groups of 32
-    (cshift 0: lanes 4c..4c+3 are chunk c), two of 64, or one. Branches, not a select: a
-    select would load past the row's last group for the wider groups; LLVM unswitches them."""
-    out = cgutils.alloca_once(builder, _V16F)
-    with builder.if_else(builder.icmp_unsigned("==", cshift, _i64(0))) as (four, fewer):
-        with four:
-            builder.store(_spread(builder, srow, g0, 4), out)
-        with fewer:
-            with builder.if_else(builder.icmp_unsigned("==", cshift, _i64(1))) as (two, one):
-                with two:
-                    builder.store(_spread(builder, srow, g0, 2), out)
-                with one:
-                    builder.store(_splat(builder, builder.load(builder.gep(srow, [g0])), _V16F), out)
-    return builder.load(out)
+def _block_scales(builder, srow, g0, spread: int):
+    """<16 x float> of lane i's group scale in a block of `spread` groups from group g0: four
+    groups of 32 (lanes 4c..4c+3 are chunk c), two of 64, or one."""
+    if spread == 1:
+        return _splat(builder, builder.load(builder.gep(srow, [g0])), _V16F)
+    return _spread(builder, srow, g0, spread)
 
 
 def _spread(builder, srow, g0, n):
@@ -450,10 +461,10 @@ def _tile_codegen(nibbles: bool, wrows: int, arows: int):
         # Whole 64-byte blocks first, at qrows[j] + k * qstep: int4 through _int4_block (x
         # prepared by _prepare_x_into), int8 as four chunks; then the tail's chunks.
         c0 = builder.shl(nfull, _i64(2))
-        with cgutils.for_range(builder, nfull) as loop:
-            if nibbles:
-                _int4_block(builder, loop.index, cshift, qstep, qrows, srows, xrows, accs, fma, prefetch_next)
-            else:
+        if nibbles:
+            _int4_blocks(builder, nfull, cshift, qstep, qrows, srows, xrows, accs, fma, prefetch_next)
+        else:
+            with cgutils.for_range(builder, nfull) as loop:
                 qoff = builder.mul(loop.index, qstep)
                 for c in range(4):
                     chunk(builder.add(builder.shl(loop.index, _i64(2)), _i64(c)), qrows, nrows,
@@ -666,6 +677,55 @@ def _offset_dot(typingctx, offs, r, xs):
     return types.float32(offs, types.intp, xs), codegen
 
 
+@intrinsic
+def _with_offsets8(typingctx, d, offs, r, coef, xs):
+    """d[j] = d[j] + coef * _offset_dot(offs, r + j, xs) for j < 8, each row's sum in
+    _offset_dot's order (so the same bits as eight _with_offset calls), the eight rows' chains
+    interleaved: one row at a time, each row's last groups (past its last 16) are a chain of
+    dependent multiply-adds, and the eight chains one after another cost as much as a fifth of
+    a 960-input row's time; side by side they overlap."""
+    def codegen(context, builder, sig, args):
+        da = context.make_array(sig.args[0])(context, builder, args[0])
+        oa = context.make_array(sig.args[1])(context, builder, args[1])
+        xa = context.make_array(sig.args[4])(context, builder, args[4])
+        r, coef = args[2], args[3]
+        stride = cgutils.unpack_tuple(builder, oa.shape, 2)[1]
+        n = cgutils.unpack_tuple(builder, xa.shape, 1)[0]
+        obase = builder.bitcast(oa.data, _F32.as_pointer())
+        orows = [builder.gep(obase, [builder.mul(builder.add(r, _i64(j)), stride)]) for j in range(8)]
+        xbase = builder.bitcast(xa.data, _F32.as_pointer())
+        dbase = builder.bitcast(da.data, _F32.as_pointer())
+        fma16 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3),
+                                               "llvm.fmuladd.v16f32")
+        fma1 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * 3),
+                                              "llvm.fmuladd.f32")
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * 16)) for _ in range(8)]
+
+        def load16(base, i):
+            return builder.load(builder.bitcast(builder.gep(base, [i]), _V16F.as_pointer()), align=4)
+
+        nvec = builder.lshr(n, _i64(4))
+        with cgutils.for_range(builder, nvec) as loop:
+            i = builder.shl(loop.index, _i64(4))
+            xv = load16(xbase, i)
+            for j in range(8):
+                builder.store(builder.call(fma16, [load16(orows[j], i), xv, builder.load(accs[j])]), accs[j])
+        totals = [cgutils.alloca_once_value(builder, _hsum(builder, builder.load(a))) for a in accs]
+        with cgutils.for_range(builder, builder.sub(n, builder.shl(nvec, _i64(4)))) as loop:
+            g = builder.add(builder.shl(nvec, _i64(4)), loop.index)
+            xg = builder.load(builder.gep(xbase, [g]))
+            for j in range(8):
+                o = builder.load(builder.gep(orows[j], [g]))
+                builder.store(builder.call(fma1, [o, xg, builder.load(totals[j])]), totals[j])
+        for j in range(8):  # dot + coef * total: a multiply, then an add (no contraction), as numba does
+            at = builder.gep(dbase, [_i64(j)])
+            builder.store(builder.fadd(builder.load(at), builder.fmul(coef, builder.load(totals[j]))), at)
+        return context.get_dummy_value()
+    if coef != types.float32:  # the multiply and add below are float32's, as _with_offset's are for it
+        return None
+    return types.void(d, offs, types.intp, coef, xs), codegen
+
+
 @njit(cache=True)
 def _with_offset(dot, offs, r, coef, xs):
     """dot + coef * sum_g offs[r, g] * xs[g] (the offset term of q4_1's mins, or of the
@@ -715,8 +775,7 @@ def _int4_rows8(q, scales, offs, coef, half, cshift, ilv, xp, xs, r, d):
             _int4_dot2(q, scales, offs, r + p, r + p + 2 if p < 6 else rn, xp, half, cshift, ilv, d, p)
     else:
         _int4_dot8(q, scales, offs, r, rn, xp, half, cshift, ilv, d, 0)
-    for j in range(8):
-        d[j] = _with_offset(d[j], offs, r + j, coef, xs)
+    _with_offsets8(d, offs, r, coef, xs)
 
 
 @njit(cache=True)
