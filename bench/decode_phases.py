@@ -3,7 +3,7 @@ item 1). On the default model (SmolLM2 Q4_1) unless --model is given. Benchmark 
 
     python bench/decode_phases.py [--model DIR] [--activations f32|int8] [--tokens 200] [--rounds 3]
 
-Prints, for a token decoded after a ~150-token prompt:
+Prints, for a token decoded after a ~150-token prompt (--context N for another length):
 - the token's time two ways, interleaved: every layer in one compiled call (the default,
   decode.token_layers) and the layers one by one (two compiled calls per layer, as before);
 - the per-layer path's phase clock (embedding, attention blocks, feed-forward blocks, head);
@@ -43,6 +43,8 @@ def main() -> None:
     ap.add_argument("--activations", default="f32", choices=["f32", "int8"])
     ap.add_argument("--tokens", type=int, default=200, help="decode steps per timing")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--context", type=int, default=150,
+                    help="prompt tokens before the timed tokens (150; e.g. 8160 for issue 15's item 2)")
     a = ap.parse_args()
 
     from membw import read_bandwidth, read_bandwidth_each
@@ -63,8 +65,9 @@ def main() -> None:
         # instead of 8 when the bandwidth probe ran on the main thread first).
         out["bw"] = read_bandwidth()
         out["bw_each"] = read_bandwidth_each(_token_arrays(m))
-        cache = m.new_cache(150 + a.tokens + 8)
-        m.forward(np.arange(150) % e.vocab_size, cache)
+        cache = m.new_cache(a.context + a.tokens + 8)
+        for p0 in range(0, a.context, 512):  # prefill in chunks, as the engine does
+            m.forward(np.arange(p0, min(a.context, p0 + 512)) % e.vocab_size, cache)
         start = cache.length
 
         def decode(i):

@@ -677,53 +677,55 @@ def _offset_dot(typingctx, offs, r, xs):
     return types.float32(offs, types.intp, xs), codegen
 
 
-@intrinsic
-def _with_offsets8(typingctx, d, offs, r, coef, xs):
-    """d[j] = d[j] + coef * _offset_dot(offs, r + j, xs) for j < 8, each row's sum in
-    _offset_dot's order (so the same bits as eight _with_offset calls), the eight rows' chains
-    interleaved: one row at a time, each row's last groups (past its last 16) are a chain of
-    dependent multiply-adds, and the eight chains one after another cost as much as a fifth of
-    a 960-input row's time; side by side they overlap."""
-    def codegen(context, builder, sig, args):
-        da = context.make_array(sig.args[0])(context, builder, args[0])
-        oa = context.make_array(sig.args[1])(context, builder, args[1])
-        xa = context.make_array(sig.args[4])(context, builder, args[4])
-        r, coef = args[2], args[3]
-        stride = cgutils.unpack_tuple(builder, oa.shape, 2)[1]
-        n = cgutils.unpack_tuple(builder, xa.shape, 1)[0]
-        obase = builder.bitcast(oa.data, _F32.as_pointer())
-        orows = [builder.gep(obase, [builder.mul(builder.add(r, _i64(j)), stride)]) for j in range(8)]
-        xbase = builder.bitcast(xa.data, _F32.as_pointer())
-        dbase = builder.bitcast(da.data, _F32.as_pointer())
-        fma16 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3),
-                                               "llvm.fmuladd.v16f32")
-        fma1 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * 3),
-                                              "llvm.fmuladd.f32")
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * 16)) for _ in range(8)]
+def _with_offsets_intrinsic(rows: int):
+    """An intrinsic (d, offs, r, coef, xs): d[j] = d[j] + coef * _offset_dot(offs, r + j, xs)
+    for j < rows, each row's sum in _offset_dot's order (so the same bits as `rows`
+    _with_offset calls), the rows' chains interleaved. One row at a time, each row's last
+    groups (past its last 16) are a chain of dependent multiply-adds, and eight such chains one
+    after another cost as much as a fifth of a 960-input row's time; side by side they overlap."""
+    def with_offsets(typingctx, d, offs, r, coef, xs):
+        def codegen(context, builder, sig, args):
+            da = context.make_array(sig.args[0])(context, builder, args[0])
+            oa = context.make_array(sig.args[1])(context, builder, args[1])
+            xa = context.make_array(sig.args[4])(context, builder, args[4])
+            r, coef = args[2], args[3]
+            stride = cgutils.unpack_tuple(builder, oa.shape, 2)[1]
+            n = cgutils.unpack_tuple(builder, xa.shape, 1)[0]
+            obase = builder.bitcast(oa.data, _F32.as_pointer())
+            orows = [builder.gep(obase, [builder.mul(builder.add(r, _i64(j)), stride)]) for j in range(rows)]
+            xbase = builder.bitcast(xa.data, _F32.as_pointer())
+            dbase = builder.bitcast(da.data, _F32.as_pointer())
+            fma16 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3),
+                                                   "llvm.fmuladd.v16f32")
+            fma1 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * 3),
+                                                  "llvm.fmuladd.f32")
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * 16)) for _ in range(rows)]
 
-        def load16(base, i):
-            return builder.load(builder.bitcast(builder.gep(base, [i]), _V16F.as_pointer()), align=4)
+            def load16(base, i):
+                return builder.load(builder.bitcast(builder.gep(base, [i]), _V16F.as_pointer()), align=4)
 
-        nvec = builder.lshr(n, _i64(4))
-        with cgutils.for_range(builder, nvec) as loop:
-            i = builder.shl(loop.index, _i64(4))
-            xv = load16(xbase, i)
-            for j in range(8):
-                builder.store(builder.call(fma16, [load16(orows[j], i), xv, builder.load(accs[j])]), accs[j])
-        totals = [cgutils.alloca_once_value(builder, _hsum(builder, builder.load(a))) for a in accs]
-        with cgutils.for_range(builder, builder.sub(n, builder.shl(nvec, _i64(4)))) as loop:
-            g = builder.add(builder.shl(nvec, _i64(4)), loop.index)
-            xg = builder.load(builder.gep(xbase, [g]))
-            for j in range(8):
-                o = builder.load(builder.gep(orows[j], [g]))
-                builder.store(builder.call(fma1, [o, xg, builder.load(totals[j])]), totals[j])
-        for j in range(8):  # dot + coef * total: a multiply, then an add (no contraction), as numba does
-            at = builder.gep(dbase, [_i64(j)])
-            builder.store(builder.fadd(builder.load(at), builder.fmul(coef, builder.load(totals[j]))), at)
-        return context.get_dummy_value()
-    if coef != types.float32:  # the multiply and add below are float32's, as _with_offset's are for it
-        return None
-    return types.void(d, offs, types.intp, coef, xs), codegen
+            nvec = builder.lshr(n, _i64(4))
+            with cgutils.for_range(builder, nvec) as loop:
+                i = builder.shl(loop.index, _i64(4))
+                xv = load16(xbase, i)
+                for j in range(rows):
+                    builder.store(builder.call(fma16, [load16(orows[j], i), xv, builder.load(accs[j])]), accs[j])
+            totals = [cgutils.alloca_once_value(builder, _hsum(builder, builder.load(a))) for a in accs]
+            with cgutils.for_range(builder, builder.sub(n, builder.shl(nvec, _i64(4)))) as loop:
+                g = builder.add(builder.shl(nvec, _i64(4)), loop.index)
+                xg = builder.load(builder.gep(xbase, [g]))
+                for j in range(rows):
+                    o = builder.load(builder.gep(orows[j], [g]))
+                    builder.store(builder.call(fma1, [o, xg, builder.load(totals[j])]), totals[j])
+            for j in range(rows):  # dot + coef * total: a multiply, then an add (no contraction), as numba does
+                at = builder.gep(dbase, [_i64(j)])
+                builder.store(builder.fadd(builder.load(at), builder.fmul(coef, builder.load(totals[j]))), at)
+            return context.get_dummy_value()
+        if coef != types.float32:  # float32 arithmetic below, as _with_offset's is for a float32 coef
+            return None
+        return types.void(d, offs, types.intp, coef, xs), codegen
+    with_offsets.__name__ = with_offsets.__qualname__ = f"_with_offsets{rows}"
+    return intrinsic(with_offsets)
 
 
 @njit(cache=True)
@@ -731,6 +733,10 @@ def _with_offset(dot, offs, r, coef, xs):
     """dot + coef * sum_g offs[r, g] * xs[g] (the offset term of q4_1's mins, or of the
     symmetric schemes' -8)."""
     return dot + coef * _offset_dot(offs, r, xs)
+
+
+_with_offsets8 = _with_offsets_intrinsic(8)
+_with_offsets_tile = _with_offsets_intrinsic(TILE_W)  # _matmul_rows_int4
 
 
 @njit(cache=True)
@@ -845,8 +851,9 @@ def _matmul_rows_int4(q, scales, offs, coef, half, cshift, ilv, x, y, nthreads):
                 na = min(TILE_A, B - a0)
                 _int4_tile(q, scales, offs, r, rn, xp, a0, na, half, cshift, ilv, d)
                 for a in range(na):
+                    _with_offsets_tile(d[a], offs, r, coef, xs[a0 + a])
                     for j in range(TILE_W):
-                        y[a0 + a, r + j] = _with_offset(d[a, j], offs, r + j, coef, xs[a0 + a])
+                        y[a0 + a, r + j] = d[a, j]
     if out % 8:  # the rows past _matvec_int4's last block of eight: its tail code
         for a in range(B):
             _int4_tail_rows(q, scales, offs, coef, half, x[a], xs[a], y[a])
