@@ -46,11 +46,49 @@ def compile_kernels(model, out=None, model_dir: str | Path | None = None) -> flo
         cache = model.new_cache(4)
         model.forward(np.array([0, 1], dtype=np.int64), cache)   # prefill kernels
         model.forward(np.array([2], dtype=np.int64), cache)      # decode kernels
+        _compile_long_prompt_tiles(model)
     seconds = time.perf_counter() - t0
     progress.stop(seconds)
     if marker is not None:
         _write_marker(marker)
     return seconds if progress.started else None
+
+
+def _compile_long_prompt_tiles(model) -> None:
+    """The long-prompt path's kernels: from gemm.BLAS_MIN_ROWS tokens a prompt's matrices are
+    dequantized a tile at a time for BLAS, with kernels the two-token prefill above never
+    calls, so a first start would compile them in the middle of its first long answer (~0.6 s
+    on SmolLM2, unannounced). One tiny matmul per kind of matrix the model holds compiles
+    them; the result is thrown away."""
+    from colibri.kernels.gemm import BLAS_MIN_ROWS, matmul
+
+    done = set()
+    for t in _matrices(model):
+        kind = (t.scheme, t.q.dtype, t.mins is None)
+        if kind in done or t.shape[0] < max(t.interleave, 1):
+            continue
+        done.add(kind)
+        rows = t.rows(0, max(t.interleave, 1))  # a view of whole interleaved blocks: the same array types
+        matmul(rows, np.zeros((BLAS_MIN_ROWS, t.shape[1]), np.float32))
+
+
+def _matrices(model):
+    """The model's weight matrices (QTensors): the head, and those of each layer's parts, two
+    attribute levels down (layer -> attention / MLP -> matrix)."""
+    from colibri.kernels.quant import QTensor
+
+    def walk(obj, depth):
+        for v in vars(obj).values():
+            if isinstance(v, QTensor):
+                yield v
+            elif depth and hasattr(v, "__dict__") and not isinstance(v, type):
+                yield from walk(v, depth - 1)
+
+    for t in (getattr(model, "lm_head", None), getattr(model, "embed", None)):
+        if isinstance(t, QTensor):
+            yield t
+    for layer in getattr(model, "layers", ()):
+        yield from walk(layer, 2)
 
 
 # ----------------------------------------------------------------------------- progress

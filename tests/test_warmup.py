@@ -153,22 +153,32 @@ FIRST_START = textwrap.dedent("""
     from colibri.engine import Engine
     from colibri.warmup import compile_kernels
 
+    from numba.core.event import install_recorder
+    from colibri.kernels.gemm import BLAS_MIN_ROWS
+
     engine = Engine.load(sys.argv[1], progress=False)
     seconds = compile_kernels(engine.model, sys.stderr, model_dir=engine.container.dir)
     t = time.perf_counter()
     engine.generate("What is the capital of France?", max_tokens=8)
-    print(seconds, time.perf_counter() - t)
+    elapsed = time.perf_counter() - t
+    engine.reset()
+    with install_recorder("numba:compile") as compiled:  # a long prompt takes the BLAS tiles' kernels
+        engine.generate(list(range(100, 100 + BLAS_MIN_ROWS + 8)), max_tokens=2)
+    print(seconds, elapsed, len(compiled.buffer))
 """)
 
 
 def test_first_start_with_an_empty_cache(smollm2_container, tmp_path):
     """The real model from an empty numba cache: one progress line naming the model and the
-    measured time; the next start compiles nothing and prints nothing."""
+    measured time, after which neither a short nor a long prompt compiles anything; the next
+    start compiles nothing and prints nothing."""
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
     cmd = [sys.executable, "-c", FIRST_START, str(smollm2_container)]
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert first.returncode == 0, first.stderr
-    seconds = float(first.stdout.split()[0])
+    seconds, _, compiled_after = first.stdout.split()
+    seconds = float(seconds)
+    assert compiled_after == "0"  # the warmup compiled every kernel a first answer needs, long prompts' too
     assert f"compiling kernels for {Path(smollm2_container).name} (first start only)... done in {seconds:.1f} s" \
         in first.stderr
     second = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
