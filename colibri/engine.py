@@ -383,7 +383,10 @@ class Engine:
         _check_kv_cache(config.kv_cache)
         model.kv_cache = config.kv_cache
         if progress:  # in a thread of its own: see run_apart (the server generates on another thread)
-            run_apart(compile_kernels, model, model_dir=container.dir)
+            # The several-rows kernels too where this engine will run them: drafting, or the
+            # KV slots a server batches generations over.
+            rows = config.speculative != "off" or config.kv_slots > 1
+            run_apart(compile_kernels, model, model_dir=container.dir, rows=rows)
         tok_path = Path(model_dir) / "tokenizer.json"
         tokenizer = Tokenizer.from_dir(model_dir) if tok_path.exists() else None
         return cls(container, tokenizer, model, config, load_s=time.perf_counter() - t0, experts=experts)

@@ -31,22 +31,30 @@ import numpy as np
 MARKERS = "colibri-warm"   # folder in the numba cache: one marker per model directory
 
 
-def compile_kernels(model, out=None, model_dir: str | Path | None = None) -> float | None:
+def compile_kernels(model, out=None, model_dir: str | Path | None = None, rows: bool = False) -> float | None:
     """Compile (or load from numba's cache) every kernel `model` uses, showing progress on `out`
     (a Rich Console or a text stream; default stderr) while numba really compiles. `model_dir`
     names the model in the message and keys the marker that lets a later start skip all this.
-    Returns the seconds spent when something was compiled, else None."""
-    marker = _marker_path(model_dir)
+    rows: also the several-tokens-a-pass kernels (DecoderModel.forward_rows), for an engine
+    that batches generations or drafts tokens: compiled at their first use instead, they held
+    up that step ~26 s on SmolLM2, silently. Returns the seconds spent when something was
+    compiled, else None."""
+    marker = _marker_path(model_dir, rows)
     if marker is not None and _kernels_cached(marker):
         return None
     name = Path(model_dir).name if model_dir is not None else model.args.model_type
     progress = _Progress(out, name)
     t0 = time.perf_counter()
     with _on_first_compile(progress.start):
-        cache = model.new_cache(4)
+        cache = model.new_cache(8)
         model.forward(np.array([0, 1], dtype=np.int64), cache)   # prefill kernels
         model.forward(np.array([2], dtype=np.int64), cache)      # decode kernels
         _compile_long_prompt_tiles(model)
+        if rows and hasattr(model, "forward_rows"):
+            other = model.new_cache(4)
+            model.forward(np.array([3], dtype=np.int64), other)
+            model.forward_rows([4, 5], [cache, other])            # a batch: two sequences
+            model.forward_rows([6, 7], [cache, cache])            # drafted tokens: one sequence
     seconds = time.perf_counter() - t0
     progress.stop(seconds)
     if marker is not None:
@@ -194,13 +202,16 @@ class _on_first_compile:
 
 # ----------------------------------------------------------------------------- markers
 
-def _marker_path(model_dir) -> Path | None:
+def _marker_path(model_dir, rows: bool = False) -> Path | None:
+    """The marker of a model's warmup, one per model directory and kind of warmup (with the
+    several-rows kernels or not: a warmup without them must not let a start that needs them
+    skip its own)."""
     if model_dir is None:
         return None
     from colibri.kernels import numba_cache_dir
 
     key = hashlib.sha1(str(Path(model_dir).resolve()).encode()).hexdigest()[:20]
-    return numba_cache_dir() / MARKERS / f"{key}.json"
+    return numba_cache_dir() / MARKERS / f"{key}{'-rows' if rows else ''}.json"
 
 
 def kernel_dispatchers() -> dict:

@@ -84,6 +84,10 @@ class FakeModel:
         self.forwards += 1
         return self.kernel(np.asarray(ids, dtype=np.float32))
 
+    def forward_rows(self, ids, caches):
+        self.row_passes = getattr(self, "row_passes", 0) + 1
+        return self.kernel(np.asarray(ids, dtype=np.float32))
+
 
 def fresh_kernel():
     """A kernel never compiled before in this process (and not cached on disk)."""
@@ -148,30 +152,55 @@ def test_a_cached_model_skips_the_warmup_forward(tmp_path, monkeypatch):
     assert model.forwards == 4  # a kernel not known to be cached: the warmup runs again
 
 
+def test_a_warmup_for_several_rows_has_its_own_marker(tmp_path, monkeypatch):
+    """An engine that batches or drafts (rows=True) also runs forward_rows in its warmup, and
+    keeps its own marker: a cached plain warmup does not let it skip the several-rows kernels."""
+    from colibri.kernels import ops
+
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "numba"))
+    model_dir = tmp_path / "model"
+    x = np.ones((1, 8), np.float32)
+    model = FakeModel(lambda ids: ops.rms_norm(x, x[0], 1e-6))
+    warmup.compile_kernels(model, Pipe(), model_dir=model_dir)
+    assert not hasattr(model, "row_passes")
+    warmup.compile_kernels(model, Pipe(), model_dir=model_dir, rows=True)
+    assert model.row_passes == 2  # a batch of two sequences, and drafted tokens of one
+    assert warmup._marker_path(model_dir, rows=True).exists() and warmup._marker_path(model_dir).exists()
+    warmup.compile_kernels(model, Pipe(), model_dir=model_dir, rows=True)
+    assert model.row_passes == 2  # now cached: skipped
+
+
 FIRST_START = textwrap.dedent("""
     import sys, time
     from colibri.engine import Engine
     from colibri.warmup import compile_kernels
 
+    import numpy as np
     from numba.core.event import install_recorder
     from colibri.kernels.gemm import BLAS_MIN_ROWS
 
     engine = Engine.load(sys.argv[1], progress=False)
-    seconds = compile_kernels(engine.model, sys.stderr, model_dir=engine.container.dir)
+    seconds = compile_kernels(engine.model, sys.stderr, model_dir=engine.container.dir, rows=True)
     t = time.perf_counter()
     engine.generate("What is the capital of France?", max_tokens=8)
     elapsed = time.perf_counter() - t
     engine.reset()
-    with install_recorder("numba:compile") as compiled:  # a long prompt takes the BLAS tiles' kernels
-        engine.generate(list(range(100, 100 + BLAS_MIN_ROWS + 8)), max_tokens=2)
+    with install_recorder("numba:compile") as compiled:
+        engine.generate(list(range(100, 100 + BLAS_MIN_ROWS + 8)), max_tokens=2)  # the BLAS tiles' kernels
+        m = engine.model                                                         # several rows a pass
+        a, b = m.new_cache(8), m.new_cache(8)
+        m.forward(np.array([1, 2]), a)
+        m.forward(np.array([3]), b)
+        m.forward_rows([4, 5], [a, b])
     print(seconds, elapsed, len(compiled.buffer))
 """)
 
 
 def test_first_start_with_an_empty_cache(smollm2_container, tmp_path):
     """The real model from an empty numba cache: one progress line naming the model and the
-    measured time, after which neither a short nor a long prompt compiles anything; the next
-    start compiles nothing and prints nothing."""
+    measured time, after which neither a short nor a long prompt nor drafted tokens (a warmup
+    with rows=True, as a drafting or batching engine runs) compile anything; the next start
+    compiles nothing and prints nothing."""
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
     cmd = [sys.executable, "-c", FIRST_START, str(smollm2_container)]
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
