@@ -640,88 +640,66 @@ def _prepare_x(x, half):
     return xp
 
 
+def _offset_sums(context, builder, offsty, offs, r, xsty, xs, rows: int) -> list:
+    """sum_g offs[r + j, g] * xs[g] for j < rows, each in a fixed order: 16 lanes over the
+    groups (a fused multiply-add per 16 groups), the lanes summed by _hsum's tree, then the
+    groups past the last 16 in order, the rows' chains side by side. A loop in numba without
+    fastmath is one dependency chain (a row has up to hundreds of groups); with fastmath its
+    order would depend on where it is inlined."""
+    oa = context.make_array(offsty)(context, builder, offs)
+    xa = context.make_array(xsty)(context, builder, xs)
+    stride = cgutils.unpack_tuple(builder, oa.shape, 2)[1]
+    n = cgutils.unpack_tuple(builder, xa.shape, 1)[0]  # 0 for q8_0, which has no offsets
+    obase = builder.bitcast(oa.data, _F32.as_pointer())
+    orows = [builder.gep(obase, [builder.mul(builder.add(r, _i64(j)), stride)]) for j in range(rows)]
+    xbase = builder.bitcast(xa.data, _F32.as_pointer())
+    fma16 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fmuladd.v16f32")
+    fma1 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fmuladd.f32")
+    accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * 16)) for _ in range(rows)]
+
+    def load16(base, i):
+        return builder.load(builder.bitcast(builder.gep(base, [i]), _V16F.as_pointer()), align=4)
+
+    nvec = builder.lshr(n, _i64(4))
+    with cgutils.for_range(builder, nvec) as loop:
+        i = builder.shl(loop.index, _i64(4))
+        xv = load16(xbase, i)
+        for j in range(rows):
+            builder.store(builder.call(fma16, [load16(orows[j], i), xv, builder.load(accs[j])]), accs[j])
+    totals = [cgutils.alloca_once_value(builder, _hsum(builder, builder.load(a))) for a in accs]
+    with cgutils.for_range(builder, builder.sub(n, builder.shl(nvec, _i64(4)))) as loop:
+        g = builder.add(builder.shl(nvec, _i64(4)), loop.index)
+        xg = builder.load(builder.gep(xbase, [g]))
+        for j in range(rows):
+            o = builder.load(builder.gep(orows[j], [g]))
+            builder.store(builder.call(fma1, [o, xg, builder.load(totals[j])]), totals[j])
+    return [builder.load(t) for t in totals]
+
+
 @intrinsic
 def _offset_dot(typingctx, offs, r, xs):
-    """sum_g offs[r, g] * xs[g] in a fixed order: 16 lanes over the groups (a fused
-    multiply-add per 16 groups), the lanes summed by _hsum's tree, then the groups past the
-    last 16 in order. A loop in numba without fastmath is one dependency chain (a row has up
-    to hundreds of groups); with fastmath its order would depend on where it is inlined."""
+    """sum_g offs[r, g] * xs[g] in _offset_sums' order."""
     def codegen(context, builder, sig, args):
-        oa = context.make_array(sig.args[0])(context, builder, args[0])
-        xa = context.make_array(sig.args[2])(context, builder, args[2])
-        r = args[1]
-        stride = cgutils.unpack_tuple(builder, oa.shape, 2)[1]
-        n = cgutils.unpack_tuple(builder, xa.shape, 1)[0]  # 0 for q8_0, which has no offsets
-        obase = builder.gep(builder.bitcast(oa.data, _F32.as_pointer()), [builder.mul(r, stride)])
-        xbase = builder.bitcast(xa.data, _F32.as_pointer())
-        fma16 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3),
-                                               "llvm.fmuladd.v16f32")
-        fma1 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * 3),
-                                              "llvm.fmuladd.f32")
-        acc = cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * 16))
-
-        def load16(base, i):
-            return builder.load(builder.bitcast(builder.gep(base, [i]), _V16F.as_pointer()), align=4)
-
-        nvec = builder.lshr(n, _i64(4))
-        with cgutils.for_range(builder, nvec) as loop:
-            i = builder.shl(loop.index, _i64(4))
-            builder.store(builder.call(fma16, [load16(obase, i), load16(xbase, i), builder.load(acc)]), acc)
-        total = cgutils.alloca_once_value(builder, _hsum(builder, builder.load(acc)))
-        with cgutils.for_range(builder, builder.sub(n, builder.shl(nvec, _i64(4)))) as loop:
-            g = builder.add(builder.shl(nvec, _i64(4)), loop.index)
-            o = builder.load(builder.gep(obase, [g]))
-            x = builder.load(builder.gep(xbase, [g]))
-            builder.store(builder.call(fma1, [o, x, builder.load(total)]), total)
-        return builder.load(total)
+        return _offset_sums(context, builder, sig.args[0], args[0], args[1], sig.args[2], args[2], 1)[0]
     return types.float32(offs, types.intp, xs), codegen
 
 
 def _with_offsets_intrinsic(rows: int):
     """An intrinsic (d, offs, r, coef, xs): d[j] = d[j] + coef * _offset_dot(offs, r + j, xs)
-    for j < rows, each row's sum in _offset_dot's order (so the same bits as `rows`
-    _with_offset calls), the rows' chains interleaved. One row at a time, each row's last
-    groups (past its last 16) are a chain of dependent multiply-adds, and eight such chains one
-    after another cost as much as a fifth of a 960-input row's time; side by side they overlap."""
+    for j < rows: the same bits as `rows` _with_offset calls, with the rows' sums side by side
+    (_offset_sums). One row at a time, each row's last groups (past its last 16) are a chain of
+    dependent multiply-adds, and eight such chains one after another cost as much as a fifth of
+    a 960-input row's time; side by side they overlap."""
     def with_offsets(typingctx, d, offs, r, coef, xs):
         def codegen(context, builder, sig, args):
-            da = context.make_array(sig.args[0])(context, builder, args[0])
-            oa = context.make_array(sig.args[1])(context, builder, args[1])
-            xa = context.make_array(sig.args[4])(context, builder, args[4])
-            r, coef = args[2], args[3]
-            stride = cgutils.unpack_tuple(builder, oa.shape, 2)[1]
-            n = cgutils.unpack_tuple(builder, xa.shape, 1)[0]
-            obase = builder.bitcast(oa.data, _F32.as_pointer())
-            orows = [builder.gep(obase, [builder.mul(builder.add(r, _i64(j)), stride)]) for j in range(rows)]
-            xbase = builder.bitcast(xa.data, _F32.as_pointer())
-            dbase = builder.bitcast(da.data, _F32.as_pointer())
-            fma16 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3),
-                                                   "llvm.fmuladd.v16f32")
-            fma1 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * 3),
-                                                  "llvm.fmuladd.f32")
-            accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * 16)) for _ in range(rows)]
-
-            def load16(base, i):
-                return builder.load(builder.bitcast(builder.gep(base, [i]), _V16F.as_pointer()), align=4)
-
-            nvec = builder.lshr(n, _i64(4))
-            with cgutils.for_range(builder, nvec) as loop:
-                i = builder.shl(loop.index, _i64(4))
-                xv = load16(xbase, i)
-                for j in range(rows):
-                    builder.store(builder.call(fma16, [load16(orows[j], i), xv, builder.load(accs[j])]), accs[j])
-            totals = [cgutils.alloca_once_value(builder, _hsum(builder, builder.load(a))) for a in accs]
-            with cgutils.for_range(builder, builder.sub(n, builder.shl(nvec, _i64(4)))) as loop:
-                g = builder.add(builder.shl(nvec, _i64(4)), loop.index)
-                xg = builder.load(builder.gep(xbase, [g]))
-                for j in range(rows):
-                    o = builder.load(builder.gep(orows[j], [g]))
-                    builder.store(builder.call(fma1, [o, xg, builder.load(totals[j])]), totals[j])
-            for j in range(rows):  # dot + coef * total: a multiply, then an add (no contraction), as numba does
+            totals = _offset_sums(context, builder, sig.args[1], args[1], args[2], sig.args[4], args[4], rows)
+            dbase = builder.bitcast(context.make_array(sig.args[0])(context, builder, args[0]).data, _F32.as_pointer())
+            coef_ = args[3]
+            for j, total in enumerate(totals):  # dot + coef * total: a multiply, then an add, as numba does
                 at = builder.gep(dbase, [_i64(j)])
-                builder.store(builder.fadd(builder.load(at), builder.fmul(coef, builder.load(totals[j]))), at)
+                builder.store(builder.fadd(builder.load(at), builder.fmul(coef_, total)), at)
             return context.get_dummy_value()
-        if coef != types.float32:  # float32 arithmetic below, as _with_offset's is for a float32 coef
+        if coef != types.float32:  # float32 arithmetic, as _with_offset's is for a float32 coef
             return None
         return types.void(d, offs, types.intp, coef, xs), codegen
     with_offsets.__name__ = with_offsets.__qualname__ = f"_with_offsets{rows}"
