@@ -13,8 +13,11 @@ Prints, for a token decoded after a ~150-token prompt (--context N for another l
 - where the default path's token goes: the embedding and RoPE tables, the one compiled call
   through every layer, the head (final norm and lm_head), and the rest of forward();
 - the roof: the token's weight bytes over the measured read bandwidth (bench/membw.py), and
-  the same bytes read matrix by matrix with the threads meeting after each, as a token reads
-  them, by a plain sum with no arithmetic in the way (membw.read_bandwidth_each).
+  the same bytes read matrix by matrix by a plain sum with no arithmetic in the way
+  (membw.read_bandwidth_each): once with each thread reading its own share of every matrix and
+  never waiting, once with the threads sharing each matrix and meeting after it, as a token
+  reads them. The three bandwidths apart say what splitting the bytes into matrices costs and
+  what the meetings add.
 """
 from __future__ import annotations
 
@@ -65,6 +68,7 @@ def main() -> None:
         # instead of 8 when the bandwidth probe ran on the main thread first).
         out["bw"] = read_bandwidth()
         out["bw_each"] = read_bandwidth_each(_token_arrays(m))
+        out["bw_apart"] = read_bandwidth_each(_token_arrays(m), meet=False)
         cache = m.new_cache(a.context + a.tokens + 8)
         for p0 in range(0, a.context, 512):  # prefill in chunks, as the engine does
             m.forward(np.arange(p0, min(a.context, p0 + 512)) % e.vocab_size, cache)
@@ -115,6 +119,9 @@ def main() -> None:
     rows = ([("every layer in one call", out["whole"])] if out["covered"] else []) + [
         ("layer by layer", out["layers"])]
     bw_each = out["bw_each"]
+    bw_apart = out["bw_apart"]
+    print(f"the same bytes read matrix by matrix, each thread its own share of each, never meeting: "
+          f"{bw_apart / 1e9:.1f} GB/s, {weight_bytes / bw_apart * 1e3:.2f} ms")
     print(f"the same bytes read matrix by matrix (a plain sum, the threads meeting after each): "
           f"{bw_each / 1e9:.1f} GB/s, {weight_bytes / bw_each * 1e3:.2f} ms")
     print(f"{'decode path':28} {'ms/token':>9} {'tok/s':>7} {'% of roof':>9}   (median of {a.rounds})")

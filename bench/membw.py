@@ -72,15 +72,31 @@ def _sum_each(t, buf, bounds, ctr, nthreads, sums):
     sums[t] = s
 
 
-def read_bandwidth_each(arrays: list[np.ndarray], threads: int | None = None) -> float:
+@numba.njit(nogil=True)
+def _sum_halves(t, buf, bounds, ctr, nthreads, sums):
+    """Team member t's contiguous share of each piece buf[bounds[k]:bounds[k + 1]] in turn,
+    never meeting the others: _sum_each's pattern without the claims and the waits."""
+    s = np.uint64(0)
+    for k in range(bounds.shape[0] - 1):
+        lo, hi = bounds[k], bounds[k + 1]
+        per = (hi - lo + nthreads - 1) // nthreads
+        run = buf[min(hi, lo + t * per): min(hi, lo + (t + 1) * per)]
+        for i in range(run.shape[0]):  # from 0: see _sum
+            s += run[i]
+    sums[t] = s
+
+
+def read_bandwidth_each(arrays: list[np.ndarray], threads: int | None = None, meet: bool = True) -> float:
     """Bytes per second read by a plain sum over `arrays` one after another, each shared out
     to the threads as a decode token shares a matrix (colibri's thread team, the threads
     meeting after each): the bandwidth a token's access pattern (many matrices of a few hundred
-    KB) leaves with no arithmetic in the way. The bytes are summed as 64-bit integers (random
-    bytes as floats would hold denormals, slow on some CPUs), laid out back to back, each
-    rounded down to whole words; copies are cycled past 256 MB, so each comes from memory.
-    Best of 5 passes."""
+    KB) leaves with no arithmetic in the way. meet=False: each thread sums its own contiguous
+    share of every array and never waits for the others (what the split alone costs, without
+    the meetings). The bytes are summed as 64-bit integers (random bytes as floats would hold
+    denormals, slow on some CPUs), laid out back to back, each rounded down to whole words;
+    copies are cycled past 256 MB, so each comes from memory. Best of 5 passes."""
     nthreads = threads or numba.get_num_threads()
+    fn = _sum_each if meet else _sum_halves
     sizes = [a.nbytes // 8 for a in arrays]
     bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     nbytes = int(bounds[-1]) * 8
@@ -94,7 +110,7 @@ def read_bandwidth_each(arrays: list[np.ndarray], threads: int | None = None) ->
 
     def one_pass():
         for buf in copies:
-            run_team(_sum_each, nthreads, buf, bounds, np.zeros(counters_size(len(arrays), nthreads), np.int64),
+            run_team(fn, nthreads, buf, bounds, np.zeros(counters_size(len(arrays), nthreads), np.int64),
                      nthreads, sums)
 
     one_pass()
