@@ -148,17 +148,39 @@ def linear_rows(x: np.ndarray, w: QTensor) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- RoPE
 
+ROPE_BLOCK = 256  # positions whose angles Rope.cos_sin_at computes at once
+ROPE_BLOCKS_KEPT = 8  # blocks kept: a batch's sequences sit at different positions
+
+
 @dataclass
 class Rope:
     inv_freq: np.ndarray       # [R/2] float32
     attention_scaling: float   # multiplies cos and sin (YaRN's mscale)
     rotary_dim: int            # R: rotated leading dims of each head (partial rotary)
+    # first position -> (cos, sin) of the blocks of ROPE_BLOCK positions cos_sin_at computed
+    _blocks: dict = field(default_factory=dict, repr=False, compare=False)
 
     def cos_sin(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         freqs = positions.astype(np.float32)[:, None] * self.inv_freq[None, :]  # [L, R/2]
         emb = np.concatenate([freqs, freqs], axis=-1)                          # [L, R]
         s = np.float32(self.attention_scaling)
         return np.cos(emb) * s, np.sin(emb) * s
+
+    def cos_sin_at(self, pos: int) -> tuple[np.ndarray, np.ndarray]:
+        """cos_sin(np.arange(pos, pos + 1)) for a decode token: [1, R] rows of a table computed
+        for ROPE_BLOCK positions at a time. Seven numpy calls a token, made right after the
+        token before had streamed the weights through the caches, took ~70 us (10 us warm).
+        The rows are the same numbers: numpy's cos and sin are elementwise
+        (tests/models/test_rope.py checks the rows against one-position calls)."""
+        start = pos - pos % ROPE_BLOCK
+        block = self._blocks.get(start)
+        if block is None:
+            block = self.cos_sin(np.arange(start, start + ROPE_BLOCK))
+            if len(self._blocks) >= ROPE_BLOCKS_KEPT:  # the oldest goes (another thread may have taken it)
+                self._blocks.pop(next(iter(self._blocks), None), None)
+            self._blocks[start] = block
+        i = pos - start
+        return block[0][i:i + 1], block[1][i:i + 1]
 
 
 def build_rope(args: ModelArgs, head_dim: int | None = None) -> Rope:
@@ -722,7 +744,7 @@ class DecoderModel:
         L, pos0 = ids.shape[0], cache.length
         cache.reserve(pos0 + L)
         t0 = clock() if PHASES.on else 0.0
-        cos, sin = self.rope.cos_sin(np.arange(pos0, pos0 + L))
+        cos, sin = self.rope.cos_sin_at(pos0) if L == 1 else self.rope.cos_sin(np.arange(pos0, pos0 + L))
         x = embedding(self.embed, ids)  # [L, D]
         if t0:
             PHASES.add("embed", -1, t0)
@@ -820,8 +842,8 @@ class DecoderModel:
             end[id(c)] = p + 1
         for c in caches:
             c.reserve(end[id(c)])
-        # Each row's angles as decoding it alone computes them (one position per call).
-        trig = [self.rope.cos_sin(np.arange(p, p + 1)) for p in pos]
+        # Each row's angles as decoding it alone computes them.
+        trig = [self.rope.cos_sin_at(p) for p in pos]
         cos = np.ascontiguousarray(np.concatenate([c for c, _ in trig]), np.float32)
         sin = np.ascontiguousarray(np.concatenate([s for _, s in trig]), np.float32)
         pos = np.asarray(pos, dtype=np.int64)

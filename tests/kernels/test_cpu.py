@@ -64,6 +64,15 @@ def test_embedding_equals_reference_rows(scheme, shape):
     np.testing.assert_array_equal(e, dequantize(t)[ids])  # exact: no reduction involved
 
 
+def test_embedding_of_one_id_equals_reference_row(scheme):
+    """A decode token's single id takes a serial path of its own (no parallel region)."""
+    t = make(scheme, (13, 192), 5)
+    for i in (0, 6, 12):
+        e = embedding(t, np.array([i]))
+        assert e.dtype == np.float32 and e.shape == (1, 192)
+        np.testing.assert_array_equal(e, dequantize(t)[[i]])
+
+
 @pytest.mark.parametrize("scheme_name", ["f16", "bf16"])
 def test_half_decoding_exhaustive(scheme_name):
     """Every one of the 65536 bit patterns (subnormals, inf, NaN payloads) decodes exactly."""
@@ -116,6 +125,8 @@ def test_bad_inputs_raise_clear_errors():
         embedding(t, np.array([0, 7]))
     with pytest.raises(ValueError, match="out of range"):
         embedding(t, np.array([-1]))
+    with pytest.raises(ValueError, match="token id 7 is out of range"):
+        embedding(t, np.array([7]))
     with pytest.raises(ValueError, match="integer"):
         embedding(t, np.array([0.0, 1.0]))
     broken = QTensor("int4_g64", (7, 128), t.q.astype(np.int8), t.scales)
