@@ -176,8 +176,9 @@ class Rope:
         block = self._blocks.get(start)
         if block is None:
             block = self.cos_sin(np.arange(start, start + ROPE_BLOCK))
-            if len(self._blocks) >= ROPE_BLOCKS_KEPT:  # the oldest goes (another thread may have taken it)
-                self._blocks.pop(next(iter(self._blocks), None), None)
+            if len(self._blocks) >= ROPE_BLOCKS_KEPT:  # the oldest goes (list(): one step under the GIL)
+                for oldest in list(self._blocks)[:1]:
+                    self._blocks.pop(oldest, None)
             self._blocks[start] = block
         i = pos - start
         return block[0][i:i + 1], block[1][i:i + 1]

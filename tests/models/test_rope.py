@@ -19,7 +19,6 @@ def test_rows_equal_one_position_calls_across_blocks():
         np.testing.assert_array_equal(sin, ref_sin)
 
 
-
 def test_blocks_kept_are_bounded():
     """A batch's sequences at far-apart positions each keep their block; no more than
     ROPE_BLOCKS_KEPT are held."""
