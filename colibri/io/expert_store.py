@@ -337,15 +337,15 @@ class ExpertStore:
         for e in ids:
             slot = layer.slot_of(e)
             fut = pool.loading.get((prefix, e))
-            if slot is None or (fut is not None and not fut.done()):
+            # A read still in flight, or one that failed (iter_experts reads it again), goes
+            # the step-by-step way.
+            if slot is None or (fut is not None and (not fut.done() or fut.cancelled() or fut.exception())):
                 return None
             slots.append(slot)
         for e in ids:
             key = (prefix, e)
             layer.counts[e] += 1
-            fut = pool.loading.pop(key, None)
-            if fut is not None:
-                fut.result()  # a failed read raises here, as it would in iter_experts
+            if pool.loading.pop(key, None) is not None:  # a finished prefetch (checked above)
                 self.stats.prefetch_hits += 1
             if key in pool.lru:
                 pool.lru.move_to_end(key)
@@ -377,7 +377,7 @@ class ExpertStore:
             return
         pool = self.slots
         protect = {(prefix, e) for e in ids}
-        plan = []  # (expert, buffer or None, future or None, hit?)
+        plan = []  # (expert, buffer or None, future or None, hit?, read started by another call?)
         for e in ids:
             key = (prefix, e)
             slot = layer.slot_of(e)
@@ -385,16 +385,16 @@ class ExpertStore:
                 fut = pool.loading.get(key)
                 if key in pool.lru:
                     pool.lru.move_to_end(key)
-                plan.append((e, pool.buffers[slot], fut, fut is None or fut.done()))
+                plan.append((e, pool.buffers[slot], fut, fut is None or fut.done(), True))
                 continue
             slot = pool.take_slot(protect)
             if slot is not None:
                 pool.lru[key] = slot
                 fut = self._readers.submit(self._read, prefix, e, pool.buffers[slot])
                 pool.loading[key] = fut
-                plan.append((e, pool.buffers[slot], fut, False))
+                plan.append((e, pool.buffers[slot], fut, False, False))
             else:
-                plan.append((e, None, None, False))  # staged: read just ahead of use
+                plan.append((e, None, None, False, False))  # staged: read just ahead of use
         staged = [i for i, p in enumerate(plan) if p[1] is None]
         staged_futs: dict[int, Future] = {}
         next_stage = 0
@@ -409,11 +409,11 @@ class ExpertStore:
 
         submit_staged(len(self._staging))
         done_staged = 0
-        is_ready = [hit and (fut is None or fut.done()) for _, _, fut, hit in plan]
+        is_ready = [hit and (fut is None or fut.done()) for _, _, fut, hit, _ in plan]
         order = [i for i, r in enumerate(is_ready) if r] + [i for i, r in enumerate(is_ready) if not r]
         try:
             for i in order:
-                e, buf, fut, hit = plan[i]
+                e, buf, fut, hit, theirs = plan[i]
                 if buf is None:  # staged: its read was submitted by submit_staged
                     fut = staged_futs[i]
                 if hit and (fut is None or fut.done()):
@@ -425,7 +425,18 @@ class ExpertStore:
                 if fut is not None:
                     t0 = time.perf_counter()
                     try:
-                        buf = fut.result()
+                        try:
+                            buf = fut.result()
+                        except EngineFault:
+                            if not theirs:
+                                raise
+                            # A read this call did not start (a prefetch, made before anyone
+                            # asked) failed: read it once more now. The file may have been
+                            # damaged only while that read ran (a transient fault, a file
+                            # being restored); if it still is, this read fails the same way.
+                            fut = self._readers.submit(self._read, prefix, e, buf)
+                            pool.loading[(prefix, e)] = fut
+                            buf = fut.result()
                     except BaseException:
                         # A failed read (EngineFault) fails this generation only: its slot is
                         # freed, so the expert is read afresh when next asked for.

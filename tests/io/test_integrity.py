@@ -128,6 +128,47 @@ def test_truncated_expert_file_is_an_engine_fault_naming_file_and_expert(pristin
     assert e.generate(PROMPT, max_tokens=4, stop_at_eos=False).token_ids == tokens
 
 
+def test_a_prefetch_that_failed_before_anyone_asked_is_read_again(pristine, routes, tmp_path):
+    """A prefetch (a read started before the layer asks) that failed while the file was
+    damaged, here truncated as `write_bytes` does while restoring it, must not fail the next
+    request once the file is whole: the request reads the expert again. Seen in CI as
+    test_flipped_bytes_...[pread-3], when the restore raced a prefetch of the previous answer."""
+    victim = routes[0]
+    model = copy_of(pristine, tmp_path)
+    path, offset, _ = Container(model).expert_range(LAYER, victim)
+    original = path.read_bytes()
+    c = Container(model)
+    per_layer = sum(l.blob_bytes for l in c.expert_layouts.values())
+    store = ExpertStore(c, StoreConfig(ram_bytes=3 * per_layer, prefetch=True))
+    intact = ExpertStore(Container(pristine), StoreConfig(ram_bytes=0))
+    try:
+        with open(path, "r+b") as f:
+            f.truncate(offset)
+        store.prefetch(LAYER, [victim])
+        failed = store.slots.loading[(LAYER, victim)]
+        with pytest.raises(EngineFault, match="truncated"):
+            failed.result()
+        path.write_bytes(original)
+        assert store.stacked(LAYER, [victim]) is None  # the fused kernel leaves it to iter_experts
+        (e, blob), = list(store.iter_experts(LAYER, [victim], blobs=True))
+        (_, ref), = list(intact.iter_experts(LAYER, [victim], blobs=True))
+        assert e == victim and np.array_equal(blob[:ref.shape[0]], ref)
+        assert (LAYER, victim) not in store.slots.loading
+        # Still damaged when asked: the second read fails the same way, and the slot is freed.
+        with open(path, "r+b") as f:
+            f.truncate(offset)
+        store._forget(LAYER, victim)
+        store.prefetch(LAYER, [victim])
+        with pytest.raises(EngineFault, match="truncated"):
+            store.slots.loading[(LAYER, victim)].result()
+        with pytest.raises(EngineFault, match="truncated"):
+            list(store.iter_experts(LAYER, [victim]))
+        assert store.layers[LAYER].slot_of(victim) is None
+    finally:
+        store.close()
+        intact.close()
+
+
 # ----------------------------------------------------------------------------- damage at load
 
 def test_damaged_expert_fails_a_resident_load(pristine, routes, tmp_path):
