@@ -1,12 +1,12 @@
 """How many threads the numba kernels use: one per core this process may run on that no other
 process keeps busy, re-decided while generating. An explicit `threads=` / `--threads` always wins.
 
-Why (bench/threads.py, SmolLM2 decode on 2 cores): numba's default OpenMP layer spins its
-threads at every barrier, and a decode token makes ~100 parallel calls. On an idle machine 2
-threads beat 1 (81 vs 57 tok/s); with one busy process beside them every call waits for the
-shared core's time slice and 2 threads fall to 22 tok/s (0.7 in runs with two) while 1 thread
-keeps 52. No threading layer does well on both sides (OMP_WAIT_POLICY=passive and workqueue
-lose on the idle machine, tbb is not installed by default), so the count adapts.
+Why: numba's default OpenMP layer spins its threads at every barrier, and a decode token makes
+~100 parallel calls, so a kernel thread that shares its core with a busy process waits for that
+core's time slice at every call; on an idle machine one thread per core is fastest. No
+threading layer does well on both sides (OMP_WAIT_POLICY=passive and workqueue lose on the idle
+machine, tbb is not installed by default), so the count adapts. Figures: docs/benchmarks.md,
+"Kernel threads" (`python -m bench.engine.threads`).
 
 How: the CPU time the cores spent busy (/proc/stat, only the cores in our affinity mask, steal
 included) minus this process's own CPU time, over the window since the last decision, is what
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Others' cores ignored: a shell or a logger should not cost a kernel thread, and /proc/stat
-# counts in 10 ms ticks, so an idle machine reads up to ~0.3 cores over a 0.1 s window here.
-# A busy process reads ~1.0 (0.96 in a window where our two kernel threads shared the cores with it).
+# counts in 10 ms ticks, so an idle machine can read up to ~0.3 cores over a 0.1 s window, where
+# a busy process reads ~1.0.
 SLACK = 0.4
 WINDOW_S = 0.5  # at most one decision per this long; while generating, the window measured
 STALE_S = 10.0  # older readings say little about now (an idle server); a chat pause is shorter
@@ -212,8 +212,8 @@ def run_apart(fn: Callable, *args, **kwargs):
     will not generate (Engine.load's warm-up). GNU OpenMP keeps a worker pool for every thread
     that ever ran a parallel region, and once its pooled threads outnumber the cores it stops
     spinning at barriers: a warm-up on the main thread left the server's scheduler thread at
-    29-31 tok/s against 76-95 with the warm-up run apart (SmolLM2, 2 cores, idle). A pool goes
-    away with its thread."""
+    well under half its speed (docs/benchmarks.md, "Kernel threads"). A pool goes away with its
+    thread."""
     import threading
 
     out: dict = {}

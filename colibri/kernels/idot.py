@@ -403,7 +403,7 @@ def quantize_rows(x, half):
 # (2048 inputs: Qwen3's q/k/v, gate and up), 2 threads (`python bench/row_stream.py --scheme
 # int4-int8 --layout interleaved --shapes 2048`, three runs): eight at a time 22.1-25.1 GB/s,
 # pairs 25.6-30.7; Qwen3-30B-A3B shapes, every expert in RAM, `--activations int8`: 0.78x ->
-# 0.98-1.00x llama.cpp (README, sixth session). Pairs load each piece of x for two rows
+# 0.98-1.00x llama.cpp (docs/benchmarks.md). Pairs load each piece of x for two rows
 # where eights load it for eight, which only pays where the reads are the limit, as they are
 # from DRAM. Rows of 768 B and less (interleaved in eights) read as fast either way and keep
 # 8-row tiles. A row's operations do not depend on the tile, so the bits are the same.
