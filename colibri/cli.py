@@ -70,32 +70,28 @@ def threads_option(**kw):
                         "(default: all cores; use 1 when other work keeps the cores busy).", **kw)
 
 
-def check_activations(mode: str) -> str:
-    from colibri.kernels.idot import ACTIVATIONS
+def checked(name: str):
+    """A typer callback checking an EngineConfig field with the engine's own rule
+    (colibri.engine.config.check), its message naming the option as typed."""
+    def callback(value):
+        from colibri.engine.config import check
 
-    if mode not in ACTIVATIONS:
-        raise ColibriError(f"--activations must be one of {', '.join(ACTIVATIONS)}, not {mode!r}")
-    return mode
+        check(name, value, flag=True)
+        return value
+
+    return callback
 
 
 def activations_option(**kw):
     """--activations for every command that loads a model."""
-    return typer.Option("f32", "--activations", callback=check_activations, help="int4 matrices' activations: "
+    return typer.Option("f32", "--activations", callback=checked("activations"), help="int4 matrices' activations: "
                         "f32 (exact, the default) or int8 (integer dot products: faster where the CPU is the "
                         "bottleneck, not exact; README: Quality).", **kw)
 
 
-def check_kv_cache(kind: str) -> str:
-    from colibri.models.common import KV_CACHE_TYPES
-
-    if kind not in KV_CACHE_TYPES:
-        raise ColibriError(f"--kv-cache must be one of {', '.join(KV_CACHE_TYPES)}, not {kind!r}")
-    return kind
-
-
 def kv_cache_option(**kw):
     """--kv-cache for every command that loads a model."""
-    return typer.Option("f32", "--kv-cache", callback=check_kv_cache, help="KV cache element type: f32 (exact, "
+    return typer.Option("f32", "--kv-cache", callback=checked("kv_cache"), help="KV cache element type: f32 (exact, "
                         "the default) or f16 (half the memory and the bytes read per token at long contexts, "
                         "as llama.cpp's default cache; not exact).", **kw)
 
@@ -120,15 +116,9 @@ def tiers(model, ram_gb: float | None, vram_gb: float | None, auto_tier: bool) -
     return ram_gb, vram_gb
 
 
-def check_device(device: str) -> str:
-    if device not in ("cpu", "cuda", "auto"):
-        raise ColibriError(f"--device must be one of cpu, cuda, auto, not {device!r}")
-    return device
-
-
 def device_option(**kw):
     """--device for every command that loads a model (EngineConfig.device)."""
-    return typer.Option("cpu", "--device", callback=check_device, help="Where the forward runs: cpu, cuda "
+    return typer.Option("cpu", "--device", callback=checked("device"), help="Where the forward runs: cpu, cuda "
                         "(weights, KV cache and a VRAM tier of routed experts in GPU memory; llama-family "
                         "and MoE models: Mixtral, Qwen2/3-MoE, OLMoE, GLM-4.5, DeepSeek-V3, Kimi-K2; needs a "
                         "CUDA GPU and numba-cuda, the gpu extra) or auto (cuda when a GPU is there and covers "

@@ -1,14 +1,44 @@
-"""The token loop, gpt-fast style: prefill, decode_one, sample, each small.
+"""The token loop, gpt-fast style: each step a small named function.
 
-The hot path is `model.forward` on one token (decode_one): per token it runs every layer's
-matvec kernels once; everything here around it is O(vocab) numpy at most.
+    prefill_prompt    the prompt (less what the slot already holds), a chunk per forward pass
+    next_token        penalties, the grammar's mask, then `sample`
+    decode_n_tokens   the loop: a token, its event, the stop rules, `decode_one_token`
+    decode_one_token  the forward pass after one sampled token (with drafts, the pass that checks them)
+
+`Turn` holds one generation's state through them; Engine.stream builds it, and `Passes` runs
+the forward passes (on the model, or through the engine's StepBatcher while it batches).
+
+The hot path is the forward pass on one token (decode_one_token): per token it runs every
+layer's kernels once, milliseconds at least; everything else here around it is O(vocabulary)
+numpy at most, and the Python in between a few attribute reads. Keep it that way: no per-token
+allocation proportional to the context, no per-token call into the tokenizer beyond its
+streaming decoder.
 """
 from __future__ import annotations
 
+import time
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from colibri.errors import EngineFault
+
+
+@dataclass
+class TokenEvent:
+    token_id: int | None  # None: a final event carrying only held-back text
+    text: str  # text this token completes (may be "" while a UTF-8 character or a possible stop string is pending)
+    logprob: float | None = None                        # log p(token) when logprobs were asked for
+    top_logprobs: list[tuple[int, float]] | None = None  # the most likely alternatives, best first
+    # Only on the event a generation with prompt_logprobs starts with (token_id None, no text):
+    # the prompt's scores, as Generation.prompt_logprobs, for streams that show them first.
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # The end-of-sequence token that ended the generation, sent only when logprobs were asked
+    # for (scoring clients such as lm-eval read its logprob); it has no text and is not one of
+    # Generation.token_ids.
+    end: bool = False
 
 
 @dataclass
@@ -174,3 +204,183 @@ class StopMatcher:
     def flush(self) -> str:
         out, self.pending = self.pending, ""
         return out
+
+
+# ---------------------------------------------------------------------- the token loop
+
+class Passes:
+    """The forward passes of an engine's generations: on the model, or through `batcher` (the
+    engine's StepBatcher while it batches, else None; read at every pass, since batching starts
+    and stops between generations). `before` runs before each pass the loop makes (the engine's
+    kernel-thread policy)."""
+
+    def __init__(self, model, before: Callable[[], None]):
+        self.model = model
+        self.before = before
+        self.batcher = None
+
+    def chunk(self, cache, piece: list[int], all_logits: bool = False) -> np.ndarray:
+        """Logits of a prompt chunk after the cache's contents: the last row, or every row."""
+        if self.batcher is not None:
+            return self.batcher.chunk(piece, cache, all_logits)
+        return self.model.forward(np.asarray(piece, dtype=np.int64), cache, all_logits=all_logits)
+
+    def token(self, cache, tok: int) -> np.ndarray:
+        """The next position's logits after one token."""
+        if self.batcher is not None:
+            return self.batcher.rows([tok], [cache])[0]
+        return decode_one(self.model, cache, tok)
+
+    def drafted_rows(self, tok: int, cache, draft) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """draft(), then forward_rows over [tok, *drafts] in one cache -> (drafts, logits rows,
+        final hidden states); through the batcher when batching (both on its thread, the pass
+        shared with other streams). speculative.Speculator's pass."""
+        if self.batcher is not None:
+            return self.batcher.drafted_rows(tok, cache, draft)
+        drafts = draft()
+        rows = self.model.forward_rows([tok, *drafts], [cache] * (len(drafts) + 1))
+        return drafts, rows, self.model.rows_hidden
+
+
+@dataclass
+class Turn:
+    """One generation's state through prefill and the token loop (Engine.stream builds it)."""
+
+    passes: Passes
+    kv: object                      # the KV slot (engine.slots.KVSlot): its cache and the ids it holds
+    ids: list[int]                  # the prompt
+    max_tokens: int
+    prefill_chunk: int              # prompt tokens per forward pass
+    model_id: str                   # named by the error damaged weights give
+    started: float                  # perf_counter() when the request came: time to first token from here
+    params: SamplingParams
+    rng: np.random.Generator
+    stops: StopMatcher
+    eos: set[int] = field(default_factory=set)
+    decoder: object | None = None   # the tokenizer's streaming decoder (None: token ids only, no text)
+    shift: Penalties | None = None  # active penalties and logit bias
+    constraint: object | None = None  # a colibri.grammar.Matcher
+    drafts: object | None = None    # a speculative.Speculator
+    cancel: Callable[[], bool] | None = None  # polled between prefill chunks and between tokens
+    logprobs: int | None = None     # alternatives reported with each token (None: no logprobs)
+    scored: list | None = None      # with prompt_logprobs: the prompt's scores, filled by prefill_prompt
+    prompt_top: int | None = None   # alternatives reported with each prompt token
+    # What it produced.
+    out: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    finish: str = "length"
+    hit: bool = False               # a stop string ended it
+    ttft: float = 0.0
+
+
+def prefill_prompt(turn: Turn, start: int) -> np.ndarray | None:
+    """Prefill ids[start:] in chunks of `prefill_chunk` tokens; the last position's logits,
+    or None when cancelled between chunks. kv.ids follows every chunk, so the slot always
+    names exactly what its cache holds. With `scored` (a list, start 0), every position's
+    logits are kept long enough to append (log p(next prompt token), `prompt_top` best) to it."""
+    kv, ids, chunk, passes = turn.kv, turn.ids, turn.prefill_chunk, turn.passes
+    logits = None
+    for a in range(start, len(ids), chunk):
+        if turn.cancel is not None and turn.cancel():
+            return None
+        passes.before()
+        piece = ids[a : a + chunk]
+        if turn.scored is None:
+            logits = passes.chunk(kv.cache, piece)[-1]
+        else:
+            rows = passes.chunk(kv.cache, piece, all_logits=True)
+            finite(rows, a, turn.model_id)
+            turn.scored.extend(score_next(rows[: len(ids) - 1 - a], ids[a + 1 : a + 1 + len(piece)], turn.prompt_top))
+            logits = rows[-1]
+        kv.ids = ids[: a + len(piece)]
+    return finite(logits, len(ids) - 1, turn.model_id)
+
+
+def next_token(turn: Turn, logits: np.ndarray) -> int | None:
+    """The token sampled from `logits` after the penalties and the grammar's mask (the raw
+    logits stay for reported logprobs); None when the grammar allows no token."""
+    z = turn.shift.apply(logits, turn.ids, turn.out) if turn.shift is not None else logits
+    if turn.constraint is not None:
+        if z is logits:
+            z = logits.copy()
+        turn.constraint.mask(z)
+        if turn.constraint.dead:
+            return None
+    return sample(z, turn.params, turn.rng)
+
+
+def decode_one_token(turn: Turn, tok: int) -> np.ndarray:
+    """The forward pass after sampled token `tok` (with drafts, the pass that also checks
+    them): the next position's logits. The slot then holds `tok`."""
+    kv = turn.kv
+    turn.passes.before()
+    if turn.drafts is None:
+        logits = turn.passes.token(kv.cache, tok)
+    else:
+        logits = turn.drafts.step(kv.cache, len(kv.ids), tok, turn.max_tokens - len(turn.out) - 1)
+    logits = finite(logits, len(kv.ids), turn.model_id)
+    kv.ids.append(tok)
+    return logits
+
+
+def decode_n_tokens(turn: Turn, logits: np.ndarray) -> Iterator[TokenEvent]:
+    """Sample from `logits` (the prompt's last position), then token after token until one of
+    the stop rules: end of sequence, a stop string, the grammar complete or at a dead end,
+    max_tokens, `cancel`. Sets turn.finish unless max_tokens ended it."""
+    out, stops, decoder, constraint = turn.out, turn.stops, turn.decoder, turn.constraint
+    while turn.max_tokens > 0:  # (0: the prompt is only scored)
+        tok = next_token(turn, logits)
+        if tok is None:
+            turn.finish = "grammar_dead_end"
+            return
+        if not out:
+            turn.ttft = time.perf_counter() - turn.started
+        if tok in turn.eos:
+            turn.finish = "stop"
+            if turn.logprobs is not None:
+                ev = token_event(tok, "", logits, turn.logprobs)
+                ev.end = True
+                yield ev
+            return
+        if constraint is not None:
+            constraint.accept(tok)
+        out.append(tok)
+        piece, turn.hit = stops.feed(decoder.feed(tok) if decoder else "")
+        turn.text.append(piece)
+        yield token_event(tok, piece, logits, turn.logprobs)
+        if turn.hit or (constraint is not None and constraint.done):  # a stop string; a complete grammar
+            turn.finish = "stop"
+            return
+        if len(out) >= turn.max_tokens:
+            return
+        if turn.cancel is not None and turn.cancel():
+            turn.finish = "cancelled"
+            return
+        logits = decode_one_token(turn, tok)
+
+
+def flush_text(turn: Turn) -> Iterator[TokenEvent]:
+    """Text held back for a possible stop string (or a split character) is real once no stop
+    string ended the generation: one last event carries it."""
+    if not turn.hit:
+        tail = turn.stops.feed(turn.decoder.flush() if turn.decoder else "")[0] + turn.stops.flush()
+        if tail:
+            turn.text.append(tail)
+            yield TokenEvent(None, tail)
+
+
+def token_event(tok: int, text: str, logits: np.ndarray, logprobs: int | None) -> TokenEvent:
+    if logprobs is None:
+        return TokenEvent(tok, text)
+    lp = log_softmax(logits)
+    top = np.argsort(-lp, kind="stable")[:logprobs] if logprobs else []
+    return TokenEvent(tok, text, float(lp[tok]), [(int(i), float(lp[i])) for i in top])
+
+
+def finite(logits: np.ndarray, position: int, model_id: str) -> np.ndarray:
+    """The guard against damaged weights that no checksum caught (a dense tensor, a container
+    without checksums): NaN or infinite logits would otherwise sample token 0 forever."""
+    if not np.isfinite(logits).all():
+        raise EngineFault(f"non-finite logits at position {position} of {model_id}: a weight file is damaged "
+                          "(run `colibri info` on the model, re-convert it or restore its files)")
+    return logits

@@ -179,7 +179,7 @@ class SpecStats:
 
 class Speculator:
     """The logits for each next position of one generation, from drafted passes where they pay.
-    step() replaces gen.decode_one in the engine's token loop; the cache's positions past the
+    step() replaces the plain pass in the token loop (generate.decode_one_token); the cache's positions past the
     committed tokens may hold drafts, which step() keeps or cuts back.
 
     `auto` decides before every step from what it has measured in this generation: t1, the
@@ -195,7 +195,7 @@ class Speculator:
 
     def __init__(self, drafted_rows, context: list[int], mode: str, draft_tokens: int, mtp: MTPDrafter | None = None):
         # (tok, cache, draft) -> (drafts, logits rows, hidden states): draft() is called, then
-        # [tok, *drafts] run in one forward_rows pass (Engine._drafted_rows; when batching, both
+        # [tok, *drafts] run in one forward_rows pass (generate.Passes.drafted_rows; when batching, both
         # on the batcher's thread, the pass shared with other generations' rows)
         self.drafted_rows = drafted_rows
         self.mode = mode

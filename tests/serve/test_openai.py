@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from colibri.engine import _common_prefix  # the engine's own rule for how much of a slot is reused
+from colibri.engine import common_prefix as _common_prefix  # the engine's own rule for how much of a slot is reused
 import pytest
 
 MODEL_ID = "smollm2"  # the --model-id tests/serve/conftest.py starts servers with

@@ -9,7 +9,7 @@ import threading
 import httpx
 import numpy as np
 
-from colibri.engine import _common_prefix  # the engine's own rule for how much of a slot is reused
+from colibri.engine import common_prefix as _common_prefix  # the engine's own rule for how much of a slot is reused
 
 MODEL_ID = "smollm2"  # the --model-id tests/serve/conftest.py starts servers with
 
