@@ -1,13 +1,8 @@
 """Shared pytest fixtures."""
 import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import pytest
-
-# tools/ (synthetic model generator, upcycler, cgroup runner) are scripts; tests import them.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 
 @pytest.fixture(scope="session")

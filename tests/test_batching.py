@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import synthetic_moe
+from tools import synthetic_moe
 
 from colibri import Engine
 from colibri.errors import EngineFault

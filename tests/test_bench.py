@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-import synthetic_moe
+from tools import synthetic_moe
 
 
 def test_bench_json_report(tmp_path):

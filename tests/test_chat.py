@@ -345,7 +345,7 @@ def test_context_overflow_keeps_the_chat_going(smollm2_container, tmp_path):
 @pytest.fixture(scope="module")
 def upcycled(smollm2_container, tmp_path_factory):
     """SmolLM2 with each FFN turned into 4 identical experts (top-2): a real MoE that speaks."""
-    import upcycle  # tools/, put on the path by conftest
+    from tools import upcycle
 
     return upcycle.upcycle(smollm2_container, tmp_path_factory.mktemp("up") / "moe", experts=4, top_k=2)
 

@@ -225,7 +225,7 @@ def test_run_answers_while_resident_experts_load_with_the_same_tokens(tmp_path):
     """`run` starts its answer once the dense weights are in (the experts load on behind it);
     --wait-for-experts reads them all first. The answer is the same either way (an answer
     overtaking the readers: tests/io/test_integrity.py)."""
-    import synthetic_moe
+    from tools import synthetic_moe
 
     model = synthetic_moe.write_container(tmp_path / "m", "tiny", progress=False)
     args = ("run", "--model", model, "--raw", "--max-tokens", "6", "--ram-gb", "4", "once upon a time")

@@ -3,7 +3,7 @@ tokens with and without drafts, on the dense default model and on a streamed MoE
 exactly the tokens emitted (no rejected draft left in the cache); bad settings are refused."""
 import numpy as np
 import pytest
-import synthetic_moe
+from tools import synthetic_moe
 
 from colibri import ColibriError, Engine
 from colibri.speculative import NgramDrafter

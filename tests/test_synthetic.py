@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import moe_presets
-import synthetic_moe
+from tools import moe_presets
+from tools import synthetic_moe
 from colibri.errors import ColibriError
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
+REPO = Path(__file__).resolve().parents[1]
 
 
 # ----------------------------------------------------------------------------- shapes
@@ -206,8 +206,8 @@ def test_routing_is_skewed_and_token_dependent(tmp_path):
 # ----------------------------------------------------------------------------- bad input
 
 def _run_tool(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(TOOLS / "synthetic_moe.py"), *map(str, args)],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "tools.synthetic_moe", *map(str, args)],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -266,7 +266,7 @@ def test_full_disk_mid_write_leaves_nothing(small_disk, monkeypatch):
 
 def test_gguf_twin_blocks_hold_the_same_weights():
     import gguf
-    import gguf_synthetic
+    from tools import gguf_synthetic
 
     from colibri.kernels.quant import dequantize
 
@@ -284,7 +284,7 @@ def test_gguf_twin_file_holds_the_containers_weights(tmp_path):
     """A Qwen3-MoE slice written as its GGUF twin: every tensor there, experts stacked per layer,
     each weight equal to the container's; a vocabulary smaller than the tokenizer is refused."""
     import gguf
-    import gguf_synthetic
+    from tools import gguf_synthetic
 
     from colibri.io.container import Container
     from colibri.kernels.quant import dequantize

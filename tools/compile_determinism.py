@@ -3,8 +3,8 @@ cache? Run it twice with the same empty cache directory; the second run compares
 the first's:
 
     export NUMBA_CACHE_DIR=$(mktemp -d)
-    python tools/compile_determinism.py /tmp/logits.npy   # compiles, saves the logits
-    python tools/compile_determinism.py /tmp/logits.npy   # loads from the cache, compares
+    python -m tools.compile_determinism /tmp/logits.npy   # compiles, saves the logits
+    python -m tools.compile_determinism /tmp/logits.npy   # loads from the cache, compares
 
 The model is a tiny OLMoE-shaped synthetic (written once to --model-dir), decoded greedily
 from a fixed prompt; the final token's logits are compared bit for bit. Found 2026-12-01: they
@@ -18,9 +18,6 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -28,7 +25,7 @@ def main() -> None:
     ap.add_argument("--model-dir", type=Path, default=Path("/tmp/colibri-determinism-model"))
     a = ap.parse_args()
 
-    import synthetic_moe
+    from tools import synthetic_moe
 
     from colibri import generate as gen
     from colibri.engine import Engine

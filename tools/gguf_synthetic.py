@@ -1,7 +1,7 @@
 """The GGUF twin of a synthetic colibri container (tools/synthetic_moe.py): the same model, the
 same numbers, as a GGUF llama.cpp runs, so the two engines are compared on identical weights.
 
-    python tools/gguf_synthetic.py CONTAINER_DIR OUT.gguf
+    python -m tools.gguf_synthetic CONTAINER_DIR OUT.gguf
 
 colibri's int4 g64 (a float scale per 64 weights, byte k of a group holding weights k and
 k + 32) is rewritten as pairs of Q4_0 blocks (an f16 scale per 32 weights, byte j holding
@@ -18,11 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from colibri.errors import ColibriError  # noqa: E402
-from colibri.io.container import Container  # noqa: E402
-from colibri.kernels.quant import QTensor  # noqa: E402
+from colibri.errors import ColibriError
+from colibri.io.container import Container
+from colibri.kernels.quant import QTensor
 
 ARCH = {"olmoe": "olmoe", "qwen3_moe": "qwen3moe"}
 TOKENIZER_VOCAB = 49152  # SmolLM2's, which the twin carries

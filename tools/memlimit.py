@@ -2,7 +2,7 @@
 and benchmarks: a child group is made under this process's own memory cgroup, the command
 moves itself in before it starts, and the group's peak usage and failcnt are read back.
 
-    python tools/memlimit.py LIMIT_MB -- CMD ARGS...
+    python -m tools.memlimit LIMIT_MB -- CMD ARGS...
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Synthetic FP8 checkpoints with DeepSeek-V3's tensor names, shapes, dtypes and shard layout
 (random weights), for testing and benchmarking `colibri convert` on FP8 input at real sizes.
 
-    python tools/synthetic_fp8.py OUT_DIR [--layers 4] [--experts 256] [--vocab 129280]
+    python -m tools.synthetic_fp8 OUT_DIR [--layers 4] [--experts 256] [--vocab 129280]
                                           [--width-divisor 1] [--shard-mb 4300] [--seed 0]
 
 Shapes are transformers' DeepseekV3Config() defaults, which are DeepSeek-V3's: hidden 7168, 128
@@ -43,9 +43,6 @@ from pathlib import Path
 from queue import Queue
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 BLOCK = 128
 FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [BLOCK, BLOCK]}
@@ -307,7 +304,7 @@ def write_checkpoint(out: str | Path, layers: int = 4, experts: int = 256, vocab
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": dict(sorted(index.items()))}, indent=2))
     if tokenizer:
-        from synthetic_moe import smollm2_tokenizer_files
+        from tools.synthetic_moe import smollm2_tokenizer_files
 
         for fname, text in smollm2_tokenizer_files().items():
             (out / fname).write_text(text)

@@ -2,8 +2,8 @@
 written as a colibri container; `--gguf` also writes the same model (the same weights, byte for
 byte where the formats allow) as a GGUF that llama.cpp runs.
 
-    python tools/synthetic_moe.py OUT_DIR --preset qwen3-30b-a3b [--gguf OUT.gguf]
-    python tools/synthetic_moe.py OUT_DIR --preset deepseek-v3 --layers 5     # 3 dense + 2 MoE layers
+    python -m tools.synthetic_moe OUT_DIR --preset qwen3-30b-a3b [--gguf OUT.gguf]
+    python -m tools.synthetic_moe OUT_DIR --preset deepseek-v3 --layers 5     # 3 dense + 2 MoE layers
 
 Presets (tools/moe_presets.py): the real shapes of qwen3-30b-a3b (whole model, ~17 GB),
 qwen3-235b-a22b, deepseek-v3, kimi-k2, glm-5 and glm-4.5-air (slice them with --layers N: the
@@ -39,16 +39,13 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tools import moe_presets
+from tools.moe_presets import PRESETS, Spec
 
-import moe_presets  # noqa: E402
-from moe_presets import PRESETS, Spec  # noqa: E402
-
-from colibri.errors import ColibriError  # noqa: E402
-from colibri.io.container import ContainerWriter  # noqa: E402
-from colibri.io.convert import scheme_for  # noqa: E402
-from colibri.kernels.quant import GROUP_SIZE, QTensor  # noqa: E402
+from colibri.errors import ColibriError
+from colibri.io.container import ContainerWriter
+from colibri.io.convert import scheme_for
+from colibri.kernels.quant import GROUP_SIZE, QTensor
 
 DEFAULT_SKEW = 1.0
 GAIN = 0.5            # each matrix maps an input of rms 1 to an output of rms ~GAIN ...
@@ -301,7 +298,7 @@ def main() -> None:
         write_container(a.out, a.preset, a.seed, layers=a.layers, skew=a.skew, width_divisor=a.width_divisor,
                         vocab=a.vocab)
         if a.gguf:
-            from gguf_synthetic import write_gguf
+            from tools.gguf_synthetic import write_gguf
 
             write_gguf(a.gguf, a.out)
     except ColibriError as e:

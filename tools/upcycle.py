@@ -3,7 +3,7 @@ copied into E identical experts behind a random router (mixtral layout, normaliz
 Since the top-k weights sum to one, the MoE computes the dense FFN, so the text stays the
 dense model's while routing, streaming and caching are fully exercised.
 
-    python tools/upcycle.py DENSE_CONTAINER OUT_DIR [--experts 8] [--top-k 2]
+    python -m tools.upcycle DENSE_CONTAINER OUT_DIR [--experts 8] [--top-k 2]
 """
 from __future__ import annotations
 
@@ -14,9 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from colibri.io.container import Container, ContainerWriter  # noqa: E402
+from colibri.io.container import Container, ContainerWriter
 
 _FFN = ("gate_proj", "up_proj", "down_proj")
 

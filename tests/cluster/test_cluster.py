@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import synthetic_moe
+from tools import synthetic_moe
 from colibri import generate as gen
 from colibri.engine import Engine
 

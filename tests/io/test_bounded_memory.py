@@ -5,9 +5,9 @@ import json
 import subprocess
 import sys
 
-import memlimit
+from tools import memlimit
 import pytest
-import synthetic_moe
+from tools import synthetic_moe
 
 MiB = 1 << 20
 # Above the process's baseline (interpreter, numpy, numba + LLVM loaded; their shared libraries

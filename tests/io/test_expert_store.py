@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import synthetic_moe
-import upcycle
+from tools import synthetic_moe
+from tools import upcycle
 
 from colibri import ColibriError, Engine
 from colibri.errors import EngineFault

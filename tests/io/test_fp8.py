@@ -271,9 +271,10 @@ def test_synthetic_deepseek_v3_fp8_checkpoint_converts_and_decodes(tmp_path):
     from colibri.io.safetensors_io import SafetensorsFile
 
     src = tmp_path / "fp8"
-    r = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[2] / "tools" / "synthetic_fp8.py"),
+    r = subprocess.run([sys.executable, "-m", "tools.synthetic_fp8",
                         str(src), "--layers", "2", "--experts", "4", "--width-divisor", "16", "--vocab", "1024",
-                        "--shard-mb", "1", "--no-tokenizer"], capture_output=True, text=True, timeout=120)
+                        "--shard-mb", "1", "--no-tokenizer"], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parents[2])
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stderr.count(" written (") == 2  # a progress line per layer
     cfg = json.loads((src / "config.json").read_text())

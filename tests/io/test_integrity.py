@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import synthetic_moe
+from tools import synthetic_moe
 
 from colibri import ColibriError, Engine
 from colibri.errors import EngineFault

@@ -43,7 +43,7 @@ def browser():
 
 @pytest.fixture(scope="module")
 def moe_model(tmp_path_factory):
-    from synthetic_moe import write_container
+    from tools.synthetic_moe import write_container
 
     return write_container(tmp_path_factory.mktemp("dash") / "small-moe", "small", progress=False)
 

@@ -340,7 +340,7 @@ HI = [{"role": "user", "content": "Hi"}]
 @pytest.fixture(scope="module")
 def faulty(start_server, tmp_path_factory):
     """A tiny synthetic MoE (untied lm_head) whose embeddings are NaN outside its test prompts."""
-    from synthetic_moe import write_container
+    from tools.synthetic_moe import write_container
 
     from colibri.tokenizer import Tokenizer
 

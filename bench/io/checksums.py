@@ -2,10 +2,10 @@
 against a cold disk read of the same bytes, and a streamed decode with verification off, on
 (xxh3_64, what containers record) and with crc32 (stdlib), interleaved.
 
-    python tools/checksum_bench.py                                   # checksum speeds only
-    python tools/checksum_bench.py --model /tmp/olmoe --ram-gb 1.5   # + streamed decode A/B/C
+    python -m tools.checksum_bench                                   # checksum speeds only
+    python -m tools.checksum_bench --model /tmp/olmoe --ram-gb 1.5   # + streamed decode A/B/C
 
-Make the model first: python tools/synthetic_moe.py /tmp/olmoe --preset olmoe-1b-7b.
+Make the model first: python -m tools.synthetic_moe /tmp/olmoe --preset olmoe-1b-7b.
 Decode reads with O_DIRECT (the page cache never serves a miss), so every miss costs a disk read
 and its verification; the budget keeps misses frequent. Benchmark only: no asserts.
 """

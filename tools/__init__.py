@@ -1,0 +1,1 @@
+"""Generators and helpers for tests and benchmarks: synthetic models, the upcycler, the memory-limit runner."""
