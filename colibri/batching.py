@@ -38,7 +38,7 @@ KV_MEMORY_SHARE = 0.5
 def default_max_batch(kv_bytes_per_slot: int, available_bytes: int) -> int:
     """`serve --max-batch` when not given: one tile of the multi-row kernels (TILE_A rows each
     unpack the weights once; a row past the tile starts another, and measured 0.40 of a step
-    where rows inside it cost 0.35: README, Serving several clients), fewer when that many
+    where rows inside it cost 0.35: docs/benchmarks.md: Several clients at once), fewer when that many
     full-context KV caches would take more than KV_MEMORY_SHARE of the memory available."""
     by_memory = int(available_bytes * KV_MEMORY_SHARE // max(kv_bytes_per_slot, 1))
     return max(1, min(TILE_A, by_memory))

@@ -86,7 +86,7 @@ def activations_option(**kw):
     """--activations for every command that loads a model."""
     return typer.Option("f32", "--activations", callback=checked("activations"), help="int4 matrices' activations: "
                         "f32 (exact, the default) or int8 (integer dot products: faster where the CPU is the "
-                        "bottleneck, not exact; README: Quality).", **kw)
+                        "bottleneck, not exact; docs/benchmarks.md: Quality).", **kw)
 
 
 def kv_cache_option(**kw):
@@ -101,7 +101,7 @@ def wait_for_experts_option(**kw):
     return typer.Option(False, "--wait-for-experts", help="With every expert resident: read them all before the "
                         "first answer. By default the answer starts once the dense weights are in, waiting only "
                         "for the experts it routes to while the rest load (the first token came in ~10 s instead "
-                        "of ~20 s on Qwen3-30B-A3B's shapes, README).", **kw)
+                        "of ~20 s on Qwen3-30B-A3B's shapes, docs/benchmarks.md: Start-up).", **kw)
 
 
 def tiers(model, ram_gb: float | None, vram_gb: float | None, auto_tier: bool) -> tuple:
@@ -197,7 +197,7 @@ def run(
                                            "experts); default: planned from available memory."),
     expert_io: str = typer.Option("pread", "--expert-io", help="How missed experts are read: pread, direct, mmap."),
     prefetch: bool = typer.Option(False, "--prefetch/--no-prefetch", help="Prefetch the next layer's predicted "
-                                  "experts (off: it measured slower, see README)."),
+                                  "experts (off: it measured slower, docs/benchmarks.md)."),
     threads: Optional[int] = threads_option(),
     auto_tier: bool = typer.Option(False, "--auto-tier", help="Apply `colibri plan` (its RAM and VRAM budgets) where "
                                    "--ram-gb is not given."),
@@ -536,7 +536,7 @@ def perplexity(
     device: str = device_option(),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ):
-    """Perplexity of the model over TEXT_FILE with a sliding window (README: Quality), and the KL
+    """Perplexity of the model over TEXT_FILE with a sliding window (docs/usage.md: Perplexity), and the KL
     divergence of its next-token distributions against a saved reference run."""
     import json
 

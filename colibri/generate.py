@@ -115,7 +115,7 @@ def candidates(logits: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, np.nd
 
     Only the tokens that can survive are sorted: the top-k by a partial selection (O(V)), and
     for top-p without top-k the best few hundred, grown while their mass is short of top_p. A
-    full sort of a 152k vocabulary took ~20 ms a token; this takes ~1 ms (bench in README)."""
+    full sort of a 152k vocabulary took ~20 ms a token; this takes ~1 ms (docs/benchmarks.md: Kernels)."""
     z = np.asarray(logits, dtype=np.float32)
     V = z.size
     top = z.max()

@@ -31,12 +31,6 @@ def tensor_class(name: str, shape: list[int]) -> str:
     return "other"
 
 
-def _top_k(config: dict) -> int:
-    from colibri.plan import _top_k as top_k
-
-    return top_k(config)
-
-
 def describe(model_dir: str | Path | Container) -> dict:
     c = model_dir if isinstance(model_dir, Container) else Container(model_dir)
     cfg = c.config
@@ -53,7 +47,9 @@ def describe(model_dir: str | Path | Container) -> dict:
         entry["schemes"][spec["scheme"]] = entry["schemes"].get(spec["scheme"], 0) + 1
         dense_params += params
 
-    top_k = _top_k(cfg)
+    from colibri.plan import experts_per_token
+
+    top_k = experts_per_token(cfg)
     expert_params = active_expert_params = 0
     expert_layers = []
     for prefix, layout in c.expert_layouts.items():
@@ -125,7 +121,7 @@ def _count(n: int) -> str:
 def render_info(info: dict, console) -> None:
     from rich.table import Table
 
-    from colibri.plan import _size
+    from colibri.plan import size_text as _size
 
     e = info["experts"]
     console.print(f"[bold]{Path(info['dir']).name}[/bold]  ({info['dir']})", highlight=False)

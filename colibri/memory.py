@@ -3,8 +3,8 @@
 Decode reads every weight once per token and, at long contexts, the whole KV cache once per
 token; both are far larger than the TLB covers with 4 KiB pages (SmolLM2's 112 MB of weights
 are 27k pages a token, its 8k-token float32 cache 92k). With 2 MiB pages the page walks go,
-and the int4 matvec streaming from DRAM ran 15.2 -> 17.0 GB/s on this machine (README,
-Measured). numpy's own allocations get 4 KiB pages where THP is in `madvise` mode (the common
+and the int4 matvec streams faster from DRAM (docs/benchmarks.md: What a design choice is
+worth). numpy's own allocations get 4 KiB pages where THP is in `madvise` mode (the common
 default), so the arrays the kernels stream are placed here instead:
 
 - huge_pages(n): one mapping (an expert arena, a KV cache's arrays);

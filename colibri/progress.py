@@ -4,10 +4,10 @@ N s (R GB/s)", so logs show every phase too. colibri.warmup shows the kernel com
 way."""
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
-from colibri.warmup import _console, _stream
 
 
 class ByteProgress:
@@ -27,11 +27,11 @@ class ByteProgress:
     @staticmethod
     def note(text: str, out=None) -> None:
         """One line about a phase that goes on in the background (nothing to wait for here)."""
-        console = _console(out)
+        console = status_console(out)
         if console is not None:
             console.print(text, highlight=False)
         else:
-            stream = _stream(out)
+            stream = text_stream(out)
             stream.write(text + "\n")
             stream.flush()
 
@@ -42,12 +42,12 @@ class ByteProgress:
 
     def __enter__(self) -> "ByteProgress":
         self._t0 = time.perf_counter()
-        self._console = _console(self.out)
+        self._console = status_console(self.out)
         if self._console is not None:
             self._status = self._console.status(self)
             self._status.start()
         else:
-            stream = _stream(self.out)
+            stream = text_stream(self.out)
             stream.write(f"{self.what} ({self.total / 1e9:.1f} GB)... ")
             stream.flush()
         return self
@@ -60,6 +60,32 @@ class ByteProgress:
             if kind is None:
                 self._console.print(f"{self.what}: {summary}", highlight=False)
         else:
-            stream = _stream(self.out)
+            stream = text_stream(self.out)
             stream.write(f"done: {summary}\n" if kind is None else "failed\n")
             stream.flush()
+
+
+def status_console(out):
+    """The Rich console to draw a spinner on, or None when `out` is not a terminal."""
+    from rich.console import Console
+
+    if isinstance(out, Console):
+        return out if out.is_terminal else None
+    if out is None:
+        from rich import get_console
+
+        shared = get_console()
+        # `colibri chat` loads the model under a spinner on Rich's global console; a second live
+        # display on another console would fight it for the same rows, so nest under it.
+        if shared.is_terminal and getattr(shared, "_live_stack", None):
+            return shared
+        out = sys.stderr
+    return Console(file=out) if out.isatty() else None
+
+
+def text_stream(out):
+    from rich.console import Console
+
+    if isinstance(out, Console):
+        return out.file
+    return out if out is not None else sys.stderr

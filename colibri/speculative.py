@@ -252,7 +252,7 @@ class Speculator:
             return 0
         t1 = self._plain[0] / self._plain[1]
         # Before a drafted pass has been timed: the extra-row cost the multi-row kernels measure
-        # (0.30-0.45 of a step, README). 0.5 made a first draft never pay at the prior a = 1/2,
+        # (0.30-0.45 of a step, docs/benchmarks.md: Speculative decoding). 0.5 made a first draft never pay at the prior a = 1/2,
         # so copying text waited for a probe (replayed offline: 1.34x -> 1.67x on a list copy).
         r = max(self._extra[0], 0.0) / self._extra[1] / t1 if self._extra[1] else self.ROW_COST_PRIOR
         accepted, rejected = self.stats.accepted, self._rejections

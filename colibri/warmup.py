@@ -15,18 +15,20 @@ no earlier model compiled is therefore noticed, and a cached start prints nothin
 
 The tiny forward itself is skipped when this model's kernels are known to be cached: after a
 warmup, the kernels the model called are listed in a marker file next to numba's cache, and a
-later start checks that each one's cache index is still there and newer than its source. That
-matters for large models, whose forward reads experts from disk even for three tokens.
+later start checks that they are still colibri's kernels and were compiled by this numba for
+this CPU (the cache directory's name is a digest of the kernel sources). That matters for large
+models, whose forward reads experts from disk even for three tokens.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+from colibri.progress import status_console, text_stream
 
 MARKERS = "colibri-warm"   # folder in the numba cache: one marker per model directory
 
@@ -83,7 +85,7 @@ def _compile_long_prompt_tiles(model) -> None:
 def _matrices(model):
     """The model's weight matrices (QTensors): the head, and those of each layer's parts, two
     attribute levels down (layer -> attention / MLP -> matrix)."""
-    from colibri.kernels.quant import QTensor
+    from colibri.formats.qtensor import QTensor
 
     def walk(obj, depth):
         for v in vars(obj).values():
@@ -115,14 +117,14 @@ class _Progress:
             return
         self.started = True
         self._t0 = time.perf_counter()
-        console = _console(self.out)
+        console = status_console(self.out)
         if console is not None:
             self._console = console
             self._status = console.status(_Elapsed(f"compiling kernels for {self.name} (first start only)",
                                                    self._t0))
             self._status.start()
         else:
-            stream = _stream(self.out)
+            stream = text_stream(self.out)
             stream.write(f"compiling kernels for {self.name} (first start only)... ")
             stream.flush()
 
@@ -134,7 +136,7 @@ class _Progress:
             self._console.print(f"compiled kernels for {self.name} in {seconds:.1f} s (first start only)",
                                 highlight=False)
         else:
-            stream = _stream(self.out)
+            stream = text_stream(self.out)
             stream.write(f"done in {seconds:.1f} s\n")
             stream.flush()
 
@@ -147,32 +149,6 @@ class _Elapsed:
 
     def __rich__(self) -> str:
         return f"{self.text} {time.perf_counter() - self.t0:.0f} s"
-
-
-def _console(out):
-    """The Rich console to draw a spinner on, or None when `out` is not a terminal."""
-    from rich.console import Console
-
-    if isinstance(out, Console):
-        return out if out.is_terminal else None
-    if out is None:
-        from rich import get_console
-
-        shared = get_console()
-        # `colibri chat` loads the model under a spinner on Rich's global console; a second live
-        # display on another console would fight it for the same rows, so nest under it.
-        if shared.is_terminal and getattr(shared, "_live_stack", None):
-            return shared
-        out = sys.stderr
-    return Console(file=out) if out.isatty() else None
-
-
-def _stream(out):
-    from rich.console import Console
-
-    if isinstance(out, Console):
-        return out.file
-    return out if out is not None else sys.stderr
 
 
 class _on_first_compile:
@@ -224,32 +200,42 @@ def kernel_dispatchers() -> dict:
     import colibri.kernels as pkg
 
     found = {}
-    for info in pkgutil.iter_modules(pkg.__path__):
-        mod = importlib.import_module(f"{pkg.__name__}.{info.name}")
+    for info in pkgutil.walk_packages(pkg.__path__, prefix=f"{pkg.__name__}."):
+        if info.name.startswith(f"{pkg.__name__}.cuda"):  # (CUDA kernels are not cached on disk)
+            continue
+        mod = importlib.import_module(info.name)
         for value in vars(mod).values():
             if isinstance(value, Dispatcher) and value.py_func.__module__ == mod.__name__:
                 found[f"{mod.__name__}.{value.py_func.__qualname__}"] = value
     return found
 
 
-def _index_is_current(dispatcher) -> bool:
-    """numba's cache index for this kernel matches its source file and numba's version and
-    holds code for this CPU: numba's own tests before it loads a kernel instead of compiling."""
-    try:
-        index = dispatcher._cache._cache_file._load_index()   # {} when the source or numba changed
-        magic = dispatcher.targetctx.codegen().magic_tuple()   # target triple, CPU name, features
-        return any(key[1] == magic for key in index)
-    except Exception:  # another numba's layout, or an unreadable index: not known to be cached
-        return False
+def _compiled_for() -> dict:
+    """What cached machine code depends on besides the sources (which name the cache directory,
+    colibri.kernels.numba_cache_dir): numba's version and the CPU it compiles for (the host's,
+    or NUMBA_CPU_NAME / NUMBA_CPU_FEATURES when set, as for measuring another CPU class)."""
+    import numba
+    from llvmlite import binding
+    from numba.core import config
+
+    return {"numba": numba.__version__, "cpu": config.CPU_NAME or binding.get_host_cpu_name(),
+            "features": config.CPU_FEATURES or binding.get_host_cpu_features().flatten()}
 
 
 def _kernels_cached(marker: Path) -> bool:
+    """The marker's kernels were compiled into this cache directory by this numba for this CPU,
+    and each is still one of colibri's kernels. (A cache emptied by hand while its markers stay
+    costs a silent compile at the first token, never a wrong result: numba checks its own
+    index before it loads anything.)"""
     try:
-        names = json.loads(marker.read_text())["kernels"]
+        recorded = json.loads(marker.read_text())
+        names = recorded["kernels"]
     except (OSError, ValueError, KeyError, TypeError):
         return False
+    if any(recorded.get(k) != v for k, v in _compiled_for().items()):
+        return False
     kernels = kernel_dispatchers()
-    return bool(names) and all(n in kernels and _index_is_current(kernels[n]) for n in names)
+    return bool(names) and all(n in kernels for n in names)
 
 
 def _write_marker(marker: Path) -> None:
@@ -258,7 +244,7 @@ def _write_marker(marker: Path) -> None:
     try:
         marker.parent.mkdir(parents=True, exist_ok=True)
         tmp = marker.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"kernels": used}))
+        tmp.write_text(json.dumps({"kernels": used, **_compiled_for()}))
         tmp.replace(marker)
     except OSError:  # an unwritable cache only costs the tiny forward at the next start
         pass

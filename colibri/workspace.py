@@ -7,9 +7,18 @@ indexer, O(chunk x context) for the per-query token scores; never O(prompt x con
 """
 from __future__ import annotations
 
-from colibri.kernels.attention import SCORE_BLOCK_BYTES, key_block
-
 F32 = 4
+# Bytes of scores one attention task holds at a time (kernels/attention.py): a few MB stays in
+# L2/L3 while exp and the value product read it back, and bounds a prompt's attention memory
+# whatever its length.
+SCORE_BLOCK_BYTES = 4 << 20
+MIN_BLOCK, MAX_BLOCK = 64, 2048
+
+
+def key_block(rows: int, score_bytes: int = SCORE_BLOCK_BYTES, min_block: int = MIN_BLOCK,
+              max_block: int = MAX_BLOCK) -> int:
+    """Keys per block so that `rows` score rows of float32 fit `score_bytes`."""
+    return int(min(max_block, max(min_block, score_bytes // (4 * max(rows, 1)))))
 
 
 def prefill_workspace_bytes(config: dict, chunk: int, context: int, threads: int) -> int:

@@ -119,7 +119,7 @@ def test_chat_prompt_without_chat_template(model_copy):
 def test_installed_console_script_answers(smollm2_container):
     """The `colibri` entry point pip installed (not `python -m`): after `pip install .` then
     `pip install -e .` in one environment (README, .ci/run), a package directory left behind in
-    site-packages used to shadow the editable install (No module named 'colibri.kernels.quant')."""
+    site-packages used to shadow the editable install (No module named 'colibri.formats.qtensor')."""
     script = os.path.join(os.path.dirname(sys.executable), "colibri")
     if not os.path.exists(script):
         script = shutil.which("colibri")

@@ -16,7 +16,7 @@ import pytest
 from colibri import ColibriError
 from colibri.io.container import ContainerWriter
 from colibri.io.safetensors_io import write_safetensors
-from colibri.kernels.quant import QTensor
+from colibri.formats.qtensor import QTensor
 from colibri.plan import (GPU, ExpertLayer, GiB, Machine, MiB, ModelFacts, Policy, analyze_model, build_plan,
                           check_fits, engine_options, named_machines, parse_machine_spec, plan_machines, probe_disk,
                           read_machine_file, read_machines)
@@ -192,7 +192,7 @@ def test_bottleneck_follows_the_machine():
     assert big["bottleneck"] in ("memory", "compute") and big["tiers"]["disk"]["experts_disk_only"] == 0
     assert big["projection"]["hit_rate"] == [1.0, 1.0]
     assert big["projection"]["tok_s"][0] > small["projection"]["tok_s"][1]
-    # the disk-bound figure is the miss bytes over the disk rate (DESIGN.md section 9: ~1.6-2 tok/s with no hits)
+    # the disk-bound figure is the miss bytes over the disk rate (docs/design.md section 9)
     no_cache = build_plan(facts, Machine(2, 4 * GiB, int(2.5 * GiB), [], 0.8, "fake", 15.0, "test"),
                           ram_gb=facts.dense_bytes / GiB + 0.01)
     assert no_cache["tiers"]["ram"]["experts"] == 0

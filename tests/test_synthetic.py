@@ -268,7 +268,7 @@ def test_gguf_twin_blocks_hold_the_same_weights():
     import gguf
     from tools import gguf_synthetic
 
-    from colibri.kernels.quant import dequantize
+    from colibri.formats.qtensor import dequantize
 
     rng = np.random.default_rng(0)
     t = synthetic_moe.random_int4(rng, 24, 256)
@@ -287,7 +287,7 @@ def test_gguf_twin_file_holds_the_containers_weights(tmp_path):
     from tools import gguf_synthetic
 
     from colibri.io.container import Container
-    from colibri.kernels.quant import dequantize
+    from colibri.formats.qtensor import dequantize
 
     model = synthetic_moe.write_container(tmp_path / "m", "qwen3-30b-a3b", progress=False, layers=1,
                                           width_divisor=16, vocab=49152)

@@ -8,7 +8,7 @@ the first's:
 
 The model is a tiny OLMoE-shaped synthetic (written once to --model-dir), decoded greedily
 from a fixed prompt; the final token's logits are compared bit for bit. Found 2026-12-01: they
-differ in the last bit (<= 2.4e-7), tokens equal (README: Design, "Same input, same bits").
+differ in the last bit (<= 2.4e-7), tokens equal (docs/design.md section 11, "Same input, same bits").
 """
 from __future__ import annotations
 

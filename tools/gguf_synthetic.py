@@ -20,7 +20,7 @@ import numpy as np
 
 from colibri.errors import ColibriError
 from colibri.io.container import Container
-from colibri.kernels.quant import QTensor
+from colibri.formats.qtensor import QTensor
 
 ARCH = {"olmoe": "olmoe", "qwen3_moe": "qwen3moe"}
 TOKENIZER_VOCAB = 49152  # SmolLM2's, which the twin carries

@@ -45,7 +45,7 @@ from tools.moe_presets import PRESETS, Spec
 from colibri.errors import ColibriError
 from colibri.io.container import ContainerWriter
 from colibri.io.convert import scheme_for
-from colibri.kernels.quant import GROUP_SIZE, QTensor
+from colibri.formats.qtensor import GROUP_SIZE, QTensor
 
 DEFAULT_SKEW = 1.0
 GAIN = 0.5            # each matrix maps an input of rms 1 to an output of rms ~GAIN ...

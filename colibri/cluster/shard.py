@@ -16,6 +16,7 @@ import numpy as np
 from colibri.io.container import Container
 from colibri.io.expert_store import ExpertStore, StoreConfig
 from colibri.kernels import idot
+from colibri.kernels.moe import one_expert
 from colibri.models.common import swiglu_expert
 
 
@@ -62,7 +63,7 @@ def expert_outputs(source, prefix: str, x: np.ndarray, weights: np.ndarray, ids:
         if kernel is not None:
             for e, blob in source.iter_experts(prefix, experts, blobs=True):
                 rows, slots = np.nonzero(ids == e)
-                parts[e] = np.stack([kernel.one(np.ascontiguousarray(x[r], dtype=np.float32), blob,
+                parts[e] = np.stack([one_expert(kernel, np.ascontiguousarray(x[r], dtype=np.float32), blob,
                                                 np.float32(weights[r, k]), nthreads, activations)
                                      for r, k in zip(rows, slots)])
         else:

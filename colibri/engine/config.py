@@ -56,7 +56,7 @@ class EngineConfig:
     # bottleneck, at a fidelity cost; colibri/kernels/idot.py).
     activations: str = "f32"
     # int4 and q8_0 matrices' layout in RAM: "interleaved" (each block of 2 or 8 rows read as
-    # one run of bytes by the decode kernels, which streams faster from DRAM; quant.py, Layout)
+    # one run of bytes by the decode kernels, which streams faster from DRAM; formats/qtensor.py, Layout)
     # or "rows" (row-major, as stored). The same bits either way.
     weight_layout: str = "interleaved"
     # The KV cache's element type: "f32" (exact) or "f16" (half the bytes decode attention

@@ -1,4 +1,4 @@
-"""The colibri model container (DESIGN.md section 3): a Hugging Face-shaped directory.
+"""The colibri model container (docs/design.md section 3): a Hugging Face-shaped directory.
 
     config.json, tokenizer.json, tokenizer_config.json, generation_config.json  (HF files)
     colibri.json            manifest: scheme and shape of every tensor, expert blob layouts
@@ -28,13 +28,14 @@ import numpy as np
 
 from colibri.errors import ColibriError, EngineFault
 from colibri.io.safetensors_io import ALIGN, SafetensorsFile, safetensors_header
-from colibri.kernels.quant import SCHEMES, QTensor, interleave_width_of, interleaved, row_major
+from colibri.formats.expert_blob import PROJECTIONS
+from colibri.formats.qtensor import SCHEMES, QTensor, interleave_width_of, interleaved, row_major
 from colibri.memory import WEIGHTS
 
 MANIFEST = "colibri.json"
 DENSE_FILE = "dense.safetensors"
 FORMAT_VERSION = 1
-EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+EXPERT_PROJECTIONS = PROJECTIONS  # (the fused kernel's order, colibri/formats/expert_blob.py)
 _PART_ALIGN = 64  # byte alignment of each array inside an expert blob (cache lines, SIMD loads)
 
 
@@ -98,7 +99,7 @@ class ExpertLayout:
 
     def interleave(self, blob: np.ndarray) -> None:
         """Rewrite a blob as read from disk with its rows interleaved for the CPU kernels
-        (quant.py, Layout), in place: unpack(blob, interleaved=True) then reads it. After the
+        (formats/qtensor.py, Layout), in place: unpack(blob, interleaved=True) then reads it. After the
         checksum: the file holds the stored layout."""
         for t in self.unpack(blob).values():
             interleaved(t, in_place=True)
@@ -140,7 +141,7 @@ class Container:
         self.manifest = _read_object(manifest_path, f"{self.dir}: its manifest {MANIFEST}")
         self.config = _read_object(self.dir / "config.json", f"{self.dir}: its config.json")
         self.on_read: Callable[[int], None] | None = None  # told the bytes of each dense tensor read (progress)
-        # int4 and q8_0 matrices as read: their rows interleaved for the CPU kernels (quant.py,
+        # int4 and q8_0 matrices as read: their rows interleaved for the CPU kernels (formats/qtensor.py,
         # Layout), or row-major as stored (EngineConfig.weight_layout "rows": for comparisons).
         self.interleave_rows = True
         if self.manifest.get("version") != FORMAT_VERSION:
@@ -328,7 +329,7 @@ class ContainerWriter:
 
     def add_dense(self, name: str, t: QTensor | np.ndarray) -> None:
         if isinstance(t, QTensor):
-            t = row_major(t)  # files hold rows as stored; interleaving is the reader's (quant.py, Layout)
+            t = row_major(t)  # files hold rows as stored; interleaving is the reader's (formats/qtensor.py, Layout)
             self.tensors[name] = {"scheme": t.scheme, "shape": list(t.shape)}
             parts = t.parts()
         else:

@@ -32,7 +32,7 @@ from colibri.io import fp8
 from colibri.model_types import module_name
 from colibri.io.container import EXPERT_PROJECTIONS, ContainerWriter
 from colibri.io.safetensors_io import SafetensorsFile
-from colibri.kernels.quant import QTensor, quantize
+from colibri.formats.qtensor import QTensor, quantize
 
 BITS = (4, 8, 32)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")

@@ -40,7 +40,7 @@ import numpy as np
 
 from colibri.errors import ColibriError, EngineFault
 from colibri.io.container import Container, ExpertLayout
-from colibri.kernels.moe import FusedExperts, StackedExperts
+from colibri.formats.expert_blob import FusedExperts, StackedExperts
 from colibri.memory import huge_pages
 
 IO_MODES = ("pread", "direct", "mmap")
@@ -225,7 +225,7 @@ class ExpertStore:
         max_blob = max((l.blob_bytes for l in container.expert_layouts.values()), default=0)
         self.slots = _Pool(self.slots_per_layer * len(prefixes), max_blob)
         # Blobs read into RAM (slots, staging buffers) get their rows interleaved, as the
-        # dense matrices do (kernels/quant.py, Layout); mapped files are served as stored.
+        # dense matrices do (formats/qtensor.py, Layout); mapped files are served as stored.
         self.interleaved = container.interleave_rows and config.io != "mmap"
         self.layers = {p: _Layer(p, container.expert_layouts[p], self.slots, self.interleaved) for p in prefixes}
         # Staging buffers serve misses that have no RAM slot (budget 0, or every slot in use by

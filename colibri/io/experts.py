@@ -22,7 +22,7 @@ import numpy as np
 from colibri.errors import ColibriError
 from colibri.io.container import Container
 from colibri.io.expert_store import ExpertStore, StoreConfig, arena, load_history, read_expert, shown
-from colibri.kernels.moe import FusedExperts, StackedExperts
+from colibri.formats.expert_blob import FusedExperts, StackedExperts
 
 READ_THREADS = 4
 
@@ -73,7 +73,7 @@ class ResidentExperts:
             store = arena(layout.num_experts * layout.blob_bytes, touch=False)
             store = store.reshape(layout.num_experts, layout.blob_bytes)
             # Each blob's rows are interleaved once read (_read), as the container's dense
-            # matrices are: the layout the kernels stream fastest (kernels/quant.py, Layout).
+            # matrices are: the layout the kernels stream fastest (formats/qtensor.py, Layout).
             ilv = container.interleave_rows
             self.layers[prefix] = [layout.unpack(store[e], interleaved=ilv) for e in range(layout.num_experts)]
             self._blobs[prefix] = store

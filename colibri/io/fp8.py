@@ -22,7 +22,7 @@ import numpy as np
 
 from colibri.errors import ColibriError
 from colibri.io.safetensors_io import SafetensorsFile
-from colibri.kernels.quant import bf16_to_f32
+from colibri.formats.qtensor import bf16_to_f32
 
 SCALE_SUFFIX = ".weight_scale_inv"
 

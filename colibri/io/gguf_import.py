@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from colibri.errors import ColibriError
-from colibri.kernels.quant import QTensor
+from colibri.formats.qtensor import QTensor
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
 _SCHEME = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}

@@ -1,4 +1,5 @@
-"""Compute kernels: the QTensor format and its numpy reference (quant), numba CPU kernels (cpu).
+"""Compute kernels: numba CPU kernels (cpu/, decode, moe, gemm, idot, ops, attention, team) and
+@cuda.jit kernels (cuda/) over the QTensor format of colibri/formats/qtensor.py.
 
 numba caches the compiled kernels on disk (every kernel is `@njit(cache=True)`) in the user's
 cache directory, never inside the package: files that pip did not install there make
@@ -17,8 +18,8 @@ def numba_cache_dir() -> Path:
     models apart (tests, servers with their own state) should not each compile again.
 
     The last part of the path is a digest of the kernel sources: numba checks a cached
-    function against its own file only, so after a change to cpu.py the cached decode.py
-    kernels, which have cpu.py's row code compiled into them, would still load, stale (seen:
+    function against its own file only, so after a change to cpu/matvec.py the cached decode.py
+    kernels, which have its row code compiled into them, would still load, stale (seen:
     results that differ in the last bits, and a segfault). A new digest is a fresh cache."""
     from numba.core import config
 
@@ -35,8 +36,10 @@ def _sources_digest() -> str:
     import numba
 
     h = hashlib.sha1(numba.__version__.encode())
-    for f in sorted(Path(__file__).parent.glob("*.py")):
-        h.update(f.name.encode() + f.read_bytes())
+    # Every kernel source, and the format module whose constants the kernels compile in.
+    here = Path(__file__).parent
+    for f in [*sorted(here.rglob("*.py")), here.parent / "formats" / "qtensor.py"]:
+        h.update(str(f.relative_to(here.parent)).encode() + f.read_bytes())
     return f"kernels-{h.hexdigest()[:12]}"
 
 
@@ -62,7 +65,7 @@ with _cache_in_user_dir():
     from . import attention, decode, idot, moe, ops, team
     from .cpu import embedding, matvec
     from .gemm import matmul
-from .quant import (
+from colibri.formats.qtensor import (
     FLOAT_SCHEMES,
     GROUP_SIZE,
     INT4_SCHEMES,

@@ -16,13 +16,13 @@ import math
 import numpy as np
 from numba import njit
 
+from colibri import workspace
+from colibri.workspace import MAX_BLOCK, MIN_BLOCK, SCORE_BLOCK_BYTES
+
 from .ops import expf
 from .tasks import run_tasks, split
 
-# Bytes of scores one task holds at a time. A few MB stays in L2/L3 while exp and the value
-# product read it back, and bounds a prompt's attention memory whatever its length.
-SCORE_BLOCK_BYTES = 4 << 20
-MIN_BLOCK, MAX_BLOCK = 64, 2048
+# Score blocks: colibri/workspace.py (SCORE_BLOCK_BYTES, key_block), which the planner reads too.
 QUERY_TILE = 128  # queries per causal_attention task
 
 
@@ -103,8 +103,9 @@ def _row_max(row, n, lanes):
 
 
 def key_block(rows: int) -> int:
-    """Keys per block so that `rows` score rows of float32 fit SCORE_BLOCK_BYTES."""
-    return int(min(MAX_BLOCK, max(MIN_BLOCK, SCORE_BLOCK_BYTES // (4 * max(rows, 1)))))
+    """Keys per block so that `rows` score rows of float32 fit SCORE_BLOCK_BYTES (this module's,
+    which tests lower to force many blocks; colibri.workspace.key_block is the rule)."""
+    return workspace.key_block(rows, SCORE_BLOCK_BYTES, MIN_BLOCK, MAX_BLOCK)
 
 
 def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale: np.float32,

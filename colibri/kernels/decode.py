@@ -180,7 +180,7 @@ def swiglu(x, gate, up, down, nthreads, act):
     """x [D] -> down(silu(gate(x)) * up(x)): one routed expert (or unfused MLP) for one token."""
     g = _mv(gate, x, nthreads, act)
     a = np.empty_like(g)
-    ops._silu_gate(g, _mv(up, x, nthreads, act), a)
+    ops.silu_gate_into(g, _mv(up, x, nthreads, act), a)
     return _mv(down, a, nthreads, act)
 
 

@@ -1,7 +1,7 @@
 """Prefill's matmul over QTensor: y = x @ dequantize(W).T for L activation rows.
 
 Prefill is compute bound, so weights are dequantized, exactly, into a float32 tile of rows
-(the row dequantizers are the embedding's: equal to quant.dequantize bit for bit) and the
+(the row dequantizers are the embedding's: equal to qtensor.dequantize bit for bit) and the
 arithmetic is float32 multiply-adds. Two ways to do that arithmetic:
 
 - From BLAS_MIN_ROWS activation rows: numpy's BLAS sgemm on each dequantized tile. Python
@@ -29,9 +29,12 @@ from pathlib import Path
 import numpy as np
 from numba import get_num_threads, njit, prange
 
-from .cpu import (_FAST, _activations, _check_tensor, _deq_int4_row_at, _deq_q8_row_at, _deq_u16_row, _f32_row_dot,
-                  _f32_rows_dot4, _int4_args, _result)
-from .quant import GROUP_SIZE, INT4_SCHEMES, QTensor
+from colibri.formats.qtensor import GROUP_SIZE, INT4_SCHEMES, QTensor
+
+from .cpu.checks import check_tensor, checked_x, int4_args, result_array
+from .cpu.codegen import FASTMATH
+from .cpu.dequant import deq_int4_row_at, deq_q8_row_at, deq_u16_row
+from .cpu.matvec import f32_row_dot, f32_rows_dot4
 from .tasks import run_tasks
 
 # Rows dequantized per numba matmul tile: 16 rows x 4096 inputs x 4 B = 256 KB, L2-resident.
@@ -62,7 +65,7 @@ TILE_BYTES = max(1 << 19, _l2_bytes() * 3 // 4)
 
 # Four weight rows x four activation rows per pass over k: 8 loads feed 16 FMAs. Measured on
 # a 16-row tile, L=64: 4x4 ~160 GFLOP/s per core, 4x2 ~85, 4x1 ~50.
-@njit(cache=True, fastmath=_FAST)
+@njit(cache=True, fastmath=FASTMATH)
 def _dot4x4(w, j, x, l, y, y0):
     a00 = a01 = a02 = a03 = np.float32(0.0)
     a10 = a11 = a12 = a13 = np.float32(0.0)
@@ -100,7 +103,7 @@ def _dot4x4(w, j, x, l, y, y0):
     y[l + 3, c], y[l + 3, c + 1], y[l + 3, c + 2], y[l + 3, c + 3] = a30, a31, a32, a33
 
 
-@njit(cache=True, fastmath=_FAST)
+@njit(cache=True, fastmath=FASTMATH)
 def _tile_matmul(w, nr, x, y, y0):
     """y[:, y0 : y0+nr] = x @ w[:nr].T for a dequantized tile w."""
     L = x.shape[0]
@@ -113,9 +116,9 @@ def _tile_matmul(w, nr, x, y, y0):
         xl = x[l]
         if l >= l4:
             for j in range(0, j4, 4):
-                _f32_rows_dot4(w, j, xl, y, l, y0 + j)
+                f32_rows_dot4(w, j, xl, y, l, y0 + j)
         for j in range(j4, nr):
-            y[l, y0 + j] = _f32_row_dot(w, j, xl)
+            y[l, y0 + j] = f32_row_dot(w, j, xl)
 
 
 @njit(parallel=True, cache=True)
@@ -131,7 +134,7 @@ def _matmul_int4(q, scales, mins, half, has_min, ilv, x, y, nthreads):
             r0 = blk * _TILE
             nr = min(_TILE, out - r0)
             for j in range(nr):
-                _deq_int4_row_at(q, scales, mins, half, has_min, ilv, r0 + j, buf[j])
+                deq_int4_row_at(q, scales, mins, half, has_min, ilv, r0 + j, buf[j])
             _tile_matmul(buf, nr, x, y, r0)
 
 
@@ -146,7 +149,7 @@ def _matmul_q8(q, scales, group, ilv, x, y, nthreads):
             r0 = blk * _TILE
             nr = min(_TILE, out - r0)
             for j in range(nr):
-                _deq_q8_row_at(q, scales, group, ilv, r0 + j, buf[j])
+                deq_q8_row_at(q, scales, group, ilv, r0 + j, buf[j])
             _tile_matmul(buf, nr, x, y, r0)
 
 
@@ -161,7 +164,7 @@ def _matmul_u16(w, is_bf16, x, y, nthreads):
             r0 = blk * _TILE
             nr = min(_TILE, out - r0)
             for j in range(nr):
-                _deq_u16_row(w[r0 + j], is_bf16, buf[j])
+                deq_u16_row(w[r0 + j], is_bf16, buf[j])
             _tile_matmul(buf, nr, x, y, r0)
 
 
@@ -187,19 +190,19 @@ def _matmul_f32(w, x, y, nthreads):
 @njit(cache=True, nogil=True)
 def _deq_int4_tile(q, scales, mins, half, has_min, ilv, r0, nr, buf):
     for j in range(nr):
-        _deq_int4_row_at(q, scales, mins, half, has_min, ilv, r0 + j, buf[j])
+        deq_int4_row_at(q, scales, mins, half, has_min, ilv, r0 + j, buf[j])
 
 
 @njit(cache=True, nogil=True)
 def _deq_q8_tile(q, scales, group, ilv, r0, nr, buf):
     for j in range(nr):
-        _deq_q8_row_at(q, scales, group, ilv, r0 + j, buf[j])
+        deq_q8_row_at(q, scales, group, ilv, r0 + j, buf[j])
 
 
 @njit(cache=True, nogil=True)
 def _deq_u16_tile(w, is_bf16, r0, nr, buf):
     for j in range(nr):
-        _deq_u16_row(w[r0 + j], is_bf16, buf[j])
+        deq_u16_row(w[r0 + j], is_bf16, buf[j])
 
 
 @functools.lru_cache(maxsize=256)
@@ -235,7 +238,7 @@ def _dequantizer(t: QTensor):
     """fn(r0, nr, buf) filling buf[:nr] with rows r0 .. r0+nr of dequantize(t); None for f32."""
     s = t.scheme
     if s in INT4_SCHEMES:
-        args = _int4_args(t)
+        args = int4_args(t)
         return lambda r0, nr, buf: _deq_int4_tile(*args, r0, nr, buf)
     if s == "q8_0":
         return lambda r0, nr, buf: _deq_q8_tile(t.q, t.scales, GROUP_SIZE[s], t.interleave, r0, nr, buf)
@@ -268,9 +271,9 @@ def _matmul_blas(t: QTensor, x: np.ndarray, y: np.ndarray, nthreads: int) -> Non
 
 def matmul(t: QTensor, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """y = x @ dequantize(t).T: float32 [L, in] -> float32 [L, out_features] (prefill)."""
-    _check_tensor(t)
-    x = _activations(x, 2, t.shape[1], "matmul")
-    y = _result(out, (x.shape[0], t.shape[0]), "matmul")
+    check_tensor(t)
+    x = checked_x(x, 2, t.shape[1], "matmul")
+    y = result_array(out, (x.shape[0], t.shape[0]), "matmul")
     if y.size == 0:
         return y
     nthreads = get_num_threads()
@@ -279,7 +282,7 @@ def matmul(t: QTensor, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarr
         return y
     s = t.scheme
     if s in INT4_SCHEMES:
-        _matmul_int4(*_int4_args(t), x, y, nthreads)
+        _matmul_int4(*int4_args(t), x, y, nthreads)
     elif s == "q8_0":
         _matmul_q8(t.q, t.scales, GROUP_SIZE[s], t.interleave, x, y, nthreads)
     elif s == "f32":

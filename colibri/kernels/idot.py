@@ -1,9 +1,9 @@
 """int4 weights times int8 activations in integer arithmetic: the opt-in `--activations int8`
-path (EngineConfig.activations). The exact path (cpu.py, gemm.py) stays the default.
+path (EngineConfig.activations). The exact path (cpu/, gemm.py) stays the default.
 
 Why: on a machine whose cores are slower than its memory, the exact int4 matvec is compute
 bound: every 32 weights cost a widening, two int->float conversions and three float
-multiply-adds per row (README, Measured: 50-65% of the read bandwidth at real MoE shapes).
+multiply-adds per row (docs/benchmarks.md: Kernels).
 Quantizing the activations once per call to int8 (one scale per weight group, as llama.cpp's
 Q8 activations do) turns each 64 weight bytes of a row into two integer dot instructions
 (AVX-512 VNNI `vpdpbusd`: unsigned nibble x signed int8, four products summed per 32-bit lane),
@@ -16,7 +16,7 @@ The arithmetic, per group g of a row: dot(w_g, x_g) ~ s_w[g] * s_x[g] * isum_g +
 - q4_1 (w = nib * d + m): isum_g = sum(nib * xq), plus m[g] * s_x[g] * sum(xq_g), added per lane.
 So the result is the exact dot product of the weights with the int8-rounded activations, up to
 float32 rounding: what this path costs in fidelity is the rounding of x to 8 bits only
-(README, Quality: KL divergence against the exact path).
+(docs/benchmarks.md: Quality).
 
 Same bits wherever a row is computed: integer sums are exact, so the VNNI instructions and the
 generic LLVM IR used on CPUs without them give the same 32-bit lane sums; the float part is
@@ -44,9 +44,21 @@ from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .cpu import (_activations, _group_sums, _group_sums_into, _int4_rows8, _int4_tail_rows, _matmul_rows_int4,
-                  _matvec_int4, _prepare_x, _prepare_x_into, _q_row_ptrs, int4_weight)
-from .quant import QTensor
+from colibri.formats.qtensor import QTensor
+
+from .cpu.checks import checked_x
+from .cpu.codegen import q_row_ptrs
+from .cpu.matvec import (
+    group_sums,
+    group_sums_into,
+    int4_rows8,
+    int4_tail_rows,
+    int4_weight,
+    matmul_rows_int4,
+    matvec_int4,
+    prepare_x,
+    prepare_x_into,
+)
 
 ACTIVATIONS = ("f32", "int8")
 
@@ -120,7 +132,7 @@ def _dot_u8s8(builder, acc, a, b, lanes: int):
     return acc
 
 
-def _hsum(builder, v):
+def hsum(builder, v):
     """Sum of a float vector's lanes by halving (fixed order)."""
     n = v.type.count
     while n > 1:
@@ -134,10 +146,9 @@ def _hsum(builder, v):
 def _idot_codegen(nrows: int, half: int, mins: bool, ncols: int | None = None):
     """Codegen of (q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, out, ilv) -> None:
     out[0:nrows] = rows r..r+nrows-1 of the int4 x int8 product (q's rows interleaved in blocks
-    of ilv: quant.py, Layout, found as cpu._tile_codegen finds them). The same bytes of rows rn..
-    are prefetched, with their scales (and mins): without the scales' prefetch SmolLM2's int8
-    decode took 10.4-11.9 ms a token against 9.4-10.4 with it (AMD EPYC, 2 threads,
-    `python bench/decode_phases.py --activations int8`, alternated).
+    of ilv: formats/qtensor.py, Layout, found as cpu.codegen.tile_codegen finds them). The same bytes of rows rn..
+    are prefetched, with their scales (and mins): the scales' prefetch took about a tenth off
+    SmolLM2's int8 decode (bench/engine/decode_phases.py --activations int8).
     half: bytes per weight group (16 or 32), a constant so the lane -> group shuffles are.
     mins: q4_1 (offs holds the mins); else symmetric, offs unused.
     Per-x arrays (quantize_into): xlo/xhi int8 [n/2]; per 4-byte lane: negc int32 (-8 * the
@@ -185,10 +196,10 @@ def _idot_codegen(nrows: int, half: int, mins: bool, ncols: int | None = None):
         def row(base, rr, j, stride):
             return builder.gep(base, [builder.mul(builder.add(rr, _i64(j)), stride)])
 
-        # q's rows in blocks of ilv (quant.py, Layout): cpu._q_row_ptrs
+        # q's rows in blocks of ilv (formats/qtensor.py, Layout): cpu.q_row_ptrs
         qstep = builder.shl(ilv, _i64(6))
-        qrows, qtails = zip(*(_q_row_ptrs(builder, qbase, qstride, nfull, ilv, r, j) for j in range(nrows)))
-        nrows_q, ntails = zip(*(_q_row_ptrs(builder, qbase, qstride, nfull, ilv, rn, j) for j in range(nrows)))
+        qrows, qtails = zip(*(q_row_ptrs(builder, qbase, qstride, nfull, ilv, r, j) for j in range(nrows)))
+        nrows_q, ntails = zip(*(q_row_ptrs(builder, qbase, qstride, nfull, ilv, rn, j) for j in range(nrows)))
         srows = [row(sbase, r, j, ngroups) for j in range(nrows)]
         mrows = [row(mbase, r, j, ngroups) for j in range(nrows)]
         nsrows = [row(sbase, rn, j, ngroups) for j in range(nrows)]
@@ -265,8 +276,8 @@ def _idot_codegen(nrows: int, half: int, mins: bool, ncols: int | None = None):
         chunk_loop(builder.mul(nfull, _i64(4)), builder.udiv(nbytes, _i64(16)), 16, acc16)
         for j in range(nrows):
             for c in range(nc):
-                total = builder.fadd(_hsum(builder, builder.load(acc64[j][c])),
-                                     _hsum(builder, builder.load(acc16[j][c])))
+                total = builder.fadd(hsum(builder, builder.load(acc64[j][c])),
+                                     hsum(builder, builder.load(acc16[j][c])))
                 if tile:
                     base = xrow(oa, _F32, c)
                     dst = builder.gep(base, [builder.add(r, _i64(j))])
@@ -397,13 +408,10 @@ def quantize_rows(x, half):
 # --- rows -------------------------------------------------------------------------------
 
 
-# Rows interleaved in pairs (rows of quant.PAIR_ROW_BYTES or more) are read a pair at a time,
+# Rows interleaved in pairs (rows of qtensor.PAIR_ROW_BYTES or more) are read a pair at a time,
 # each pair prefetching the next, so a thread walks its rows' bytes front to back in one
-# stream; an 8-row tile over pairs walks four streams 2 KB apart. From DRAM, 1 KB int4 rows
-# (2048 inputs: Qwen3's q/k/v, gate and up), 2 threads (`python bench/row_stream.py --scheme
-# int4-int8 --layout interleaved --shapes 2048`, three runs): eight at a time 22.1-25.1 GB/s,
-# pairs 25.6-30.7; Qwen3-30B-A3B shapes, every expert in RAM, `--activations int8`: 0.78x ->
-# 0.98-1.00x llama.cpp (docs/benchmarks.md). Pairs load each piece of x for two rows
+# stream; an 8-row tile over pairs walks four streams 2 KB apart, and 1 KB rows stream faster
+# from DRAM in pairs (docs/benchmarks.md, Kernels: rows read in pairs). Pairs load each piece of x for two rows
 # where eights load it for eight, which only pays where the reads are the limit, as they are
 # from DRAM. Rows of 768 B and less (interleaved in eights) read as fast either way and keep
 # 8-row tiles. A row's operations do not depend on the tile, so the bits are the same.
@@ -553,7 +561,7 @@ def _matvec_into(w, x, y, nthreads, act):
 
     def exact(w, x, y, nthreads, act):
         q, scales, offs, coef, half, cshift, ilv = w
-        _matvec_int4(q, scales, offs, coef, half, cshift, ilv, x, y, nthreads)
+        matvec_int4(q, scales, offs, coef, half, cshift, ilv, x, y, nthreads)
     return exact
 
 
@@ -567,7 +575,7 @@ def _matmul_rows_into(w, x, y, nthreads, act):
 
     def exact(w, x, y, nthreads, act):
         q, scales, offs, coef, half, cshift, ilv = w
-        _matmul_rows_int4(q, scales, offs, coef, half, cshift, ilv, x, y, nthreads)
+        matmul_rows_int4(q, scales, offs, coef, half, cshift, ilv, x, y, nthreads)
     return exact
 
 
@@ -575,7 +583,7 @@ def _matmul_rows_into(w, x, y, nthreads, act):
 def _prepare(x, half, act):
     if _int8(act):
         return lambda x, half, act: quantize(x, half)
-    return lambda x, half, act: (_prepare_x(x, half), _group_sums(x, 2 * half))
+    return lambda x, half, act: (prepare_x(x, half), group_sums(x, 2 * half))
 
 
 @overload(prepare_rows)
@@ -587,8 +595,8 @@ def _prepare_rows(x, half, act):
         xp = np.empty_like(x)
         xs = np.empty((x.shape[0], x.shape[1] // (2 * half)), np.float32)
         for k in range(x.shape[0]):
-            _prepare_x_into(x[k], half, xp[k])
-            _group_sums_into(x[k], 2 * half, xs[k])
+            prepare_x_into(x[k], half, xp[k])
+            group_sums_into(x[k], 2 * half, xs[k])
         return xp, xs
     return exact
 
@@ -605,7 +613,7 @@ def _rows8_into(q, scales, offs, coef, half, cshift, ilv, x, xp, r, d, act):
     if _int8(act):
         return lambda q, scales, offs, coef, half, cshift, ilv, x, xp, r, d, act: rows8(
             q, scales, offs, coef, half, ilv, xp, r, d)
-    return lambda q, scales, offs, coef, half, cshift, ilv, x, xp, r, d, act: _int4_rows8(
+    return lambda q, scales, offs, coef, half, cshift, ilv, x, xp, r, d, act: int4_rows8(
         q, scales, offs, coef, half, cshift, ilv, xp[0], xp[1], r, d)
 
 
@@ -618,7 +626,7 @@ def _tail_rows_into(q, scales, offs, coef, half, x, xp, y, act):
                 row1(q, scales, offs, coef, half, 1, xp, r, d)
                 y[r] = d[0]
         return int8
-    return lambda q, scales, offs, coef, half, x, xp, y, act: _int4_tail_rows(q, scales, offs, coef, half, x, xp[1], y)
+    return lambda q, scales, offs, coef, half, x, xp, y, act: int4_tail_rows(q, scales, offs, coef, half, x, xp[1], y)
 
 
 # --- QTensor entry points (the model's linear() calls these in int8 mode) ----------------
@@ -627,7 +635,7 @@ def _tail_rows_into(q, scales, offs, coef, half, x, xp, y, act):
 def matvec_q(t: QTensor, x: np.ndarray) -> np.ndarray:
     """dequantize(t) @ x with x rounded to int8 per group; t an int4 scheme."""
     q, scales, offs, coef, half, _, ilv = int4_weight(t)
-    x = _activations(x, 1, t.shape[1], "matvec")
+    x = checked_x(x, 1, t.shape[1], "matvec")
     y = np.empty(t.shape[0], np.float32)
     if y.size:
         matvec(q, scales, offs, coef, half, ilv, x, y, get_num_threads())
@@ -638,7 +646,7 @@ def matmul_q(t: QTensor, x: np.ndarray) -> np.ndarray:
     """x @ dequantize(t).T with each row of x rounded to int8 per group; row l equals
     matvec_q(t, x[l]) bit for bit."""
     q, scales, offs, coef, half, _, ilv = int4_weight(t)
-    x = _activations(x, 2, t.shape[1], "matmul")
+    x = checked_x(x, 2, t.shape[1], "matmul")
     y = np.empty((x.shape[0], t.shape[0]), np.float32)
     if y.size:
         matmul(q, scales, offs, coef, half, ilv, x, y, get_num_threads())

@@ -8,9 +8,9 @@ Here the gate and up rows of all K experts are one work list split over the thre
 the down rows of the output are split over the threads with each row summing its K experts:
 two parallel regions per layer.
 
-The experts are addressed in place: `FusedExperts` knows where each projection's arrays sit
+The experts are addressed in place: `FusedExperts` (colibri/formats/expert_blob.py) knows where each projection's arrays sit
 inside one layer's expert blob and whether the blobs' q arrays were interleaved once read
-(quant.py, Layout: the sources that read blobs into RAM do; a mapped file is as stored). It
+(formats/qtensor.py, Layout: the sources that read blobs into RAM do; a mapped file is as stored). It
 runs the kernel over a block of blobs laid out at a fixed stride (ResidentExperts' per-layer
 array, the ExpertStore's slot pool: `StackedExperts`) or over one blob anywhere (a staging
 buffer, a mapped file), so nothing is copied.
@@ -21,7 +21,7 @@ its data (rows are computed 8 at a time by the same code whatever the thread spl
 experts' contributions are added in ascending expert id with plain float32 adds, so K experts
 in one call equal the same experts one call each, summed in that order, bit for bit
 (tests/kernels/test_moe.py). The row code is vector IR with a written order plus fixed-order
-small sums (cpu.py), so it rounds the same in every caller; when it was fastmath numba, LLVM
+small sums (cpu/codegen.py), so it rounds the same in every caller; when it was fastmath numba, LLVM
 reassociated it differently per caller, and CI once saw 1-ulp differences between this kernel
 and the matvec kernel.
 
@@ -32,91 +32,38 @@ specialization, and every expert of a mode goes through it, so the rule above ho
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 from numba import njit, prange
 
-from .cpu import _chunk_shift
+from colibri.formats.expert_blob import FusedExperts, StackedExperts
+
 from .idot import marker, prepare, prepare_rows, row_of, rows8_into
-from .ops import _silu_gate
-from .quant import GROUP_SIZE, interleave_width_of
-
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-
+from .ops import silu_gate_into
 
 _ONE_SLOT = np.zeros(1, np.int64)
 
 
-@dataclass(frozen=True)
-class FusedExperts:
-    """The fused kernel for one MoE layer's blob format: where each projection's arrays sit
-    inside an expert blob."""
-
-    layout: np.ndarray   # int64 [3 projections, 5]: q offset, scales offset, rows, cols, interleave
-    half: int            # bytes per int4 group (group / 2)
-    cshift: int
-
-    @classmethod
-    def of(cls, projections: dict, interleaved: bool = False) -> "FusedExperts | None":
-        """The kernel for a layer whose blob layout is `projections` (ExpertLayout.projections),
-        its q arrays interleaved (ExpertLayout.interleave) or as stored; None unless all three
-        are symmetric int4 with one group size (the only format it takes)."""
-        schemes = {projections[p]["scheme"] for p in PROJECTIONS}
-        if len(schemes) != 1 or not schemes <= {"int4_g64", "q4_0"}:
-            return None
-        if any("mins" in projections[p]["parts"] or projections[p]["shape"][0] % 8 for p in PROJECTIONS):
-            return None  # (every row count is a multiple of 32 for int4 experts: their rows are
-            #             the other projections' inputs, so the 8-row blocks cover them all)
-        def width(spec):
-            return interleave_width_of(spec["scheme"], spec["shape"]) if interleaved else 1
-
-        layout = np.array([[projections[p]["parts"]["q"][0], projections[p]["parts"]["scales"][0],
-                            *projections[p]["shape"], width(projections[p])] for p in PROJECTIONS], dtype=np.int64)
-        half = GROUP_SIZE[schemes.pop()] // 2
-        return cls(layout, half, _chunk_shift(half))
-
-    def __call__(self, x: np.ndarray, memory: np.ndarray, slots: np.ndarray, weights: np.ndarray,
-                 nthreads: int, activations: str = "f32") -> np.ndarray:
-        """sum_k weights[k] * expert_{slots[k]}(x) for one token x [D] float32, the experts'
-        blobs in `memory` [n, stride] uint8; `slots` in ascending expert-id order (the order
-        contributions are added in); `activations`: "f32" (exact) or "int8"."""
-        return routed_experts(x, memory, self.layout, slots, weights, self.half, self.cshift, nthreads,
-                              marker(activations))
-
-    def one(self, x: np.ndarray, blob: np.ndarray, weight: float, nthreads: int,
-            activations: str = "f32") -> np.ndarray:
-        """weight * expert(x) for the expert whose blob (uint8, C-contiguous) is `blob`: the
-        same compiled call, so summing these in expert-id order equals one call over all."""
-        return routed_experts(x, blob.reshape(1, -1), self.layout, _ONE_SLOT,
-                              np.full(1, weight, np.float32), self.half, self.cshift, nthreads,
-                              marker(activations))
+def fused_experts(kernel: FusedExperts, x: np.ndarray, memory: np.ndarray, slots: np.ndarray, weights: np.ndarray,
+                  nthreads: int, activations: str = "f32") -> np.ndarray:
+    """sum_k weights[k] * expert_{slots[k]}(x) for one token x [D] float32, the experts' blobs
+    in `memory` [n, stride] uint8 laid out as `kernel` says; `slots` in ascending expert-id
+    order (the order contributions are added in); `activations`: "f32" (exact) or "int8"."""
+    return routed_experts(x, memory, kernel.layout, slots, weights, kernel.half, kernel.cshift, nthreads,
+                          marker(activations))
 
 
-@dataclass(frozen=True)
-class StackedExperts:
-    """One MoE layer's expert blobs in place: `memory` [slots, stride] uint8 (slot s holds one
-    expert's blob from byte 0) and the layer's kernel."""
+def stacked_experts(stacked: StackedExperts, x: np.ndarray, slots: np.ndarray, weights: np.ndarray, nthreads: int,
+                    activations: str = "f32") -> np.ndarray:
+    """fused_experts over a layer's expert blobs in place (`stacked.memory`)."""
+    return fused_experts(stacked.kernel, x, stacked.memory, slots, weights, nthreads, activations)
 
-    memory: np.ndarray
-    kernel: FusedExperts
 
-    @classmethod
-    def view(cls, memory: np.ndarray, stride: int, slots: int, projections: dict,
-             interleaved: bool = False) -> "StackedExperts | None":
-        """`memory` (uint8, `slots` blobs of `stride` bytes each) for a layer whose blob layout
-        is `projections` (q arrays interleaved or not); None when there are no slots or the
-        kernel does not take the format."""
-        kernel = FusedExperts.of(projections, interleaved)
-        if kernel is None or slots == 0:
-            return None
-        return cls(memory.reshape(-1)[: slots * stride].reshape(slots, stride), kernel)
-
-    def __call__(self, x: np.ndarray, slots: np.ndarray, weights: np.ndarray, nthreads: int,
-                 activations: str = "f32") -> np.ndarray:
-        """sum_k weights[k] * expert_{slots[k]}(x) for one token x [D]; `slots` in ascending
-        expert-id order."""
-        return self.kernel(x, self.memory, slots, weights, nthreads, activations)
+def one_expert(kernel: FusedExperts, x: np.ndarray, blob: np.ndarray, weight: float, nthreads: int,
+               activations: str = "f32") -> np.ndarray:
+    """weight * expert(x) for the expert whose blob (uint8, C-contiguous) is `blob`: the same
+    compiled call, so summing these in expert-id order equals one call over all."""
+    return routed_experts(x, blob.reshape(1, -1), kernel.layout, _ONE_SLOT, np.full(1, weight, np.float32),
+                          kernel.half, kernel.cshift, nthreads, marker(activations))
 
 
 @njit(cache=True)
@@ -159,7 +106,7 @@ def routed_experts(x, memory, layout, slots, weights, half, cshift, nthreads, ac
                 u[k, r + j] = d[j]
     a = np.empty((K, I), np.float32)
     for k in range(K):
-        _silu_gate(g[k], u[k], a[k])
+        silu_gate_into(g[k], u[k], a[k])
     ap = prepare_rows(a, half, act)
     # Down rows: each thread owns a run of output rows and adds the experts' contributions to
     # them one expert after another, in ascending expert id (a product, then a sum: this

@@ -457,7 +457,7 @@ def attend_rows(q, kcs, vcs, n, scale):
 # error_model="numpy": numba's default checks every float division for a zero divisor, a
 # branch that keeps the loop scalar (5x slower here).
 @njit(cache=True, fastmath={"contract"}, error_model="numpy")
-def _silu_gate(g, u, out):
+def silu_gate_into(g, u, out):
     for i in range(g.shape[0]):
         v = g[i]
         out[i] = v / (np.float32(1.0) + expf(-v)) * u[i]
@@ -475,13 +475,13 @@ def silu_mul(gu, n):
 def silu_mul_into(gu, n, out):
     """silu_mul into out [L, n]; nogil, for rows split over Python threads."""
     for i in range(gu.shape[0]):
-        _silu_gate(gu[i, :n], gu[i, n:], out[i])
+        silu_gate_into(gu[i, :n], gu[i, n:], out[i])
 
 
 def silu_gate(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     """silu(g) * u for float32 arrays of one shape (the SwiGLU of unfused gate/up weights)."""
     out = np.empty_like(g)
-    _silu_gate(g.reshape(-1), u.reshape(-1), out.reshape(-1))
+    silu_gate_into(g.reshape(-1), u.reshape(-1), out.reshape(-1))
     return out
 
 

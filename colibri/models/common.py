@@ -19,11 +19,11 @@ from numba.typed import List
 
 from colibri.errors import ColibriError
 from colibri.memory import WEIGHTS, huge_arrays
-from colibri.kernels import decode, embedding, idot, matmul, matvec, ops
+from colibri.kernels import decode, embedding, idot, matmul, matvec, moe, ops
 from colibri.kernels.attention import causal_attention
 from colibri.kernels.tasks import over_rows
 from colibri.kernels.cpu import int4_weight, matvec_rows
-from colibri.kernels.quant import INT4_SCHEMES, QTensor
+from colibri.formats.qtensor import INT4_SCHEMES, QTensor
 from colibri.profile import PHASES, clock
 
 # ----------------------------------------------------------------------------- config
@@ -545,7 +545,7 @@ def _decode_fused(x, weights, ids, experts, prefix: str, kernel) -> np.ndarray:
     ready = experts.stacked(prefix, ids)
     if ready is not None:
         view, slots = ready
-        return view(xv, slots, w, nthreads, idot.current())[None, :]
+        return moe.stacked_experts(view, xv, slots, w, nthreads, idot.current())[None, :]
     return _expert_by_expert([row], experts, prefix, kernel, nthreads)[0]
 
 
@@ -583,7 +583,7 @@ def _expert_by_expert(rows: list[tuple], experts, prefix: str, kernel, nthreads:
     for e, blob in experts.iter_experts(prefix, union, blobs=True):
         for (xv, _, _), chosen, part in zip(rows, weight_of, parts):
             if e in chosen:
-                part[e] = kernel.one(xv, blob, chosen[e], nthreads, mode)
+                part[e] = moe.one_expert(kernel, xv, blob, chosen[e], nthreads, mode)
     outs = []
     for (xv, _, _), part in zip(rows, parts):
         out = np.zeros(xv.shape[0], np.float32)

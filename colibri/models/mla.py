@@ -26,7 +26,7 @@ import numpy as np
 from colibri.errors import ColibriError
 from colibri.kernels.attention import OnlineSoftmax, key_block
 from colibri.kernels.tasks import run_tasks, split
-from colibri.kernels.quant import dequantize
+from colibri.formats.qtensor import dequantize
 from colibri.models import common, mtp
 from colibri.models.common import KVCache, linear, rms_norm
 from colibri.models.routing import GroupedMoEArgs, build_mlp

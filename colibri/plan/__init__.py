@@ -29,18 +29,16 @@ from __future__ import annotations
 
 from colibri.plan.build import (build_plan, check_fits, engine_options, machine_label, plan_for,
                                 plan_machines)
-from colibri.plan.facts import ExpertLayer, ModelFacts, analyze_model
-from colibri.plan.facts import _top_k  # colibri/info.py reads top-k with the planner's rule
+from colibri.plan.facts import ExpertLayer, ModelFacts, analyze_model, experts_per_token
 from colibri.plan.machine import (GPU, Machine, discover_gpus, probe_disk, probe_machine, probe_memory,
                                   read_machine_file)
 from colibri.plan.machine_specs import (DEFAULT_FILE, named_machines, parse_machine_spec,
                                         read_machines)
-from colibri.plan.policy import DEFAULT_MAX_CONTEXT, PLAN_VERSION, GiB, MiB, Policy
-from colibri.plan.policy import size_text as _size  # colibri/info.py formats sizes with it
+from colibri.plan.policy import DEFAULT_MAX_CONTEXT, PLAN_VERSION, GiB, MiB, Policy, size_text
 from colibri.plan.render import render_comparison, render_plan
 
 __all__ = ["DEFAULT_FILE", "DEFAULT_MAX_CONTEXT", "GPU", "PLAN_VERSION", "ExpertLayer", "GiB", "Machine", "MiB",
            "ModelFacts", "Policy", "analyze_model", "build_plan", "check_fits", "discover_gpus", "engine_options",
-           "machine_label", "named_machines", "parse_machine_spec", "plan_for", "plan_machines", "probe_disk",
+           "experts_per_token", "machine_label", "named_machines", "parse_machine_spec", "plan_for", "plan_machines", "probe_disk",
            "probe_machine", "probe_memory", "read_machine_file", "read_machines", "render_comparison",
-           "render_plan"]
+           "render_plan", "size_text"]

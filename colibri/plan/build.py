@@ -153,8 +153,8 @@ def build_plan(model: ModelFacts, machine: Machine, ram_gb: float | None = None,
         warn("info", "every expert fits in memory: the disk leaves the decode path after warm-up")
     if fits and bottleneck == "compute":
         warn("info", "compute-bound: `--activations int8` does the int4 matrix products in integer arithmetic "
-                     "(measured 1.13-1.24x faster decode on a 2-core AVX-512 VNNI machine, README: int8 "
-                     "activations), at a small fidelity cost (SmolLM2: KL 1.8e-3 against the exact path, "
+                     "(measured 1.13-1.24x faster decode on a 2-core AVX-512 VNNI machine, docs/benchmarks.md: "
+                     "Quality), at a small fidelity cost (SmolLM2: KL 1.8e-3 against the exact path, "
                      "perplexity +0.2%) and slower prefill; it changes tokens, so it stays opt-in")
     per_conversation = model.kv_bytes_per_token * context
     if (not model.config.get("kv_lora_rank") and not dense_in_vram
@@ -163,7 +163,7 @@ def build_plan(model: ModelFacts, machine: Machine, ram_gb: float | None = None,
         warn("info", f"at {context} tokens of context one conversation's KV cache is {per_conversation / GiB:.2f} "
                      f"GiB ({per_conversation / max(model.dense_bytes, 1):.1f}x the dense weights), all of it read "
                      "for each token at that length: `--kv-cache f16` halves both (SmolLM2 at 8k tokens, measured: "
-                     "decode 1.21x -> 1.88x llama.cpp, README: decode after long contexts); K and V are rounded "
+                     "decode 1.21x -> 1.88x llama.cpp, docs/benchmarks.md: Decode after long contexts); K and V are rounded "
                      "to float16, so it stays opt-in")
     if not layers:
         warn("info", "a dense model (no routed experts): nothing streams; it runs from memory")

@@ -63,7 +63,7 @@ class ModelFacts:
         return sum(min(self.top_k, layer.num_experts) * layer.expert_bytes for layer in self.expert_layers)
 
 
-def _top_k(config: dict) -> int:
+def experts_per_token(config: dict) -> int:
     for key in ("num_experts_per_tok", "moe_top_k", "num_experts_per_token", "top_k"):
         if config.get(key):
             return int(config[key])
@@ -159,7 +159,7 @@ def _facts(d: Path, kind: str, config: dict, sizes: _Sizes, disk_bytes: int, pro
     table, rows = sizes.untied_embedding
     per_token = sizes.dense - (table - table // max(rows, 1))  # decoding reads one row of an untied table
     return ModelFacts(str(d), kind, config.get("model_type", "?"), layers, sizes.dense, per_token, sizes.experts,
-                      _top_k(config), _kv_bytes_per_token(config, layers),
+                      experts_per_token(config), _kv_bytes_per_token(config, layers),
                       int(config.get("max_position_embeddings") or DEFAULT_MAX_CONTEXT), disk_bytes,
                       probe_files, config, held if sliced else 0)
 

@@ -24,7 +24,7 @@ class Policy:
     prefill_chunk: int = 512                     # the engine's default: a prompt's working memory (workspace.py)
     kv_slots: int = 1
     overhead_per_layer_s: float = 1e-3           # Python work per decoder layer per token (measured ~1 ms)
-    kernel_gbs_per_core: float = 3.5             # int4 matvec, GB of weights/s per core (DESIGN.md section 6)
+    kernel_gbs_per_core: float = 3.5             # int4 matvec, GB of weights/s per core (docs/design.md section 6)
     gpu_bandwidth_gbs: float = 500.0             # assumed when the machine description has none
     disk_gbs: float = 0.5                        # assumed when the disk was not measured
     mem_gbs: float = 10.0                        # assumed when memory was not measured (one thread's rate)

@@ -17,7 +17,7 @@ from colibri.errors import ColibriError
 from colibri.io.container import Container
 from colibri.io.convert import convert, scheme_for
 from colibri.io.fp8 import E4M3FN, dequantize_fp8
-from colibri.kernels.quant import dequantize, quantize
+from colibri.formats.qtensor import dequantize, quantize
 
 BLOCK = 128
 FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]}

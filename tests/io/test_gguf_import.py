@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from colibri.errors import ColibriError  # noqa: E402
 from colibri.io.gguf_import import read_gguf  # noqa: E402
-from colibri.kernels.quant import QTensor, dequantize  # noqa: E402
+from colibri.formats.qtensor import QTensor, dequantize  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ import pytest
 
 from colibri.kernels.cpu import embedding, matvec
 from colibri.kernels.gemm import matmul
-from colibri.kernels.quant import SCHEMES, QTensor, dequantize, quantize
+from colibri.formats.qtensor import SCHEMES, QTensor, dequantize, quantize
 
 # (out, in): single row, row counts that are not a multiple of 8-row blocks or 2 threads, a very
 # wide row, a tall matrix with several matmul tiles, and 8-row blocks of rows long enough to be
@@ -177,7 +177,7 @@ def test_int4_row_kernel_with_groups_wider_than_a_block(group):
     16-byte chunks per group: a 64-byte block then lies in one group (its scale is spread
     over all lanes), checked here against the layout's definition (byte k of a group holds
     element k in its low nibble and k + group/2 in its high one; w = (nibble - 8) * s)."""
-    from colibri.kernels.cpu import _chunk_shift, _matvec_int4
+    from colibri.kernels.cpu.matvec import chunk_shift, matvec_int4
 
     rng = np.random.default_rng(7)
     rows, n, half = 19, 4 * group + 64 if group == 128 else 2 * group, group // 2
@@ -192,5 +192,5 @@ def test_int4_row_kernel_with_groups_wider_than_a_block(group):
         nib[:, g * group + half:(g + 1) * group] = b >> 4
     w = (nib - 8.0) * np.repeat(scales, group, axis=1)
     y = np.empty(rows, np.float32)
-    _matvec_int4(q, scales, scales, np.float32(-8.0), half, _chunk_shift(half), 1, x, y, 2)
+    matvec_int4(q, scales, scales, np.float32(-8.0), half, chunk_shift(half), 1, x, y, 2)
     assert_close(y, w @ x)

@@ -18,7 +18,7 @@ from colibri.generate import SamplingParams, candidates
 from colibri.kernels import cuda as C
 from colibri.kernels import idot, matmul, matvec, ops
 from colibri.kernels.attention import reference_attention
-from colibri.kernels.quant import dequantize, quantize
+from colibri.formats.qtensor import dequantize, quantize
 
 ROOT = Path(__file__).resolve().parents[2]
 on_device = pytest.mark.skipif(not C.available(), reason="no CUDA GPU and not under the simulator")

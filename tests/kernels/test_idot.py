@@ -14,8 +14,9 @@ import pytest
 from colibri.io.container import pack_expert
 from colibri.kernels import idot
 from colibri.kernels.cpu import int4_weight, matvec as exact_matvec
-from colibri.kernels.moe import StackedExperts
-from colibri.kernels.quant import GROUP_SIZE, dequantize, quantize
+from colibri.formats.expert_blob import StackedExperts
+from colibri.kernels.moe import one_expert, stacked_experts
+from colibri.formats.qtensor import GROUP_SIZE, dequantize, quantize
 
 SHAPES = [(64, 576), (37, 576), (24, 2048), (130, 768), (8, 224)]  # 576: 64-byte chunks + a 16-byte tail
 
@@ -86,19 +87,19 @@ def test_fused_experts_one_call_equals_one_per_expert():
     x = rng.standard_normal(D).astype(np.float32)
     ids = np.array([1, 4, 6])
     w = rng.random(K).astype(np.float32)
-    got = stacked(x, ids, w, 2, "int8")
+    got = stacked_experts(stacked, x, ids, w, 2, "int8")
     one = np.zeros(D, np.float32)
     for e, wk in zip(ids, w):
-        one += stacked.kernel.one(x, memory[e].copy(), wk, 1, "int8")
+        one += one_expert(stacked.kernel, x, memory[e].copy(), wk, 1, "int8")
     np.testing.assert_array_equal(got, one)
-    exact = stacked(x, ids, w, 2, "f32")
+    exact = stacked_experts(stacked, x, ids, w, 2, "f32")
     assert 0 < np.abs(got - exact).max() < 0.05 * np.abs(exact).max()
 
 
 _SCRIPT = """
 import numpy as np
 from colibri.kernels import idot
-from colibri.kernels.quant import quantize
+from colibri.formats.qtensor import quantize
 rng = np.random.default_rng(5)
 out = []
 for scheme, n in (("int4_g64", 640), ("q4_0", 576), ("q4_1", 576)):

@@ -1,10 +1,10 @@
-"""The interleaved int4 layout (quant.py, Layout): every kernel gives the same bits on an
+"""The interleaved int4 layout (formats/qtensor.py, Layout): every kernel gives the same bits on an
 interleaved matrix as on the row-major one, and the repacking round-trips."""
 import numpy as np
 import pytest
 
 from colibri.kernels import cpu, gemm, idot
-from colibri.kernels.quant import (PAIR_ROW_BYTES, QTensor, dequantize, interleave_width, interleaved, quantize,
+from colibri.formats.qtensor import (PAIR_ROW_BYTES, QTensor, dequantize, interleave_width, interleaved, quantize,
                                    row_major)
 from colibri.models.common import fuse_rows
 

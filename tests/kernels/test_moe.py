@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from colibri.io.container import pack_expert
-from colibri.kernels.moe import FusedExperts, StackedExperts, routed_experts
-from colibri.kernels.quant import dequantize, quantize
+from colibri.formats.expert_blob import FusedExperts, StackedExperts
+from colibri.kernels.moe import fused_experts, one_expert, routed_experts, stacked_experts
+from colibri.formats.qtensor import dequantize, quantize
 
 
 def _layer(rng, E, D, I, scheme):
@@ -27,7 +28,7 @@ def _one_at_a_time(kernel, x, memory, ids, weights, nthreads):
     on its own blob (a copy, as a staging buffer would hold it), out += y in ascending id."""
     out = np.zeros(x.shape[0], np.float32)
     for e, w in sorted(zip(ids, weights)):
-        out += kernel.one(x, memory[e].copy(), w, nthreads)
+        out += one_expert(kernel, x, memory[e].copy(), w, nthreads)
     return out
 
 
@@ -46,7 +47,7 @@ def test_one_call_equals_one_call_per_expert(scheme, D, I, E, K, nthreads):
     for _ in range(3):
         ids = np.sort(rng.choice(E, size=K, replace=False))
         w = rng.random(K).astype(np.float32)
-        got = stacked(x, ids.astype(np.int64), w, nthreads)
+        got = stacked_experts(stacked, x, ids.astype(np.int64), w, nthreads)
         np.testing.assert_array_equal(got, _one_at_a_time(stacked.kernel, x, memory, ids, w, 3 - nthreads))
         ref = sum(float(wk) * _swiglu64(experts[e], x) for e, wk in zip(ids, w))
         np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-5)
@@ -71,7 +72,7 @@ def test_slots_at_a_stride_larger_than_the_blob():
     x = rng.standard_normal(128).astype(np.float32)
     ids = np.array([0, 2, 3])
     w = np.array([0.5, 0.25, 0.125], np.float32)
-    got = stacked(x, np.array([where[e] for e in ids], np.int64), w, 2)
+    got = stacked_experts(stacked, x, np.array([where[e] for e in ids], np.int64), w, 2)
     np.testing.assert_array_equal(got, _one_at_a_time(stacked.kernel, x, memory, ids, w, 2))
     ref = sum(float(wk) * _swiglu64(experts[e], x) for e, wk in zip(ids, w))
     np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-5)
@@ -93,8 +94,8 @@ def test_every_call_shares_one_compiled_kernel():
     experts, memory, layout = _layer(rng, 3, 128, 64, "int4_g64")
     kernel = FusedExperts.of(layout)
     x = rng.standard_normal(128).astype(np.float32)
-    kernel(x, memory, np.array([0, 2]), np.array([0.5, 0.5], np.float32), 2)
-    kernel.one(x, memory[1], 0.25, 2)
+    fused_experts(kernel, x, memory, np.array([0, 2]), np.array([0.5, 0.5], np.float32), 2)
+    one_expert(kernel, x, memory[1], 0.25, 2)
     # one per activation mode (the last argument's type: float32 exact, int8 for int8 activations)
     exact = [sig for sig in routed_experts.nopython_signatures if str(sig.args[-1]) == "float32"]
     assert len(exact) == 1

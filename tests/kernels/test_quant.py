@@ -1,10 +1,10 @@
-"""quant.py against independent computations and llama.cpp's gguf-py reference quantizers."""
+"""colibri/formats/qtensor.py against independent computations and llama.cpp's gguf-py reference quantizers."""
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as GT
 from gguf import quants as gq
 
-from colibri.kernels.quant import (
+from colibri.formats.qtensor import (
     GROUP_SIZE,
     SCHEMES,
     QTensor,

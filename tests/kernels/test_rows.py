@@ -6,7 +6,7 @@ import pytest
 from numba import get_num_threads, set_num_threads
 
 from colibri.kernels.cpu import TILE_A, matvec, matvec_rows
-from colibri.kernels.quant import SCHEMES, dequantize, quantize
+from colibri.formats.qtensor import SCHEMES, dequantize, quantize
 
 
 def make(scheme, shape, seed):

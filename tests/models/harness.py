@@ -19,7 +19,7 @@ from colibri import Engine
 from colibri.io.container import Container
 from colibri.io.convert import convert
 from colibri.kernels import attention
-from colibri.kernels.quant import dequantize
+from colibri.formats.qtensor import dequantize
 
 NEW_TOKENS = 32
 _MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}

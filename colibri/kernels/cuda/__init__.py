@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from colibri.errors import ColibriError
-from colibri.kernels.quant import GROUP_SIZE, INT4_SCHEMES, QTensor, row_major
+from colibri.formats.qtensor import GROUP_SIZE, INT4_SCHEMES, QTensor, row_major
 
 try:  # numba's built-in CUDA target, or numba-cuda's (which replaces it when installed)
     from numba import config as _numba_config

@@ -1,7 +1,7 @@
-"""The @cuda.jit kernels: quantized matrix products (every scheme of quant.py, f32 activations
+"""The @cuda.jit kernels: quantized matrix products (every scheme of formats/qtensor.py, f32 activations
 or int8 ones), RMSNorm, RoPE, SiLU-gated product, GQA attention over a KV cache, MLA's
 absorbed attention over its latent cache (sampling.py: argmax and sampling). Each mirrors a
-CPU kernel (cpu.py, gemm.py, idot.py, ops.py) and is tested against the same numpy
+CPU kernel (cpu/, gemm.py, idot.py, ops.py) and is tested against the same numpy
 references (tests/kernels/test_cuda.py, under numba's CUDA simulator when no GPU is present).
 
 Reductions go through shared memory with __syncthreads, not warp shuffles: the simulator has
@@ -59,7 +59,7 @@ def _finish_tile(acc, nr, nl, red, tid, lane, r0, l0, y):
 
 
 @cuda.jit(device=True)
-def _block_sum(red, value, tid):
+def block_sum(red, value, tid):
     """The sum of `value` over the block's BLOCK threads, returned to all of them."""
     red[tid] = value
     cuda.syncthreads()
@@ -75,7 +75,7 @@ def _block_sum(red, value, tid):
 
 
 @cuda.jit(device=True)
-def _block_max(red, value, tid):
+def block_max(red, value, tid):
     red[tid] = value
     cuda.syncthreads()
     stride = BLOCK // 2
@@ -331,7 +331,7 @@ def rms_norm(x, w, eps, out):
     for j in range(tid, D, BLOCK):
         v = float64(x[i, j])
         acc += v * v
-    acc = _block_sum(red, acc, tid)
+    acc = block_sum(red, acc, tid)
     inv = float32(1.0 / math.sqrt(float64(float32(acc / D) + eps)))
     for j in range(tid, D, BLOCK):
         out[i, j] = w[j] * (x[i, j] * inv)
@@ -351,7 +351,7 @@ def head_rms_norm(x, col0, Dh, w, eps):
     for j in range(tid, Dh, BLOCK):
         v = float64(x[i, c0 + j])
         acc += v * v
-    acc = _block_sum(red, acc, tid)
+    acc = block_sum(red, acc, tid)
     inv = float32(1.0 / math.sqrt(float64(float32(acc / Dh) + eps)))
     for j in range(tid, Dh, BLOCK):  # each thread rewrites only the columns it read
         x[i, c0 + j] = w[j] * (x[i, c0 + j] * inv)
@@ -549,13 +549,13 @@ def attend(q, H, k, v, pos0, scale, scores, out):
         a *= scale
         scores[t, h, p] = a
         top = max(top, a)
-    top = _block_max(red, top, tid)
+    top = block_max(red, top, tid)
     total = float32(0.0)
     for p in range(tid, n, BLOCK):
         e = math.exp(scores[t, h, p] - top)
         scores[t, h, p] = e
         total += e
-    total = _block_sum(red, total, tid)  # its barrier also publishes every thread's scores
+    total = block_sum(red, total, tid)  # its barrier also publishes every thread's scores
     inv = float32(1.0) / total
     # The weighted sum of values: with Dv <= BLOCK, the block's threads form BLOCK // Dv groups
     # that each take every groups-th position for all Dv dims (consecutive threads, consecutive
@@ -605,13 +605,13 @@ def mla_attend(q_lat, q_rope, c, k_rope, pos0, scores, out):
             a += q_rope[t, h, d] * k_rope[p, d]
         scores[t, h, p] = a
         top = max(top, a)
-    top = _block_max(red, top, tid)
+    top = block_max(red, top, tid)
     total = float32(0.0)
     for p in range(tid, n, BLOCK):
         e = math.exp(scores[t, h, p] - top)
         scores[t, h, p] = e
         total += e
-    total = _block_sum(red, total, tid)  # its barrier also publishes every thread's scores
+    total = block_sum(red, total, tid)  # its barrier also publishes every thread's scores
     inv = float32(1.0) / total
     for d in range(tid, r, BLOCK):
         acc = float32(0.0)

@@ -8,7 +8,7 @@ import math
 from numba import cuda, float32, float64, int64
 from numba.cuda.random import xoroshiro128p_uniform_float64
 
-from .kernels import BLOCK, _block_max, _block_sum
+from .kernels import BLOCK, block_max, block_sum
 
 
 @cuda.jit(device=True)
@@ -71,7 +71,7 @@ def _measure(z, zbits, ranked, top, inv_t, by_mass, key, limit, red, tid):
                 acc += math.exp((float64(z[i]) - top) * inv_t)
             else:
                 acc += 1.0
-    return _block_sum(red, acc, tid)
+    return block_sum(red, acc, tid)
 
 
 @cuda.jit(device=True)
@@ -124,7 +124,7 @@ def sample(z, zbits, temperature, top_k, top_p, u, out):
     for i in range(tid, n, BLOCK):
         if not math.isnan(z[i]):
             best = max(best, z[i])
-    top = float64(_block_max(red32, best, tid))
+    top = float64(block_max(red32, best, tid))
     inv_t = 1.0 / float64(temperature)
     key = int64(-(1 << 31)) - 1  # no bound yet: every token
     limit = int64(n - 1)
