@@ -1,11 +1,13 @@
 """Mixtral (softmax top-k routed SwiGLU experts, always renormalized), after transformers'
-models/mixtral/modeling_mixtral.py. Checkpoint names its experts w1 (gate), w3 (up), w2 (down);
-`colibri convert` stores them as gate_proj / up_proj / down_proj."""
+models/mixtral/modeling_mixtral.py. The checkpoint names its experts w1 (gate), w3 (up), w2 (down):
+`sanitize` maps them onto the shared decoder's gate_proj / up_proj / down_proj, with the rules
+in colibri/model_types.py that `colibri convert` applies (the converter imports no model code)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from colibri.errors import ColibriError
+from colibri.model_types import checkpoint_name
 from colibri.models.args import ModelArgs as BaseModelArgs
 from colibri.models.attention import Attention
 from colibri.models.decoder import DecoderModel, build_decoder
@@ -25,6 +27,11 @@ class ModelArgs(BaseModelArgs):
 
     def mlp_kind(self, layer: int) -> str:
         return "moe"
+
+
+def sanitize(weights: dict) -> dict:
+    """Checkpoint tensor names -> the shared decoder's (model_types.CHECKPOINT_NAMES["mixtral"])."""
+    return {checkpoint_name("mixtral", name): t for name, t in weights.items()}
 
 
 def build(config: dict, weights, experts) -> DecoderModel:
