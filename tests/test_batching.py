@@ -5,7 +5,6 @@ import threading
 from pathlib import Path
 
 import numpy as np
-import pytest
 from tools import synthetic_moe
 
 from colibri import Engine

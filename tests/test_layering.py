@@ -28,10 +28,17 @@ MODULES = _modules()
 
 def _imports(name: str, path: Path) -> list[tuple[str, str | None, int]]:
     """(module imported, name taken from it or None, line) for every colibri import in the file,
-    at module level or inside a function (a lazy import is still an arrow)."""
+    at module level or inside a function (a lazy import is still an arrow); not those under
+    `if TYPE_CHECKING:`, which never run."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+                   for stmt in block.body for n in ast.walk(stmt)}
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             found += [(a.name, None, node.lineno) for a in node.names if a.name.split(".")[0] == "colibri"]
         elif isinstance(node, ast.ImportFrom):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from colibri.memory import Slab, huge_arrays, huge_pages
-from colibri.models.common import KVCache
+from colibri.models.cache import KVCache
 
 
 def _mapping_flags(addr: int) -> dict[str, str]:

@@ -167,7 +167,7 @@ def _lru_hit_rate(ids: np.ndarray, capacity: int) -> float:
 def _routes(model, tokens: int = 160) -> dict[str, np.ndarray]:
     """Expert ids chosen per MoE layer for random tokens, recorded at the router."""
     from colibri.engine import Engine
-    from colibri.models import common
+    from colibri.models import moe as common
 
     e = Engine.load(model, max_context=tokens + 8, stream_experts=False)
     seen: dict[str, list] = {}

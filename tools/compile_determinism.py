@@ -13,7 +13,6 @@ differ in the last bit (<= 2.4e-7), tokens equal (docs/design.md section 11, "Sa
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np

@@ -148,7 +148,7 @@ def _one_call_split(m, cache, start: int, n: int) -> dict:
     from colibri.generate import decode_one
     from colibri.kernels import idot
     from colibri.kernels.cpu import embedding
-    from colibri.models.common import linear, rms_norm
+    from colibri.models.layers import linear, rms_norm
 
     program = m._token_program()
     parts = {"embedding + RoPE": 0.0, "layers (one call)": 0.0, "head": 0.0}

@@ -1,5 +1,5 @@
 """KV cache memory of the MLA families at long context, measured: the engine's own cache
-(colibri.models.mla.MLACache: the compressed latent, the shared rope key and, for GLM-5, the
+(colibri.models.cache.MLACache: the compressed latent, the shared rope key and, for GLM-5, the
 indexer key) for a full-size config, filled to N tokens in a child process, and its resident
 growth read from /proc (VmRSS) beside the array bytes and what expanded per-head K/V would take.
 
@@ -33,7 +33,7 @@ def child(preset: str, n: int) -> dict:
 
     cfg = moe_presets.preset_config(preset)
     args = family(cfg["model_type"]).ModelArgs.from_dict(cfg)
-    from colibri.models.mla import MLACache
+    from colibri.models.cache import MLACache
 
     index_dim = getattr(args, "index_head_dim", 0) if cfg["model_type"] == "glm_moe_dsa" else 0
     before = rss()

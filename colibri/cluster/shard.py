@@ -2,7 +2,7 @@
 
 Both the Ray workers and the head (when a worker fails) compute through `expert_outputs`, and
 the head adds the outputs up in `sum_in_id_order`. Together they do what
-colibri.models.common.run_experts / run_experts_rows do in one process, operation for operation:
+colibri.models.moe.run_experts / run_experts_rows do in one process, operation for operation:
 the same compiled calls per expert and row, the same float32 products with the routing weight,
 and the same sum (from zero, ascending expert id, each row on its own), so the tokens are the
 same bits whoever computed which expert.
@@ -17,7 +17,7 @@ from colibri.io.container import Container
 from colibri.io.expert_store import ExpertStore, StoreConfig
 from colibri.kernels import idot
 from colibri.kernels.moe import one_expert
-from colibri.models.common import swiglu_expert
+from colibri.models.moe import swiglu_expert
 
 
 def open_shard(container: Container, owned: dict[str, list[int]], ram_bytes: int | None,
@@ -54,8 +54,8 @@ def expert_outputs(source, prefix: str, x: np.ndarray, weights: np.ndarray, ids:
     [rows routed to these experts, D].
 
     `one_token_rows`: every row is a decode token of its own (run_experts on one row, or
-    run_experts_rows), computed as common._decode_fused does (the fused kernel, one expert per
-    call) or, for blob formats that kernel does not take, as run_experts on that one row.
+    run_experts_rows), computed as colibri.models.moe's one-token path does (the fused kernel,
+    one expert per call) or, for blob formats that kernel does not take, as run_experts on that one row.
     Otherwise x is a prefill chunk: each expert runs on all its rows at once (run_experts)."""
     kernel = source.fused(prefix) if one_token_rows else None
     parts: dict[int, np.ndarray] = {}
@@ -80,8 +80,8 @@ def expert_outputs(source, prefix: str, x: np.ndarray, weights: np.ndarray, ids:
 
 def sum_in_id_order(x: np.ndarray, ids: np.ndarray, outputs: dict[int, np.ndarray]) -> np.ndarray:
     """The routed experts' sum [L, D] from each expert's rows (expert_outputs, split per expert):
-    from zero, in ascending expert id, each row its own sum, as run_experts and
-    common._expert_by_expert add them."""
+    from zero, in ascending expert id, each row its own sum, as colibri.models.moe's run_experts
+    and its expert-by-expert path add them."""
     out = np.zeros_like(x)
     for e in sorted(outputs):
         rows, _ = np.nonzero(ids == e)

@@ -67,7 +67,7 @@ class EngineConfig:
     # without a GPU or for a model it does not cover) or "auto" (cuda when a GPU is there and
     # covers the model, else cpu).
     device: str = "cpu"
-    # With --device cuda, the VRAM tier's budget for routed experts (colibri/io/vram_experts.py);
+    # With --device cuda, the VRAM tier's budget for routed experts (colibri/placement/vram_experts.py);
     # None: the device's free memory after the dense weights, less headroom.
     vram_gb: float | None = None
     # With --device cuda, how many leading decoder layers run on the GPU; the rest and the head
@@ -102,7 +102,7 @@ def _choices(name: str) -> tuple:
 
         return tuple(ACTIVATIONS)
     if name == "kv_cache":
-        from colibri.models.common import KV_CACHE_TYPES
+        from colibri.models.cache import KV_CACHE_TYPES
 
         return tuple(KV_CACHE_TYPES)
     return {"weight_layout": WEIGHT_LAYOUTS, "device": DEVICES}[name]

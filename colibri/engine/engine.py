@@ -155,7 +155,7 @@ class Engine:
 
     @property
     def vram_tier(self):
-        """The routed experts' VRAM tier with --device cuda (colibri/io/vram_experts.py), else None."""
+        """The routed experts' VRAM tier with --device cuda (colibri/placement/vram_experts.py), else None."""
         return getattr(self.model, "vram", None)
 
     @property

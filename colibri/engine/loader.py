@@ -30,7 +30,7 @@ def load(model_dir: str | Path, config: EngineConfig, progress: bool = False) ->
     over a second are shown, and the kernels are compiled (or loaded from numba's cache) before
     this returns."""
     if config.device != "cpu":
-        from colibri.models.device import check
+        from colibri.placement.cuda_model import check
 
         check(config.device)
     # numpy's BLAS (OpenBLAS) serves prefill attention and MLA; its threads keep spinning for a
@@ -67,7 +67,7 @@ def load(model_dir: str | Path, config: EngineConfig, progress: bool = False) ->
     model.prefetch = (isinstance(experts, ExpertStore) and config.prefetch) or (
         isinstance(experts, ResidentExperts) and not experts.complete)
     if config.device != "cpu":
-        from colibri.models.device import place
+        from colibri.placement.cuda_model import place
 
         vram = None if config.vram_gb is None else int(config.vram_gb * (1 << 30))
         model = place(model, config.device, container, experts, vram,

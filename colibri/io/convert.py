@@ -29,7 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from colibri.errors import ColibriError
 from colibri.io import fp8
-from colibri.model_types import module_name
+from colibri.model_types import checkpoint_name, module_name
 from colibri.io.container import EXPERT_PROJECTIONS, ContainerWriter
 from colibri.io.safetensors_io import SafetensorsFile
 from colibri.formats.qtensor import QTensor, quantize
@@ -37,13 +37,14 @@ from colibri.formats.qtensor import QTensor, quantize
 BITS = (4, 8, 32)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
 
-_EXPERT = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<e>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+# A routed expert's matrix, named as the shared decoder names it (checkpoint_name: a family's own
+# names, such as Mixtral's w1/w3/w2, are renamed first; colibri/model_types.py).
+_EXPERT = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 _FUSED_EXPERTS = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<proj>gate_up_proj|down_proj)$")
 _ROUTER = re.compile(r"\.(gate|shared_expert_gate)\.weight$")
 _EMBEDDING = re.compile(r"(embed_tokens|lm_head|shared_head\.head)\.weight$")
 _INDEXER = re.compile(r"\.indexer\.")  # DSA lightning indexer: selects tokens, kept exact like routers
 _LAYER = re.compile(r"layers\.(\d+)\.")
-_MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _SKIP = re.compile(r"rotary_emb\.inv_freq$")
 _CHUNK_ELEMENTS = 1 << 16  # rows quantized at a time: 256 KiB of float32, temporaries stay in cache
 
@@ -116,7 +117,8 @@ def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
     if not isinstance(config, dict):
         raise ColibriError(f"{src}/config.json holds a JSON {type(config).__name__}, not an object; "
                            "is it a Hugging Face checkpoint directory?")
-    module_name(config.get("model_type"))  # unknown model_type: fail before reading any weights
+    model_type = config.get("model_type")
+    module_name(model_type)  # unknown model_type: fail before reading any weights
     block = fp8.block_size(config)     # unsupported quantization_config: fail early too
     shards = sorted(src.glob("*.safetensors"))
     if not shards:
@@ -145,8 +147,8 @@ def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
         task = bar.add_task(f"converting {src.name} (--bits {bits})", total=len(names))
         for f, name in names:
             shape = f.tensors[name].shape
-            if m := _EXPERT.match(name):
-                proj = _MIXTRAL_NAMES.get(m["proj"], m["proj"])
+            if m := _EXPERT.match(checkpoint_name(model_type, name)):
+                proj = m["proj"]
                 add_expert(m["prefix"], int(m["e"]), proj,
                            _quantized(reader, f, name, scheme_for(f"{m['prefix']}.{proj}", shape, bits)))
             elif m := _FUSED_EXPERTS.match(name):  # transformers v5 layout: [E, 2I, D] / [E, D, I]

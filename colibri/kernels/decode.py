@@ -4,7 +4,7 @@ A small model's decode step is ~30 layers x ~15 Python-level operations (norm, m
 wrapper, slicing, RoPE, cache write, attention, residual add...), each a few microseconds of
 interpreter and dispatch overhead: about 1 ms of SmolLM2's ~4.5 ms per token. These functions
 run the same kernels in the same order from inside numba (the parallel matvec and attention
-kernels keep their own thread pool when called from here). colibri.models.common's
+kernels keep their own thread pool when called from here). colibri.models' (layers.py, attention.py, decoder.py)
 step-by-step path stays the reference and the fallback for every layer these do not cover
 (MLA, unfused q/k/v or gate/up, non-int4 weights, prefill); the two agree within float32
 rounding, not bit for bit: the kernels' small reductions reassociate, and LLVM picks the order
@@ -40,7 +40,7 @@ def _mv_rows(w, x, nthreads, act):
     return y
 
 
-# qk_norm codes for attention_block: what colibri.models.common.Attention calls None, "head"
+# qk_norm codes for attention_block: what colibri.models.attention.Attention calls None, "head"
 # (Qwen3: RMSNorm over each head's Dh) and "full" (OLMoE: over all heads' H * Dh).
 QK_NORM_CODES = {None: 0, "head": 1, "full": 2}
 

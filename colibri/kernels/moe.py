@@ -1,6 +1,6 @@
 """All routed experts of one MoE layer for one token in one compiled call (decode).
 
-The step-by-step path (colibri.models.common.swiglu_expert) calls a SwiGLU kernel per expert:
+The step-by-step path (colibri.models.moe.swiglu_expert) calls a SwiGLU kernel per expert:
 three parallel matvecs, so a top-8 layer enters 24 parallel regions and 8 Python calls per
 token, ~1150 regions for Qwen3-30B's 48 layers; the regions are short (a 768x2048 int4
 matrix is ~0.9 MB), so their start-up and the join at each end dominate on small shapes.

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 from colibri.errors import ColibriError
 from colibri.models import mla
+from colibri.models.cache import MLACache
+from colibri.models.decoder import build_decoder
+from colibri.models.moe import grouped_moe
 
 
 @dataclass
@@ -26,6 +29,9 @@ class ModelArgs(mla.MLAArgs):
 def build(config: dict, weights, experts) -> mla.MLAModel:
     args = ModelArgs.from_dict(config)
     interleave = args.rope_interleave is not False
-    return mla.build_mla_model(
-        args, weights, experts,
-        lambda i, rope: mla.MLAttention(args, weights, f"model.layers.{i}.self_attn", rope, interleave))
+    # The first MTP layer after the decoder layers, as a drafter (models/mtp.py), when present.
+    return build_decoder(
+        args, weights, lambda i, p, rope: mla.MLAttention(args, weights, p, rope, interleave),
+        lambda i, p: grouped_moe(args, weights, experts, f"{p}.mlp"),
+        rope_head_dim=args.qk_rope_head_dim, model=mla.MLAModel,
+        mtp_cache=lambda n: MLACache(1, args.kv_lora_rank, args.qk_rope_head_dim, n))

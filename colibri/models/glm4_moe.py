@@ -7,8 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from colibri.errors import ColibriError
-from colibri.models import common, mtp
-from colibri.models.routing import GroupedMoEArgs, build_mlp
+from colibri.models.attention import Attention
+from colibri.models.cache import KVCache
+from colibri.models.decoder import DecoderModel, build_decoder
+from colibri.models.moe import GroupedMoEArgs, grouped_moe
 
 
 @dataclass
@@ -31,17 +33,11 @@ class ModelArgs(GroupedMoEArgs):
                                "is implemented for glm4_moe")
 
 
-def build(config: dict, weights, experts) -> common.DecoderModel:
+def build(config: dict, weights, experts) -> DecoderModel:
     args = ModelArgs.from_dict(config)
-    rope = common.build_rope(args)
-
-    def layer(i: int) -> common.DecoderLayer:
-        p = f"model.layers.{i}"
-        attn = common.Attention(args, weights, f"{p}.self_attn", rope, qk_norm="head" if args.use_qk_norm else None)
-        return common.DecoderLayer(args, attn, build_mlp(args, weights, experts, i), p, weights)
-
-    model = common.DecoderModel(args, weights, [layer(i) for i in range(args.num_hidden_layers)], rope)
+    qk_norm = "head" if args.use_qk_norm else None
     # The first MTP layer after the decoder layers, as a drafter (models/mtp.py), when present.
-    mtp.attach(model, args, weights, layer,
-               lambda n: common.KVCache(1, args.num_key_value_heads, args.head_dim, n))
-    return model
+    return build_decoder(
+        args, weights, lambda i, p, rope: Attention(args, weights, p, rope, qk_norm=qk_norm),
+        lambda i, p: grouped_moe(args, weights, experts, f"{p}.mlp"),
+        mtp_cache=lambda n: KVCache(1, args.num_key_value_heads, args.head_dim, n))

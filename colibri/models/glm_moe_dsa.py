@@ -17,7 +17,10 @@ import numpy as np
 from colibri.errors import ColibriError
 from colibri.kernels.attention import key_block
 from colibri.models import mla
-from colibri.models.common import linear
+from colibri.models.cache import MLACache
+from colibri.models.decoder import build_decoder
+from colibri.models.layers import linear
+from colibri.models.moe import grouped_moe
 
 
 @dataclass
@@ -87,7 +90,7 @@ class Indexer:
         """Interleaved rope on the first R dims of each head (the indexer puts rope first)."""
         return np.concatenate([mla.rope_interleaved(x[..., : self.rope_dim], cos, sin), x[..., self.rope_dim :]], -1)
 
-    def select(self, x, q_resid, cache: mla.MLACache, layer: int, pos0: int, cos, sin) -> np.ndarray:
+    def select(self, x, q_resid, cache: MLACache, layer: int, pos0: int, cos, sin) -> np.ndarray:
         """-> visible [L, N]: causal and among the query's index_topk highest-scoring tokens."""
         L = x.shape[0]
         N = pos0 + L
@@ -118,7 +121,7 @@ class DSAttention(mla.MLAttention):
         super().__init__(args, w, prefix, rope, interleave=True)
         self.indexer = indexer  # None: a "shared" layer, reusing the last "full" layer's selection
 
-    def __call__(self, x, cache: mla.MLACache, layer: int, pos0: int, cos, sin) -> np.ndarray:
+    def __call__(self, x, cache: MLACache, layer: int, pos0: int, cos, sin) -> np.ndarray:
         q_resid, q_nope, q_rope = self.query(x, cos, sin)
         self.store_latent(x, cache, layer, pos0, cos, sin)
         # The selection is kept on the sequence's cache, by the position of the rows it is for:
@@ -135,10 +138,14 @@ class DSAttention(mla.MLAttention):
 
 def build(config: dict, weights, experts) -> mla.MLAModel:
     args = ModelArgs.from_dict(config)
+    index_dim = args.index_head_dim
 
-    def attention(i, rope):
-        p = f"model.layers.{i}.self_attn"
+    def attention(i, p, rope):
         indexer = Indexer(args, weights, f"{p}.indexer") if args.indexer_types[i] == "full" else None
         return DSAttention(args, weights, p, rope, indexer)
 
-    return mla.build_mla_model(args, weights, experts, attention, index_dim=args.index_head_dim)
+    # The first MTP layer after the decoder layers, as a drafter (models/mtp.py), when present.
+    return build_decoder(
+        args, weights, attention, lambda i, p: grouped_moe(args, weights, experts, f"{p}.mlp"),
+        rope_head_dim=args.qk_rope_head_dim, model=mla.MLAModel, index_dim=index_dim,
+        mtp_cache=lambda n: MLACache(1, args.kv_lora_rank, args.qk_rope_head_dim, n, index_dim))

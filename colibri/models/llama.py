@@ -4,11 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from colibri.errors import ColibriError
-from colibri.models import common
+from colibri.models.args import ModelArgs as BaseModelArgs
+from colibri.models.attention import Attention
+from colibri.models.decoder import DecoderModel, build_decoder
 
 
 @dataclass
-class ModelArgs(common.ModelArgs):
+class ModelArgs(BaseModelArgs):
     mlp_bias: bool = False
 
     def __post_init__(self):
@@ -17,12 +19,6 @@ class ModelArgs(common.ModelArgs):
             raise ColibriError("config field mlp_bias=true is not implemented for llama")
 
 
-def build(config: dict, weights, experts) -> common.DecoderModel:
+def build(config: dict, weights, experts) -> DecoderModel:
     args = ModelArgs.from_dict(config)
-    rope = common.build_rope(args)
-    layers = []
-    for i in range(args.num_hidden_layers):
-        p = f"model.layers.{i}"
-        attn = common.Attention(args, weights, f"{p}.self_attn", rope)
-        layers.append(common.DecoderLayer(args, attn, common.MLP.from_weights(weights, f"{p}.mlp"), p, weights))
-    return common.DecoderModel(args, weights, layers, rope)
+    return build_decoder(args, weights, lambda i, p, rope: Attention(args, weights, p, rope))

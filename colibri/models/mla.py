@@ -27,9 +27,11 @@ from colibri.errors import ColibriError
 from colibri.kernels.attention import OnlineSoftmax, key_block
 from colibri.kernels.tasks import run_tasks, split
 from colibri.formats.qtensor import dequantize
-from colibri.models import common, mtp
-from colibri.models.common import KVCache, linear, rms_norm
-from colibri.models.routing import GroupedMoEArgs, build_mlp
+from colibri.models.cache import MLACache
+from colibri.models.decoder import DecoderModel
+from colibri.models.layers import linear, rms_norm
+from colibri.models.moe import GroupedMoEArgs
+from colibri.models.rope import Rope, apply_rope
 
 
 @dataclass
@@ -64,26 +66,6 @@ class MLAArgs(GroupedMoEArgs):
         return scale
 
 
-class MLACache(KVCache):
-    """The compressed MLA cache. It is a KVCache with one "head" whose K row is the latent c
-    [r] and whose V row is k_rope [R] (plus, for DSA, the indexer key [Di]), so growing,
-    truncating and slot persistence (io/kv_store.py) work unchanged."""
-
-    def __init__(self, num_layers: int, kv_lora_rank: int, rope_dim: int, max_tokens: int, index_dim: int = 0):
-        super().__init__(num_layers, 1, kv_lora_rank, max_tokens, v_dim=rope_dim + index_dim)
-        self.rope_dim = rope_dim
-        self.selections: dict[int, np.ndarray] = {}  # DSA: first position -> the indexer's choice
-
-    def latent(self, layer: int) -> np.ndarray:
-        return self.k[layer][0]                       # [capacity, r]
-
-    def k_rope(self, layer: int) -> np.ndarray:
-        return self.v[layer][0, :, : self.rope_dim]   # [capacity, R]
-
-    def index_keys(self, layer: int) -> np.ndarray:
-        return self.v[layer][0, :, self.rope_dim :]   # [capacity, Di]
-
-
 def rope_interleaved(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """x [L, H, R] with rotary pairs (x0, x1), (x2, x3)...; cos/sin [L, R]. Returns the rotated
     pairs de-interleaved (evens then odds), as transformers' apply_rotary_pos_emb_interleave:
@@ -100,7 +82,7 @@ def causal_mask(pos0: int, L: int, N: int) -> np.ndarray:
 
 
 class MLAttention:
-    def __init__(self, args: MLAArgs, w, prefix: str, rope: common.Rope, interleave: bool):
+    def __init__(self, args: MLAArgs, w, prefix: str, rope: Rope, interleave: bool):
         self.h, self.r, self.rope_dim = args.num_attention_heads, args.kv_lora_rank, args.qk_rope_head_dim
         self.dn, self.dv = args.qk_nope_head_dim, args.v_head_dim
         self.interleave, self.rope = interleave, rope
@@ -129,7 +111,7 @@ class MLAttention:
     def _rotate(self, x: np.ndarray, cos, sin) -> np.ndarray:
         if self.interleave:
             return rope_interleaved(x, cos, sin)
-        return common.apply_rope(x, cos, sin, self.rope_dim)
+        return apply_rope(x, cos, sin, self.rope_dim)
 
     # q_a_layernorm and kv_a_layernorm use RMSNorm's default eps (1e-6) in transformers, not
     # rms_norm_eps.
@@ -235,27 +217,13 @@ def mask(s: np.ndarray, visible: np.ndarray) -> np.ndarray:
     return s
 
 
-class MLAModel(common.DecoderModel):
+class MLAModel(DecoderModel):
     """DecoderModel whose cache is the compressed MLACache (index_dim > 0 adds DSA indexer keys)."""
 
-    def __init__(self, args: MLAArgs, w, layers: list, rope: common.Rope, index_dim: int = 0):
+    def __init__(self, args: MLAArgs, w, layers: list, rope: Rope, index_dim: int = 0):
         super().__init__(args, w, layers, rope)
         self.index_dim = index_dim
 
     def new_cache(self, max_tokens: int) -> MLACache:
         a = self.args
         return MLACache(len(self.layers), a.kv_lora_rank, a.qk_rope_head_dim, max_tokens, self.index_dim)
-
-
-def build_mla_model(args: MLAArgs, w, experts, make_attention, index_dim: int = 0) -> MLAModel:
-    """Decoder layers 0 .. num_hidden_layers-1, and the first MTP layer after them as a drafter
-    (models/mtp.py) when the container holds it."""
-    rope = common.build_rope(args, head_dim=args.qk_rope_head_dim)
-
-    def layer(i: int) -> common.DecoderLayer:
-        return common.DecoderLayer(args, make_attention(i, rope), build_mlp(args, w, experts, i), f"model.layers.{i}", w)
-
-    model = MLAModel(args, w, [layer(i) for i in range(args.num_hidden_layers)], rope, index_dim)
-    mtp.attach(model, args, w, layer,
-               lambda n: MLACache(1, args.kv_lora_rank, args.qk_rope_head_dim, n, index_dim))
-    return model

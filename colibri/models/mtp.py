@@ -16,10 +16,16 @@ SGLang run DeepSeek's MTP (after vLLM's models/deepseek_mtp.py; transformers has
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from colibri.kernels import embedding
-from colibri.models.common import DecoderLayer, KVCache, linear, rms_norm
+from colibri.models.cache import KVCache
+from colibri.models.layers import linear, rms_norm
+
+if TYPE_CHECKING:  # decoder.py imports this module (build_decoder attaches the MTP layer)
+    from colibri.models.decoder import DecoderLayer
 
 
 class MTPHead:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from colibri.models import common
+from colibri.models.args import ModelArgs as BaseModelArgs
+from colibri.models.attention import Attention
+from colibri.models.decoder import DecoderModel, build_decoder
+from colibri.models.moe import SparseMoE
 
 
 @dataclass
-class ModelArgs(common.ModelArgs):
+class ModelArgs(BaseModelArgs):
     num_experts: int = 64
     num_experts_per_tok: int = 8
     norm_topk_prob: bool = False
@@ -18,14 +21,9 @@ class ModelArgs(common.ModelArgs):
         return "moe"
 
 
-def build(config: dict, weights, experts) -> common.DecoderModel:
+def build(config: dict, weights, experts) -> DecoderModel:
     args = ModelArgs.from_dict(config)
-    rope = common.build_rope(args)
-    layers = []
-    for i in range(args.num_hidden_layers):
-        p = f"model.layers.{i}"
-        attn = common.Attention(args, weights, f"{p}.self_attn", rope, qk_norm="full", clip_qkv=args.clip_qkv)
-        moe = common.SparseMoE(args, weights, experts, f"{p}.mlp",
-                               top_k=args.num_experts_per_tok, norm_topk_prob=args.norm_topk_prob)
-        layers.append(common.DecoderLayer(args, attn, moe, p, weights))
-    return common.DecoderModel(args, weights, layers, rope)
+    return build_decoder(
+        args, weights, lambda i, p, rope: Attention(args, weights, p, rope, qk_norm="full", clip_qkv=args.clip_qkv),
+        lambda i, p: SparseMoE(args, weights, experts, f"{p}.mlp", top_k=args.num_experts_per_tok,
+                               norm_topk_prob=args.norm_topk_prob))

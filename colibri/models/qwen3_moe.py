@@ -5,11 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from colibri.errors import ColibriError
-from colibri.models import common
+from colibri.models.args import ModelArgs as BaseModelArgs
+from colibri.models.attention import Attention
+from colibri.models.decoder import DecoderModel, build_decoder
+from colibri.models.moe import SparseMoE
 
 
 @dataclass
-class ModelArgs(common.ModelArgs):
+class ModelArgs(BaseModelArgs):
     num_experts: int = 128
     num_experts_per_tok: int = 8
     norm_topk_prob: bool = False
@@ -28,17 +31,9 @@ class ModelArgs(common.ModelArgs):
         return "moe" if sparse and layer not in self.mlp_only_layers else "dense"
 
 
-def build(config: dict, weights, experts) -> common.DecoderModel:
+def build(config: dict, weights, experts) -> DecoderModel:
     args = ModelArgs.from_dict(config)
-    rope = common.build_rope(args)
-    layers = []
-    for i in range(args.num_hidden_layers):
-        p = f"model.layers.{i}"
-        attn = common.Attention(args, weights, f"{p}.self_attn", rope, qk_norm="head")
-        if args.mlp_kind(i) == "moe":
-            mlp = common.SparseMoE(args, weights, experts, f"{p}.mlp", top_k=args.num_experts_per_tok,
-                                   norm_topk_prob=args.norm_topk_prob)
-        else:
-            mlp = common.MLP.from_weights(weights, f"{p}.mlp")
-        layers.append(common.DecoderLayer(args, attn, mlp, p, weights))
-    return common.DecoderModel(args, weights, layers, rope)
+    return build_decoder(
+        args, weights, lambda i, p, rope: Attention(args, weights, p, rope, qk_norm="head"),
+        lambda i, p: SparseMoE(args, weights, experts, f"{p}.mlp", top_k=args.num_experts_per_tok,
+                               norm_topk_prob=args.norm_topk_prob))

@@ -72,7 +72,7 @@ def experts_per_token(config: dict) -> int:
 
 def _kv_bytes_per_token(config: dict, layers: int) -> int:
     """float32 cache bytes per token over `layers` decoder layers."""
-    if config.get("kv_lora_rank"):  # MLA caches the compressed latent plus the rope dims (mla.MLACache)
+    if config.get("kv_lora_rank"):  # MLA caches the compressed latent plus the rope dims (models/cache.py, MLACache)
         per_layer = int(config["kv_lora_rank"]) + int(config.get("qk_rope_head_dim") or 0)
         if config.get("index_topk"):  # and GLM-5's indexer keys
             per_layer += int(config.get("index_head_dim") or 0)

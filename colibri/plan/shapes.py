@@ -1,6 +1,6 @@
 """The tensors (Hugging Face name, shape) a config.json implies, to size a model without its
 weights: what `colibri plan` estimates from config.json alone, and how it sizes a layer kind that a
-slice does not hold. Shapes follow the families in colibri/models (mla.py, routing.py,
+slice does not hold. Shapes follow the families in colibri/models (mla.py, moe.py,
 qwen2_moe.py, qwen3_moe.py, ...); the names let io/convert.py's scheme_for pick each tensor's
 quantization as `colibri convert` would."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from colibri.errors import ColibriError
 Tensor = tuple[str, tuple[int, ...]]
 
 # first_k_dense_replace when a config leaves it out: the families' ModelArgs defaults
-# (routing.GroupedMoEArgs: DeepseekV3Config's 3; glm4_moe: Glm4MoeConfig's 1).
+# (moe.GroupedMoEArgs: DeepseekV3Config's 3; glm4_moe: Glm4MoeConfig's 1).
 _FIRST_DENSE_DEFAULT = {"deepseek_v3": 3, "kimi_k2": 3, "glm_moe_dsa": 3, "glm4_moe": 1}
 
 
@@ -28,7 +28,7 @@ def expert_width(config: dict) -> int:
 
 def mlp_kinds(config: dict, num_layers: int) -> list[str]:
     """'moe' or 'dense' for each of `num_layers` decoder layers, by the rule colibri's families
-    apply (routing.GroupedMoEArgs.mlp_kind, qwen3_moe.ModelArgs.mlp_kind). A slice's config keeps
+    apply (moe.GroupedMoEArgs.mlp_kind, qwen3_moe.ModelArgs.mlp_kind). A slice's config keeps
     mlp_layer_types only for the layers it holds: every layer past the list routes."""
     if not num_experts(config):
         return ["dense"] * num_layers

@@ -90,7 +90,7 @@ def tiers(engine) -> list[dict]:
     # machine's RAM with --cluster local).
     in_ram = int(getattr(experts, "bytes_resident", 0) or 0)
     budget = int(getattr(experts, "bytes_budget", in_ram) or 0)
-    on_device = getattr(engine.model, "device_bytes", None)  # --device cuda: colibri/models/device.py
+    on_device = getattr(engine.model, "device_bytes", None)  # --device cuda: colibri/placement/cuda_model.py
     if on_device is None:
         vram = {"tier": "vram", "dense_bytes": 0, "expert_bytes": 0, "budget_bytes": 0, "note": "not used: CPU compute"}
     else:

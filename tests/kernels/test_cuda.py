@@ -182,7 +182,7 @@ def test_head_norm_matches_cpu_per_head(heads, dh):
 def test_rope_copy_matches_the_mla_cpu_rotation(interleaved):
     """MLA's q_rope: the rope dims of each head (after its 6 nope dims) rotated out of place and
     scaled, as models/mla.py rotates them (rope_interleaved or apply_rope)."""
-    from colibri.models.common import apply_rope
+    from colibri.models.rope import apply_rope
     from colibri.models.mla import rope_interleaved
 
     rng = np.random.default_rng(16)

@@ -6,7 +6,7 @@ import pytest
 from colibri.kernels import cpu, gemm, idot
 from colibri.formats.qtensor import (PAIR_ROW_BYTES, QTensor, dequantize, interleave_width, interleaved, quantize,
                                    row_major)
-from colibri.models.common import fuse_rows
+from colibri.models.layers import fuse_rows
 
 # (scheme, rows, inputs): rows of 288 B (a 32-byte tail past 4 whole blocks, SmolLM2's 576),
 # 320 B (5 whole blocks), 768 B, 1 KB (read two rows at a time) and 1.5 KB with a tail.

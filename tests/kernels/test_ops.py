@@ -154,12 +154,13 @@ def test_expf_within_one_ulp():
 
 
 def test_prompt_glue_split_over_threads_keeps_every_bit():
-    """models.common's rms_norm, silu_mul and apply_rope split a prompt's rows over the
+    """models/layers.py's rms_norm and silu_mul and models/rope.py's apply_rope split a prompt's rows over the
     threads (tasks.over_rows): the same bits as one call over all rows, at 1 and 2 threads."""
     import numba
 
     from colibri.kernels import tasks
-    from colibri.models import common
+    from colibri.models import layers as common
+    from colibri.models.rope import apply_rope
 
     L = 3 * tasks.SPLIT_MIN_ROWS + 5
     x = rng.normal(size=(L, 96)).astype(np.float32)
@@ -176,7 +177,7 @@ def test_prompt_glue_split_over_threads_keeps_every_bit():
             numba.set_num_threads(n)
             assert np.array_equal(common.rms_norm(x, w, 1e-5), ops.rms_norm(x, w, np.float32(1e-5)))
             assert np.array_equal(common.silu_mul(gu, 40), ops.silu_mul(gu, 40))
-            assert np.array_equal(common.apply_rope(q, cos, sin, 32), whole_rope)
+            assert np.array_equal(apply_rope(q, cos, sin, 32), whole_rope)
     finally:
         numba.set_num_threads(saved)
 

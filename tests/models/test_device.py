@@ -1,4 +1,4 @@
-"""--device cuda (colibri/models/device.py) against the CPU path on tiny random llama models:
+"""--device cuda (colibri/placement/cuda_model.py) against the CPU path on tiny random llama models:
 the same greedy tokens and logits within float32 rounding, for f32 and int4 weights, with the
 KV cache grown on the device and a follow-up turn reusing it.
 
@@ -21,7 +21,7 @@ from harness import make_hf_model
 from colibri import ColibriError, Engine
 from colibri.io.convert import convert
 from colibri.kernels import cuda
-from colibri.models.device import DeviceModel, place
+from colibri.placement.cuda_model import DeviceModel, place
 
 ROOT = Path(__file__).resolve().parents[2]
 on_device = pytest.mark.skipif(not cuda.available(), reason="no CUDA GPU and not under the simulator")
@@ -118,7 +118,7 @@ def test_models_the_device_does_not_cover_are_refused(tiny, tmp_path):
         place(model, "cuda")
 
 
-# --- MoE models: routed experts from the VRAM tier (colibri/io/vram_experts.py) ----------------
+# --- MoE models: routed experts from the VRAM tier (colibri/placement/vram_experts.py) ----------------
 
 MOE = {
     "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",  # per-head q/k norms
@@ -258,7 +258,7 @@ def test_layers_past_gpu_layers_run_on_the_cpu(moe_models, family, gpu_layers):
 
 
 def test_layers_that_fit_counts_the_dense_weights_and_the_head(tiny, tmp_path):
-    from colibri.models.device import _dense_bytes, layers_that_fit
+    from colibri.placement.cuda_model import dense_bytes as _dense_bytes, layers_that_fit
 
     model = Engine.load(convert(tiny, tmp_path / "c4", bits=4, progress=False)).model
     per_layer = _dense_bytes(model.layers[0])

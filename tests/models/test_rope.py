@@ -3,7 +3,7 @@ Rope.cos_sin on the one position (what a decode token computed before, and what 
 computes for a run of positions)."""
 import numpy as np
 
-from colibri.models.common import ROPE_BLOCK, ROPE_BLOCKS_KEPT, Rope
+from colibri.models.rope import ROPE_BLOCK, ROPE_BLOCKS_KEPT, Rope
 
 
 def test_rows_equal_one_position_calls_across_blocks():

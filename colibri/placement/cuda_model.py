@@ -1,12 +1,12 @@
 """The dense decoder on a CUDA device (EngineConfig.device): the weights and the KV cache live
 in device memory, a forward pass sends token ids' embedding rows in and takes logits out, and
 every step in between is a colibri.kernels.cuda kernel. Same math and order as
-common.DecoderModel.forward (which stays the CPU path): RMSNorm, fused q/k/v, RoPE, the cache,
-causal GQA attention, o_proj, SwiGLU MLP, final norm, lm_head.
+models/decoder.py's DecoderModel.forward (which stays the CPU path): RMSNorm, fused q/k/v, RoPE,
+the cache, causal GQA attention, o_proj, SwiGLU MLP, final norm, lm_head.
 
-Covered: models whose layers are common.Attention (GQA with fused q/k/v, optional q/k/v/o
-biases and q/k norms) and either common.MLP with fused gate/up (the llama family) or a
-common.RoutedMoE block, softmax or grouped routing, with or without a (gated) shared expert
+Covered: models whose layers are models/attention.py's Attention (GQA with fused q/k/v, optional
+q/k/v/o biases and q/k norms) and either the SwiGLU MLP with fused gate/up (the llama family) or
+a RoutedMoE block (models/moe.py), softmax or grouped routing, with or without a (gated) shared expert
 (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, GLM-4.5); and MLA models without the DSA indexer
 (DeepSeek-V3, Kimi-K2): their compressed latent cache on the device, attention in the absorbed
 form (scores and outputs in latent space, the cache never expanded), also for prefill. GLM-5's
@@ -14,8 +14,8 @@ sparse attention stays on the CPU: place() says so ("cuda") or keeps the CPU mod
 
 MoE layers: the router runs on the host with the CPU model's own code (one row of D floats per
 token comes back for it: the routing decisions are the CPU path's), the chosen experts on the
-device from the VRAM tier (colibri/io/vram_experts.py: pinned hot set + LRU, misses copied up
-from the RAM tier), and their weighted outputs are added in expert-id order, so the VRAM budget
+device from the VRAM tier (vram_experts.py: pinned hot set + LRU, misses copied up from the
+RAM tier), and their weighted outputs are added in expert-id order, so the VRAM budget
 never changes the tokens.
 """
 from __future__ import annotations
@@ -25,9 +25,14 @@ import threading
 import numpy as np
 
 from colibri.errors import ColibriError
-from colibri.io.vram_experts import vram_budget
 from colibri.kernels import embedding
-from colibri.models import common, mla
+from colibri.models import mla
+from colibri.models.attention import Attention
+from colibri.models.cache import KVCache, MLACache
+from colibri.models.decoder import DecoderLayer, DecoderModel, in_activation_mode
+from colibri.models.layers import MLP, linear, rms_norm
+from colibri.models.moe import RoutedMoE
+from colibri.placement.vram_experts import vram_budget
 
 DEVICES = ("cpu", "cuda", "auto")
 
@@ -37,19 +42,19 @@ def unsupported(model) -> str | None:
     if type(model) is mla.MLAModel:
         if model.index_dim:
             return "DeepSeek sparse attention (GLM-5's indexer)"
-    elif type(model) is not common.DecoderModel:
+    elif type(model) is not DecoderModel:
         return f"{type(model).__name__} models"
     for layer in model.layers:
         a, m = layer.attn, layer.mlp
         if type(a) is mla.MLAttention:
             pass
-        elif type(a) is not common.Attention or a.qkv is None or a.clip_qkv is not None:
+        elif type(a) is not Attention or a.qkv is None or a.clip_qkv is not None:
             return "attention other than grouped-query attention with fused q/k/v"
-        if isinstance(m, common.RoutedMoE):
+        if isinstance(m, RoutedMoE):
             shared = getattr(m, "shared", None)
-            if shared is not None and (type(shared) is not common.MLP or shared.gate_up is None):
+            if shared is not None and (type(shared) is not MLP or shared.gate_up is None):
                 return "shared experts other than a SwiGLU MLP with fused gate/up"
-        elif type(m) is not common.MLP or m.gate_up is None:
+        elif type(m) is not MLP or m.gate_up is None:
             return "feed-forward blocks other than a dense SwiGLU MLP with fused gate/up or routed experts"
     return None
 
@@ -69,20 +74,20 @@ def layers_that_fit(model, budget: int) -> int:
     (lm_head) counted against it too when every layer fits."""
     total = 0
     for i, layer in enumerate(model.layers):
-        total += _dense_bytes(layer)
+        total += dense_bytes(layer)
         if total > budget:
             return i
     return len(model.layers) if total + model.lm_head.nbytes <= budget else len(model.layers) - 1
 
 
-def _dense_bytes(layer) -> int:
+def dense_bytes(layer) -> int:
     """The bytes a decoder layer's dense weights take on the device (_DeviceLayer uploads them)."""
     a, m = layer.attn, layer.mlp
     if type(a) is mla.MLAttention:
         parts = [a.q_a, a.q_b, a.kv_a, a.o_proj, a.w_uk, a.w_uv_t]
     else:
         parts = [a.qkv, a.o_proj]
-    dense = getattr(m, "shared", None) if isinstance(m, common.RoutedMoE) else m
+    dense = getattr(m, "shared", None) if isinstance(m, RoutedMoE) else m
     if dense is not None:
         parts += [dense.gate_up, dense.down]
     parts.append(getattr(m, "shared_gate", None))
@@ -179,7 +184,7 @@ class DeviceKVCache:
 class _DeviceLayer:
     """One decoder layer's weights on the device (a MoE layer's experts: the VRAM tier's)."""
 
-    def __init__(self, layer: common.DecoderLayer):
+    def __init__(self, layer: DecoderLayer):
         from colibri.kernels import cuda
 
         a, m = layer.attn, layer.mlp
@@ -195,7 +200,7 @@ class _DeviceLayer:
             self.qkv_bias = cuda.upload_vector(a.qkv_bias)
             self.q_norm = cuda.upload_vector(getattr(a, "q_norm", None))
             self.k_norm = cuda.upload_vector(getattr(a, "k_norm", None))
-        self.moe = isinstance(m, common.RoutedMoE)
+        self.moe = isinstance(m, RoutedMoE)
         dense = getattr(m, "shared", None) if self.moe else m  # a MoE block's shared expert, or the MLP
         self.gate_up = self.down = self.shared_gate = None
         if dense is not None:
@@ -204,7 +209,7 @@ class _DeviceLayer:
             self.inter = dense.gate.shape[0]
         if getattr(m, "shared_gate", None) is not None:  # Qwen2-MoE: sigmoid(x W) scales the shared expert
             self.shared_gate = cuda.upload(m.shared_gate)
-        self.nbytes = _dense_bytes(layer)  # what was uploaded: the layer's dense weights
+        self.nbytes = dense_bytes(layer)  # what was uploaded: the layer's dense weights
 
     def _mla(self, a: mla.MLAttention, cuda) -> None:
         """MLA's projections, norms and the per-head W_uk / W_uv^T (float32, as the CPU's
@@ -221,10 +226,10 @@ class _DeviceLayer:
 
 
 class DeviceModel:
-    """common.DecoderModel's forward on the device. Other attributes (args, layers, rope,
+    """DecoderModel's forward on the device. Other attributes (args, layers, rope,
     embed...) are the CPU model's: the engine and the bench read them as before."""
 
-    def __init__(self, model: common.DecoderModel, container=None, experts=None, vram_bytes: int | None = None,
+    def __init__(self, model: DecoderModel, container=None, experts=None, vram_bytes: int | None = None,
                  history: dict | None = None, gpu_layers: int | None = None):
         from colibri.kernels import cuda
 
@@ -244,7 +249,7 @@ class DeviceModel:
         self.activations = model.activations
         self.vram = None  # the VRAM tier of the routed experts (MoE models)
         if any(d.moe for d in self.device_layers):
-            from colibri.io.vram_experts import VramExperts
+            from colibri.placement.vram_experts import VramExperts
 
             if container is None or experts is None:
                 raise ColibriError("a MoE model on the device needs its container and expert source")
@@ -273,9 +278,9 @@ class DeviceModel:
         (gpu_layers below the model's depth) in a CPU cache of their own."""
         a, k, rest = self.args, self.gpu_layers, len(self.layers) - self.gpu_layers
         if isinstance(self.cpu_model, mla.MLAModel):  # the compressed cache: latent + rope key
-            host = mla.MLACache(rest, a.kv_lora_rank, a.qk_rope_head_dim, max_tokens) if rest else None
+            host = MLACache(rest, a.kv_lora_rank, a.qk_rope_head_dim, max_tokens) if rest else None
             return DeviceKVCache(k, 1, a.kv_lora_rank, max_tokens, v_dim=a.qk_rope_head_dim, host=host)
-        host = common.KVCache(rest, a.num_key_value_heads, a.head_dim, max_tokens) if rest else None
+        host = KVCache(rest, a.num_key_value_heads, a.head_dim, max_tokens) if rest else None
         return DeviceKVCache(k, a.num_key_value_heads, a.head_dim, max_tokens, host=host)
 
     def forward(self, ids: np.ndarray, cache: DeviceKVCache, all_logits: bool = False) -> np.ndarray:
@@ -312,7 +317,7 @@ class DeviceModel:
         h = cu.rms_norm(x, self.final_norm, m.args.rms_norm_eps)
         return cu.to_host(cu.linear(self.lm_head, h, activations=self.activations))
 
-    @common._in_activation_mode
+    @in_activation_mode
     def _host_rest(self, x: np.ndarray, host, pos0: int, cos, sin, all_logits: bool) -> np.ndarray:
         """Layers gpu_layers.. and the head on the CPU, as DecoderModel.forward runs them; their
         cache is `host`, whose layer 0 is model layer gpu_layers."""
@@ -321,9 +326,9 @@ class DeviceModel:
             x = layer(x, host, i, pos0, cos, sin)
         if not all_logits:
             x = x[-1:]
-        return common.linear(common.rms_norm(x, m.norm, m.args.rms_norm_eps), m.lm_head)
+        return linear(rms_norm(x, m.norm, m.args.rms_norm_eps), m.lm_head)
 
-    def _attention(self, x, attn: common.Attention, dl: _DeviceLayer, cache, i, pos0, cos, sin, scores) -> None:
+    def _attention(self, x, attn: Attention, dl: _DeviceLayer, cache, i, pos0, cos, sin, scores) -> None:
         """x += o_proj(attention(rms_norm(x))), the new keys and values into the cache."""
         cu = self._cuda
         L = x.shape[0]
@@ -373,7 +378,7 @@ class DeviceModel:
         cu.add_into(x, cu.linear(dl.o_proj, out.reshape(L, H * attn.dv), out=self._buffer("o", x.shape),
                                  bias=dl.o_bias, activations=act))
 
-    def _mlp(self, x, layer: common.DecoderLayer, dl: _DeviceLayer) -> None:
+    def _mlp(self, x, layer: DecoderLayer, dl: _DeviceLayer) -> None:
         """x += down(silu(gate(h)) * up(h)), h = rms_norm(x)."""
         h = self._cuda.rms_norm(x, dl.post_norm, layer.eps, out=self._buffer("h", x.shape))
         self._cuda.add_into(x, self._swiglu(h, dl))
@@ -387,7 +392,7 @@ class DeviceModel:
         act = cu.silu_mul(gu, dl.inter, out=self._buffer("act", (L, dl.inter)))
         return cu.linear(dl.down, act, out=self._buffer("o", h.shape), activations=self.activations)
 
-    def _moe(self, x, layer: common.DecoderLayer, dl: _DeviceLayer) -> None:
+    def _moe(self, x, layer: DecoderLayer, dl: _DeviceLayer) -> None:
         """x += the routed experts' weighted sum for h = rms_norm(x) (+ the shared expert): routed
         on the host (the CPU model's router), each chosen expert applied on the device to the
         rows that chose it, in the order the VRAM tier has them (hits first), added in

@@ -1,0 +1,94 @@
+"""The numerics every block shares: RMSNorm, SwiGLU's silu(gate) * up, linear layers over the
+kernels (one row, several rows, fused matrices) and the dense SwiGLU MLP. Numerics follow the
+transformers implementations (float32 throughout).
+
+Shape letters: L tokens, D hidden, I intermediate.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from colibri.memory import WEIGHTS
+from colibri.kernels import idot, matmul, matvec, ops
+from colibri.kernels.tasks import over_rows
+from colibri.kernels.cpu import matvec_rows
+from colibri.formats.qtensor import INT4_SCHEMES, QTensor
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x [..., D] -> weight * x / sqrt(mean(x^2) + eps), as transformers' RMSNorm in float32."""
+    shape = x.shape
+    x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, shape[-1])
+    w, eps = np.ascontiguousarray(weight, dtype=np.float32), np.float32(eps)
+    out = np.empty_like(x2)
+    over_rows(lambda a, b: ops.rms_norm_into(x2[a:b], w, eps, out[a:b]), x2.shape[0])
+    return out.reshape(shape)
+
+
+def silu_mul(gu: np.ndarray, n: int) -> np.ndarray:
+    """gu [L, 2n] = [gate | up] -> silu(gate) * up [L, n] (ops.silu_mul, rows over the threads)."""
+    out = np.empty((gu.shape[0], n), np.float32)
+    over_rows(lambda a, b: ops.silu_mul_into(gu[a:b], n, out[a:b]), gu.shape[0])
+    return out
+
+
+def fuse_rows(*ts: QTensor) -> QTensor | None:
+    """Stack matrices that read the same input into one (q/k/v, gate/up): one kernel call
+    instead of several per token. Rows are computed independently, so the outputs are the
+    same numbers. None when the schemes or input widths differ."""
+    if len({t.scheme for t in ts}) != 1 or len({t.shape[1] for t in ts}) != 1 or len({t.interleave for t in ts}) != 1:
+        return None
+
+    def cat(arrays):  # into the huge-page slab, where the container puts the weights it reads
+        if arrays[0] is None:
+            return None
+        out = WEIGHTS.empty((sum(a.shape[0] for a in arrays), *arrays[0].shape[1:]), arrays[0].dtype)
+        return np.concatenate(arrays, axis=0, out=out)
+
+    # (interleaved blocks never straddle two matrices: stacked, they stay whole)
+    return QTensor(ts[0].scheme, (sum(t.shape[0] for t in ts), ts[0].shape[1]), cat([t.q for t in ts]),
+                   cat([t.scales for t in ts]), cat([t.mins for t in ts]), ts[0].interleave)
+
+
+def linear(x: np.ndarray, w: QTensor, bias: np.ndarray | None = None) -> np.ndarray:
+    """x [L, in] -> [L, out]. Decode (L == 1) takes the matvec kernel, prefill the matmul one;
+    int4 weights under `--activations int8` take the integer-dot kernels (kernels/idot.py)."""
+    if w.scheme in INT4_SCHEMES and idot.current() == "int8":
+        y = idot.matvec_q(w, x[0])[None, :] if x.shape[0] == 1 else idot.matmul_q(w, x)
+    elif x.shape[0] == 1:
+        y = matvec(w, x[0])[None, :]
+    else:
+        y = matmul(w, x)
+    if bias is not None:
+        y += bias
+    return y
+
+
+def linear_rows(x: np.ndarray, w: QTensor) -> np.ndarray:
+    """linear(x[r:r+1], w) for each row of x [B, in] -> [B, out], the same bits, with the
+    weights read once for all rows (several tokens decoded in one pass)."""
+    if x.shape[0] == 1:  # the one-row kernels' 8-row blocks beat a tile of one token
+        return linear(x, w)
+    if w.scheme in INT4_SCHEMES and idot.current() == "int8":
+        return idot.matmul_q(w, x)
+    return matvec_rows(w, x)
+
+
+
+class MLP:
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, gate: QTensor, up: QTensor, down: QTensor):
+        self.gate, self.up, self.down = gate, up, down
+        self.gate_up = fuse_rows(gate, up)
+
+    @classmethod
+    def from_weights(cls, w, prefix: str) -> "MLP":
+        return cls(*(w.tensor(f"{prefix}.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")))
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        if self.gate_up is None:
+            return linear(ops.silu_gate(linear(x, self.gate), linear(x, self.up)), self.down)
+        gu = linear(x, self.gate_up)  # [L, 2I]
+        return linear(silu_mul(gu, self.gate.shape[0]), self.down)
+
