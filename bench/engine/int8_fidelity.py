@@ -4,15 +4,13 @@ differ, and the share of tokens identical up to that point. (The KL divergence o
 next-token distribution over a fixed text is `colibri perplexity --activations int8
 --kl-divergence REF`: README, Quality.)
 
-    python bench/int8_fidelity.py [-m MODEL] [--tokens 48]
+    python -m bench.engine.int8_fidelity [-m MODEL] [--tokens 48]
 """
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PROMPTS = [
     "What is the capital of France?",

@@ -8,20 +8,17 @@ HEAD~1:colibri/kernels/ops.py > /tmp/ops_before.py`) in the same process, the tw
 repeat by repeat, each first in turn, and says whether their outputs are the same bits: this
 machine's speed drifts too much between processes for a before/after of a few percent.
 
-    python bench/decode_attention.py [--contexts 1024,4096,8192] [--heads 9 --kv-heads 3 --head-dim 64 --layers 30]
+    python -m bench.kernels.decode_attention [--contexts 1024,4096,8192] [--heads 9 --kv-heads 3 --head-dim 64 --layers 30]
                                      [--kv-cache f32,f16] [--small-pages] [--baseline FILE]
 """
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 import types
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> None:

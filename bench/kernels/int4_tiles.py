@@ -5,7 +5,7 @@ and mins) over one interleaved matrix, from the CPU caches (a few MB) or streame
 Benchmark only: no asserts.
 
     git show HEAD~1:colibri/kernels/cpu.py > /tmp/cpu_before.py
-    python bench/int4_tiles.py --versions /tmp/cpu_before.py [--shapes 576:4,1536:4,576:400]
+    python -m bench.kernels.int4_tiles --versions /tmp/cpu_before.py [--shapes 576:4,1536:4,576:400]
 
 Each --shapes item is INPUTS:MB (SmolLM2's rows have 576 and 1536 inputs; 4 MB stays in the
 L3, 400 MB does not). The copies run alternately, each first in turn (the second of two runs
@@ -15,15 +15,13 @@ only reorders work must print "same bits". Medians and best of --repeats runs.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 import types
 from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench.common import REPO, machine_line
 
 
 def load(path: Path, name: str):
@@ -67,6 +65,7 @@ def main() -> None:
     names = ["this"] + [p.name for p in paths[1:]]
     modules = [load(p, f"cpu_copy{i}") for i, p in enumerate(paths)]
     rng = np.random.default_rng(0)
+    print(machine_line())
     print(f"{a.scheme}, 2 threads, {a.repeats} alternated runs: median (best) GB/s of q, scales and mins")
     for item in a.shapes.split(","):
         cols, mb = (int(v) for v in item.split(":"))

@@ -3,7 +3,7 @@ Benchmark only. The measurement that led to colibri's interleaved rows (kernels/
 Layout). Three layouts: row-major; q and scales interleaved; q only, scales row-major, which
 is what colibri does (README, Measured, fifth session).
 
-    python bench/interleaved_layout.py [--repeats 10]
+    python -m bench.kernels.interleaved_layout [--repeats 10]
 
 Row-major int4 matrices: a row's bytes, then the next row's, and the scales in a separate
 [rows, groups] array. The decode kernels read W rows at a time (8, or 2 for rows of
@@ -33,6 +33,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from bench.common import machine_line
 from colibri.kernels import cpu
 
 _F32, _I64, _I8, _I32 = ir.FloatType(), ir.IntType(64), ir.IntType(8), ir.IntType(32)
@@ -152,13 +153,15 @@ def interleave(q, scales, W: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=10, help="passes per layout, alternated")
+    ap.add_argument("--smoke", action="store_true", help="two matrices per shape (in the caches): checks the script")
     a = ap.parse_args()
-    th = threading.Thread(target=work, args=(a.repeats,))  # off the main thread, as the engine runs kernels
+    print(machine_line())
+    th = threading.Thread(target=work, args=(a.repeats, a.smoke))  # off the main thread, as the engine runs kernels
     th.start()
     th.join()
 
 
-def work(repeats: int) -> None:
+def work(repeats: int, smoke: bool = False) -> None:
     rng = np.random.default_rng(0)
 
     def matrix(rows, n):
@@ -179,6 +182,7 @@ def work(repeats: int) -> None:
             matvecs[name](*laid_out(q, s, W, name), xp, ys[name], 2)
             assert np.array_equal(ys[name], ys["row-major"]), "every layout must give the same bits"
         for n, rows, count in ((2048, 3072, 120), (768, 4096, 200)):  # ~0.4 GB each: past the caches
+            count = 2 if smoke else count
             plain = [matrix(rows, n) for _ in range(count)]
             mats = {name: [laid_out(q, s, W, name) for q, s in plain] for name in LAYOUTS}
             del plain

@@ -2,7 +2,7 @@
 (colibri/kernels/cpu.py, PAIR_ROW_BYTES; colibri/kernels/idot.py, rows8). Benchmark only: no
 asserts.
 
-    python bench/row_stream.py [--scheme int4_g64|q8_0|int4-int8] [--layout rows|interleaved]
+    python -m bench.kernels.row_stream [--scheme int4_g64|q8_0|int4-int8] [--layout rows|interleaved]
                                [--shapes 2048,576,768,4096] [--gib 0.8] [--rows-per-call 6144]
 
 For each input width, a matrix of random bytes (about --gib GiB, far past the caches), read
@@ -26,6 +26,7 @@ import time
 import numpy as np
 from numba import njit, prange
 
+from bench.common import interleaved, machine_line
 from colibri.kernels import cpu, idot
 from colibri.memory import huge_pages
 
@@ -109,6 +110,7 @@ def main() -> None:
     flush = huge_pages(1 << 30)
     flush[:] = 1
     int4 = args.scheme != "q8_0"
+    print(machine_line())
     print(f"{args.scheme}, {args.layout} layout, from DRAM, 2 threads: GB/s of weights + scales "
           f"(median of 5, alternated)")
 
@@ -130,16 +132,17 @@ def main() -> None:
         else:
             xp, matvec = (cpu._prepare_x(x, 32), _matvec) if int4 else (x, _matvec_q8)
         y = np.empty(rows, np.float32)
-        times = {False: [], True: []}
         for pairs in (False, True):
             matvec(q[:chunk], s[:chunk], xp, y[:chunk], pairs, width(pairs))
-        for _ in range(5):
-            for pairs in (False, True):
-                _flush(flush)
-                t0 = time.perf_counter()
-                for r0 in range(0, rows, chunk):
-                    matvec(q[r0:r0 + chunk], s[r0:r0 + chunk], xp, y[r0:r0 + chunk], pairs, width(pairs))
-                times[pairs].append(time.perf_counter() - t0)
+
+        def timed(pairs):
+            _flush(flush)
+            t0 = time.perf_counter()
+            for r0 in range(0, rows, chunk):
+                matvec(q[r0:r0 + chunk], s[r0:r0 + chunk], xp, y[r0:r0 + chunk], pairs, width(pairs))
+            return time.perf_counter() - t0
+
+        times = interleaved([False, True], 5, timed)
         nbytes = q.nbytes + s.nbytes
         eight, two = (nbytes / np.median(times[p]) / 1e9 for p in (False, True))
         print(f"{cols:5d} inputs ({row_bytes:4d}-byte rows), {nbytes / 2**30:.2f} GiB: eight rows at a time "
