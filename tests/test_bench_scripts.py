@@ -36,8 +36,8 @@ SMOKE: dict[str, tuple] = {
         lambda c: ["--gguf", c["gguf"], "--container", c["smol"], "--no-transformers", "--tokens", "4",
                    "--prompt-words", "20", "--repeats", "1", "--json", c["json"]], False, {}),
     "bench.peers.moe_resident": (
-        "colibri and colibri-int8 on the tiny MoE (no llama.cpp), 4 tokens",
-        lambda c: ["--model", c["tiny"], "--engines", "colibri,colibri-int8", "--tokens", "4", "--repeats", "1",
+        "colibri on the tiny MoE (no llama.cpp), 4 tokens",
+        lambda c: ["--model", c["tiny"], "--engines", "colibri", "--tokens", "4", "--repeats", "1",
                    "--json", c["json"]], False, {}),
     "bench.peers.expert_streaming": (
         "colibri on the tiny MoE in a 1 GiB memory cgroup (no llama.cpp), 4 tokens",
@@ -68,16 +68,19 @@ SMOKE: dict[str, tuple] = {
         lambda c: ["--engines", "llguidance", "--steps", "20", "--json", c["json"]], True, {}),
     # engine
     "bench.engine.decode_phases": (
-        "8-token context, 4 tokens", lambda c: ["--tokens", "4", "--rounds", "1", "--context", "8",
-                                                "--json", c["json"]], False, {}),
+        "SmolLM2, 8-token context, 4 tokens", lambda c: ["--tokens", "4", "--rounds", "1", "--context", "8",
+                                                         "--json", c["json"]], True, {}),
     "bench.engine.threads": (
         "default setting, no competitor, 4 tokens",
         lambda c: ["--setting", "default", "--competitors", "0", "--repeats", "1", "--tokens", "4", "--max-s", "2",
                    "--quiet-wait", "0", "--json", c["json"]], False, {}),
-    "bench.engine.speculative": ("4 prompts x 3 modes, 6 tokens",
-                                 lambda c: ["--tokens", "6", "--repeats", "1", "--json", c["json"]], False, {}),
+    "bench.engine.speculative": (
+        "the tiny MoE streamed (the random-ids prompt), 3 modes, 6 tokens",
+        lambda c: ["--model", c["tiny"], "--ram-gb", "0.05", "--tokens", "6", "--repeats", "1", "--json", c["json"]],
+        False, {}),
     "bench.engine.long_prompt": ("one 32-token prompt", lambda c: ["--lengths", "32", "--json", c["json"]], False, {}),
-    "bench.engine.int8_fidelity": ("4 tokens per prompt", lambda c: ["--tokens", "4"], False, {}),
+    "bench.engine.int8_fidelity": ("the tiny MoE, 4 tokens per prompt", lambda c: ["-m", c["tiny"], "--tokens", "4"],
+                                   False, {}),
     "bench.engine.startup": (
         "the tiny MoE, one run each way, 2 tokens",
         lambda c: [c["tiny"], "--typing", "0", "--runs", "1", "--tokens", "2", "--settle", "0",

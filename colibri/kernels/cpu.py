@@ -512,7 +512,7 @@ def _one_row_tile(wrows: int, nibbles: bool):
 _int4_dot8, _int4_dot2 = _one_row_tile(8, True), _one_row_tile(2, True)
 
 # Rows of at least this many bytes (int4 in _int4_rows8, q8_0 in _matvec_q8) go through an
-# 8-row block two rows at a time. From DRAM (`python bench/row_stream.py`: 0.8 GiB of random
+# 8-row block two rows at a time. From DRAM (`python -m bench.kernels.row_stream`: 0.8 GiB of random
 # bytes, calls of 6144 rows after a cache flush, 2 threads), eight interleaved 1 KB int4 rows
 # (2048 inputs: Qwen3's q/k/v, gate and up) read at 16 GB/s on this VM where two read at 19;
 # int4 rows of 288-384 bytes read 15-25% faster eight at a time, 2 KB rows the same either

@@ -137,7 +137,7 @@ def _idot_codegen(nrows: int, half: int, mins: bool, ncols: int | None = None):
     of ilv: quant.py, Layout, found as cpu._tile_codegen finds them). The same bytes of rows rn..
     are prefetched, with their scales (and mins): without the scales' prefetch SmolLM2's int8
     decode took 10.4-11.9 ms a token against 9.4-10.4 with it (AMD EPYC, 2 threads,
-    `python bench/decode_phases.py --activations int8`, alternated).
+    `python -m bench.engine.decode_phases --activations int8`, alternated).
     half: bytes per weight group (16 or 32), a constant so the lane -> group shuffles are.
     mins: q4_1 (offs holds the mins); else symmetric, offs unused.
     Per-x arrays (quantize_into): xlo/xhi int8 [n/2]; per 4-byte lane: negc int32 (-8 * the
@@ -400,7 +400,7 @@ def quantize_rows(x, half):
 # Rows interleaved in pairs (rows of quant.PAIR_ROW_BYTES or more) are read a pair at a time,
 # each pair prefetching the next, so a thread walks its rows' bytes front to back in one
 # stream; an 8-row tile over pairs walks four streams 2 KB apart. From DRAM, 1 KB int4 rows
-# (2048 inputs: Qwen3's q/k/v, gate and up), 2 threads (`python bench/row_stream.py --scheme
+# (2048 inputs: Qwen3's q/k/v, gate and up), 2 threads (`python -m bench.kernels.row_stream --scheme
 # int4-int8 --layout interleaved --shapes 2048`, three runs): eight at a time 22.1-25.1 GB/s,
 # pairs 25.6-30.7; Qwen3-30B-A3B shapes, every expert in RAM, `--activations int8`: 0.78x ->
 # 0.98-1.00x llama.cpp (docs/benchmarks.md). Pairs load each piece of x for two rows
