@@ -111,16 +111,18 @@ def machine_line(m: dict | None = None) -> str:
 
 # -- interleaved repeats ---------------------------------------------------------------------
 
-def interleaved(variants: Iterable, repeats: int, run: Callable, *, on_result: Callable | None = None) -> dict:
+def interleaved(variants: Iterable, repeats: int, run: Callable, *, alternate: bool = False,
+                on_result: Callable | None = None) -> dict:
     """Runs every variant once per round, `repeats` rounds, in order (A B C A B C ...), so the
-    machine's drift over minutes falls on all of them alike. `run(variant)` returns one result
+    machine's drift over minutes falls on all of them alike; `alternate` reverses every second
+    round (A B C C B A ...), so that each goes first in turn (caches, turbo). `run(variant)` returns one result
     (a number, a dict, anything); None is a failed run and is left out. Returns
     {variant: [results, in round order]}. `on_result(variant, round, result)` sees each as it
     comes (to print raw rows)."""
     variants = list(variants)
     out: dict = {v: [] for v in variants}
     for rnd in range(repeats):
-        for v in variants:
+        for v in (variants[::-1] if alternate and rnd % 2 else variants):
             r = run(v)
             if on_result is not None:
                 on_result(v, rnd, r)

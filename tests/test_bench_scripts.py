@@ -179,6 +179,9 @@ def test_common_helpers(tmp_path, capsys):
                                                                           else len(order)))
     assert order == ["a", "b"] * 3 and runs == {"a": [1, 3, 5], "b": [4, 6]}
     assert common.medians(runs) == {"a": 3, "b": 5.0}
+    order.clear()
+    common.interleaved("xyz", 3, order.append, alternate=True)
+    assert "".join(order) == "xyzzyxxyz"
     assert common.median([{"x": 1}, {"x": 3}], "x") == 2 and common.median([]) != common.median([])  # nan
     ap = argparse.ArgumentParser()
     common.add_json_arg(ap)

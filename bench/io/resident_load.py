@@ -15,7 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.common import child_env, machine_line, module_command
+from bench.common import child_env, interleaved, machine_line, module_command
 
 
 def child(model: str, mode: str) -> None:
@@ -58,14 +58,16 @@ def main() -> None:
         child(a.model, a.child)
         return
     print(machine_line())
-    for i in range(a.runs):
-        for mode in ("parallel", "serial") if i % 2 == 0 else ("serial", "parallel"):
-            subprocess.run(["sync"])
-            try:
-                Path("/proc/sys/vm/drop_caches").write_text("3\n")
-            except OSError:
-                pass
-            subprocess.run([*module_command(__spec__.name), a.model, "--child", mode], check=True, env=child_env())
+
+    def once(mode):  # the child prints its own row
+        subprocess.run(["sync"])
+        try:
+            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        except OSError:
+            pass
+        subprocess.run([*module_command(__spec__.name), a.model, "--child", mode], check=True, env=child_env())
+
+    interleaved(["parallel", "serial"], a.runs, once, alternate=True)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common import interleaved, machine_line
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -64,18 +66,22 @@ def main() -> None:
         source = Path(a.baseline).read_text().replace("cache=True", "cache=False")
         exec(compile(source, a.baseline, "exec"), baseline.__dict__)
         kernels["baseline"] = baseline
+    print(machine_line())
     print(f"{a.heads} heads over {a.kv_heads} KV heads of {a.head_dim}, {a.layers} layers; best of {a.repeats}")
     print(f"{'kernel':>8} {'cache':>5} {'context':>7} {'ms/token':>9} {'K+V GB/s':>9}")
     for kind, n in [(kind, n) for kind in a.kv_cache.split(",") for n in lengths]:
         k, v = caches[kind]
         outs = {name: mod.attend_one(q, k[0], v[0], n, scale) for name, mod in kernels.items()}
-        best = dict.fromkeys(kernels, float("inf"))
-        for rep in range(a.repeats):
-            for name, mod in (kernels.items() if rep % 2 == 0 else reversed(kernels.items())):  # either goes first
-                t0 = time.perf_counter()
-                for layer in range(a.layers):
-                    mod.attend_one(q, k[layer], v[layer], n, scale)
-                best[name] = min(best[name], time.perf_counter() - t0)
+
+        def once(name):
+            mod = kernels[name]
+            t0 = time.perf_counter()
+            for layer in range(a.layers):
+                mod.attend_one(q, k[layer], v[layer], n, scale)
+            return time.perf_counter() - t0
+
+        # alternated: either goes first in turn
+        best = {name: min(ts) for name, ts in interleaved(kernels, a.repeats, once, alternate=True).items()}
         read = a.layers * a.kv_heads * n * a.head_dim * k[0].itemsize * 2
         for name in kernels:
             print(f"{name:>8} {kind:>5} {n:7} {best[name] * 1e3:9.2f} {read / best[name] / 1e9:9.1f}")

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import REPO, machine_line
+from bench.common import REPO, machine_line, median
+from bench.common import interleaved as interleaved_runs  # (colibri.kernels.quant has an `interleaved` too)
 
 
 def load(path: Path, name: str):
@@ -79,17 +80,18 @@ def main() -> None:
         nbytes = t.nbytes
         args = [m.int4_weight(t) for m in modules]
         prepared = [(m._prepare_x(x, arg[4]), m._group_sums(x, 2 * arg[4])) for m, arg in zip(modules, args)]
-        rates: list[list[float]] = [[] for _ in modules]
         outs: list[np.ndarray] = [np.zeros(rows, np.float32) for _ in modules]
-        for rep in range(a.repeats):
-            order = range(len(modules)) if rep % 2 == 0 else reversed(range(len(modules)))
-            for i in order:
-                modules[i].run(*args[i], *prepared[i], outs[i])  # compiled, and the matrix touched
-                t0 = time.perf_counter()
-                modules[i].run(*args[i], *prepared[i], outs[i])
-                rates[i].append(nbytes / (time.perf_counter() - t0) / 1e9)
+
+        def once(i):
+            modules[i].run(*args[i], *prepared[i], outs[i])  # compiled, and the matrix touched
+            t0 = time.perf_counter()
+            modules[i].run(*args[i], *prepared[i], outs[i])
+            return nbytes / (time.perf_counter() - t0) / 1e9
+
+        runs = interleaved_runs(range(len(modules)), a.repeats, once, alternate=True)
+        rates = [runs[i] for i in range(len(modules))]
         same = all(np.array_equal(outs[0], o) for o in outs[1:])
-        cells = "  ".join(f"{n} {np.median(r):5.1f} ({max(r):5.1f})" for n, r in zip(names, rates))
+        cells = "  ".join(f"{n} {median(r):5.1f} ({max(r):5.1f})" for n, r in zip(names, rates))
         bits = "" if len(modules) == 1 else ("  same bits" if same else "  outputs DIFFER")
         print(f"{rows:>8} x {cols:<5} {nbytes / 1e6:5.0f} MB  {cells}{bits}")
 

@@ -23,7 +23,6 @@ of 64, no offset term, whole blocks only): enough to time the reads.
 from __future__ import annotations
 
 import argparse
-import statistics
 import threading
 import time
 
@@ -33,7 +32,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from bench.common import machine_line
+from bench.common import interleaved, machine_line, median
 from colibri.kernels import cpu
 
 _F32, _I64, _I8, _I32 = ir.FloatType(), ir.IntType(64), ir.IntType(8), ir.IntType(32)
@@ -189,15 +188,16 @@ def work(repeats: int, smoke: bool = False) -> None:
             xp = cpu._prepare_x(rng.standard_normal(n).astype(np.float32), 32)
             y = np.empty(rows, np.float32)
             nbytes = sum(q.nbytes + s.nbytes for q, s in mats["row-major"])
-            gbs = {name: [] for name in LAYOUTS}
-            for rnd in range(repeats):
-                for name in (list(LAYOUTS) if rnd % 2 else list(LAYOUTS)[::-1]):
-                    t0 = time.perf_counter()
-                    for q, s in mats[name]:
-                        matvecs[name](q, s, xp, y, 2)
-                    gbs[name].append(nbytes / (time.perf_counter() - t0) / 1e9)
+
+            def once(name):
+                t0 = time.perf_counter()
+                for q, s in mats[name]:
+                    matvecs[name](q, s, xp, y, 2)
+                return nbytes / (time.perf_counter() - t0) / 1e9
+
+            gbs = interleaved(list(LAYOUTS)[::-1], repeats, once, alternate=True)  # last first, then in order
             print(f"W={W} {n:5d} inputs ({n // 2:4d} B rows), {nbytes / 1e9:.2f} GB from DRAM, 2 threads: "
-                  + "  ".join(f"{name} {statistics.median(gbs[name]):5.1f}" for name in LAYOUTS) + " GB/s")
+                  + "  ".join(f"{name} {median(gbs[name]):5.1f}" for name in LAYOUTS) + " GB/s")
 
 
 if __name__ == "__main__":
