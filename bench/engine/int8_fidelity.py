@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from bench.common import machine_line
+
 
 PROMPTS = [
     "What is the capital of France?",
@@ -39,6 +41,7 @@ def main() -> None:
         a.model = default_model_dir(progress=False)
     engines = {m: Engine.load(a.model, activations=m) for m in ("f32", "int8")}
     same_total = first_total = 0
+    print(machine_line())
     print(f"{a.model.name}: {len(PROMPTS)} prompts, {a.tokens} greedy tokens each, exact vs int8 activations")
     for p in PROMPTS:
         out = {m: e.generate(p, max_tokens=a.tokens, temperature=0, stop_at_eos=False).token_ids

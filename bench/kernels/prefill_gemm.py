@@ -12,6 +12,8 @@ import time
 
 import numpy as np
 
+from bench.common import machine_line
+
 
 # (out, in): SmolLM2's q/k/v/o, gate/up, down and an OLMoE-shaped expert's projections.
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (1024, 2048), (2048, 1024)]
@@ -43,6 +45,7 @@ def main() -> None:
     numba.set_num_threads(a.threads)
     threadpool_limits(1)  # as the engine runs: one BLAS thread per call, Python threads over tiles
     rng = np.random.default_rng(0)
+    print(machine_line())
     print(f"scheme {a.scheme}, {a.threads} threads; GFLOP/s, best of {a.repeats}; BLAS_MIN_ROWS = {gemm.BLAS_MIN_ROWS}")
     print(f"{'out x in':>11} {'L':>4} {'numba':>7} {'BLAS':>7} {'BLAS/numba':>10}")
     for shape in SHAPES:
