@@ -4,9 +4,12 @@ A parallel float32 sum over a 512 MiB array (well past the last-level cache): on
 slice per thread, float32 accumulators that LLVM vectorizes and interleaves, so the loop is
 bound by reading memory, not by arithmetic (a float64 accumulator, used before, spent its time
 converting and read ~50 GB/s where a plain f32 matvec streamed ~70). Best of 5 passes.
+
+    python -m bench.membw [--threads N] [--mib 512]     # the figure alone
 """
 from __future__ import annotations
 
+import argparse
 import time
 
 import numba
@@ -120,3 +123,21 @@ def read_bandwidth_each(arrays: list[np.ndarray], threads: int | None = None, me
         one_pass()
         best = max(best, nbytes * len(copies) / (time.perf_counter() - t0))
     return best
+
+
+def main() -> None:
+    from bench.common import add_json_arg, machine_line, write_json
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=None, help="numba threads (default: numba's)")
+    ap.add_argument("--mib", type=int, default=512, help="array size (well past the last-level cache)")
+    add_json_arg(ap)
+    a = ap.parse_args()
+    print(machine_line())
+    bw = read_bandwidth(a.threads, a.mib << 20)
+    print(f"read bandwidth: {bw / 1e9:.1f} GB/s (parallel f32 sum over {a.mib} MiB, best of 5)")
+    write_json(a.json, {"read_bandwidth_gbs": bw / 1e9}, args=a)
+
+
+if __name__ == "__main__":
+    main()

@@ -2,7 +2,7 @@
 or a Lark grammar turned into the set of tokens allowed at each step, applied to numpy logits.
 
 The engine is llguidance (an Earley parser over a lazily built derivative lexer, as used by
-vLLM, SGLang and llama.cpp; a Rust wheel with no torch). bench/grammar_mask.py picked it over
+vLLM, SGLang and llama.cpp; a Rust wheel with no torch). bench/kernels/grammar_mask.py picked it over
 xgrammar: xgrammar imports torch and transformers when it is imported (2.5-4 s here, and torch
 is only a test dependency of colibri) and compiles a schema in 5-170 ms against llguidance's
 1-4 ms; its masks are faster per token, but both are far below a decode step; and it

@@ -50,7 +50,7 @@ class NgramDrafter:
 
     def __init__(self, tokens: list[int], max_ngram: int = 3, min_ngram: int = 2):
         # A match of one token (a newline, " the") says little about what follows: drafting on
-        # it cost more passes than it won (SmolLM2, bench/speculative.py's prompts replayed
+        # it cost more passes than it won (SmolLM2, bench/engine/speculative.py's prompts replayed
         # offline at 0.4 of a step per extra row: copying a code block 1.53x -> 1.70x, a
         # free-form story 0.55x -> 0.80x with always 6 drafts).
         self.max_ngram, self.min_ngram = max_ngram, min_ngram

@@ -23,7 +23,7 @@ def key_block(rows: int, score_bytes: int = SCORE_BLOCK_BYTES, min_block: int = 
 
 def prefill_workspace_bytes(config: dict, chunk: int, context: int, threads: int) -> int:
     """Peak bytes of one prefill chunk's temporaries for a model `config` (an upper estimate:
-    bench/long_prompt.py measures the real growth)."""
+    bench/engine/long_prompt.py measures the real growth)."""
     L = max(1, min(chunk, context))
     D = int(config.get("hidden_size") or 0)
     H = int(config.get("num_attention_heads") or 1)

@@ -1,7 +1,7 @@
 """Where a short-context decode token's time goes, against the read-bandwidth roof (issue 15,
 item 1). On the default model (SmolLM2 Q4_1) unless --model is given. Benchmark only: no asserts.
 
-    python bench/decode_phases.py [--model DIR] [--activations f32|int8] [--tokens 200] [--rounds 3]
+    python -m bench.engine.decode_phases [--model DIR] [--activations f32|int8] [--tokens 200] [--rounds 3]
 
 Prints, for a token decoded after a ~150-token prompt (--context N for another length):
 - the token's time two ways, interleaved: every layer in one compiled call (the default,
@@ -22,15 +22,13 @@ Prints, for a token decoded after a ~150-token prompt (--context N for another l
 from __future__ import annotations
 
 import argparse
-import statistics
-import sys
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import add_json_arg, interleaved, machine_line, median, write_json
 
 
 def _per_token(fn, n: int) -> float:
@@ -48,9 +46,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--context", type=int, default=150,
                     help="prompt tokens before the timed tokens (150; e.g. 8160 for issue 15's item 2)")
+    add_json_arg(ap)
     a = ap.parse_args()
 
-    from membw import read_bandwidth, read_bandwidth_each
+    from bench.membw import read_bandwidth, read_bandwidth_each
     from numba import get_num_threads
 
     from colibri import Engine
@@ -87,15 +86,12 @@ def main() -> None:
             m._program = program
             cache.length = start
             decode(0)
-        whole, layers = [], []
-        for _ in range(a.rounds):
-            if covered:
-                whole.append(run(None))
-            layers.append(run(False))
+        runs = interleaved([None, False] if covered else [False], a.rounds, run)
+        whole, layers = runs.get(None, []), runs[False]
         if covered:
             m._program = None
             split = [_one_call_split(m, cache, start, a.tokens) for _ in range(a.rounds)]
-            out["split"] = {k: statistics.median(s[k] for s in split) for k in split[0]}
+            out["split"] = {k: median(split, k) for k in split[0]}
         m._program = None
         cache.length = start
         PHASES.start()
@@ -113,6 +109,7 @@ def main() -> None:
     bw = out["bw"]
     weight_bytes = _weight_bytes(m)
     roof = weight_bytes / bw
+    print(machine_line())
     print(f"model {Path(e.container.dir).name}, activations {a.activations}, threads {get_num_threads()}")
     print(f"read bandwidth {bw / 1e9:.1f} GB/s; weights read per token {weight_bytes / 1e6:.1f} MB; "
           f"roof {roof * 1e3:.2f} ms = {1 / roof:.0f} tok/s")
@@ -126,7 +123,7 @@ def main() -> None:
           f"{bw_each / 1e9:.1f} GB/s, {weight_bytes / bw_each * 1e3:.2f} ms")
     print(f"{'decode path':28} {'ms/token':>9} {'tok/s':>7} {'% of roof':>9}   (median of {a.rounds})")
     for name, ts in rows:
-        t = statistics.median(ts)
+        t = median(ts)
         print(f"{name:28} {t * 1e3:9.2f} {1 / t:7.1f} {roof / t:9.0%}")
     if "split" in out:
         sp = dict(out["split"])
@@ -139,6 +136,10 @@ def main() -> None:
     for name, (nbytes, hot, cold) in out["kernels"].items():
         print(f"{name:28} {nbytes / 1e6:6.1f} {hot * 1e3:11.2f} {nbytes / hot / 1e9:6.1f} {cold * 1e3:11.2f} "
               f"{nbytes / cold / 1e9:6.1f}")
+    write_json(a.json, {"model": str(e.container.dir), "read_bandwidth_gbs": bw / 1e9, "weight_bytes": weight_bytes,
+                        "roof_s": roof, **{k: v for k, v in out.items() if k != "kernels"},
+                        "kernels": {k: dict(zip(("bytes", "hot_s", "cold_s"), v)) for k, v in out["kernels"].items()}},
+               args=a)
 
 
 def _one_call_split(m, cache, start: int, n: int) -> dict:
@@ -199,7 +200,7 @@ def _kernels(m, idot) -> dict:
     in cache, seconds streaming every layer's)."""
     from numba import get_num_threads
 
-    from colibri.kernels.cpu import _matvec_int4
+    from colibri.kernels.cpu.matvec import matvec_int4
     from colibri.memory import Slab
 
     nthreads = get_num_threads()
@@ -220,7 +221,7 @@ def _kernels(m, idot) -> dict:
             if int8:
                 idot.matvec_prepared(q, s, o, c, h, ilv, xa, y, nthreads)
             else:
-                _matvec_int4(q, s, o, c, h, cs, ilv, x, y, nthreads)
+                matvec_int4(q, s, o, c, h, cs, ilv, x, y, nthreads)
 
         def hot():
             for _ in ws:

@@ -4,15 +4,15 @@ differ, and the share of tokens identical up to that point. (The KL divergence o
 next-token distribution over a fixed text is `colibri perplexity --activations int8
 --kl-divergence REF`: README, Quality.)
 
-    python bench/int8_fidelity.py [-m MODEL] [--tokens 48]
+    python -m bench.engine.int8_fidelity [-m MODEL] [--tokens 48]
 """
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import machine_line
+
 
 PROMPTS = [
     "What is the capital of France?",
@@ -41,6 +41,7 @@ def main() -> None:
         a.model = default_model_dir(progress=False)
     engines = {m: Engine.load(a.model, activations=m) for m in ("f32", "int8")}
     same_total = first_total = 0
+    print(machine_line())
     print(f"{a.model.name}: {len(PROMPTS)} prompts, {a.tokens} greedy tokens each, exact vs int8 activations")
     for p in PROMPTS:
         out = {m: e.generate(p, max_tokens=a.tokens, temperature=0, stop_at_eos=False).token_ids

@@ -1,7 +1,7 @@
 """Long prompts: peak memory growth and prefill speed by prompt length, one child process per
 length so each peak is that prompt's own.
 
-    python bench/long_prompt.py [-m MODEL_DIR] [--lengths 512,1024,4096,8191] [--limit-mb N] [--json]
+    python -m bench.engine.long_prompt [-m MODEL_DIR] [--lengths 512,1024,4096,8191] [--limit-mb N] [--json]
 
 Each child loads the engine, warms the kernels on a 16-token prompt, records its resident set
 (VmRSS), prefills a prompt of N token ids (seeded random ids from the vocabulary: prefill cost
@@ -16,13 +16,10 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
+from bench.common import add_json_arg, child_env, machine_line, module_command, write_json
 
 
 def _status_kb(field: str) -> int:
@@ -63,19 +60,19 @@ def child(model: str | None, n: int, ram_gb: float | None, chunk: int | None) ->
 
 
 def run_one(a, n: int) -> dict:
-    cmd = [sys.executable, __file__, "--child", str(n)] + (["-m", a.model] if a.model else [])
+    cmd = [*module_command(__spec__.name), "--child", str(n)] + (["-m", a.model] if a.model else [])
     if a.ram_gb:
         cmd += ["--ram-gb", str(a.ram_gb)]
     if a.chunk:
         cmd += ["--chunk", str(a.chunk)]
     if a.limit_mb:
-        from memlimit import run_limited
+        from tools.memlimit import run_limited
 
-        r = run_limited(cmd, a.limit_mb << 20)
+        r = run_limited(cmd, a.limit_mb << 20, env=child_env())
         out, err, rc = r.stdout, r.stderr, r.returncode
         extra = {"group_peak_mb": round(r.max_usage_bytes / 2**20), "oom_killed": r.oom_killed}
     else:
-        p = subprocess.run(cmd, capture_output=True, text=True)
+        p = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
         out, err, rc = p.stdout, p.stderr, p.returncode
         extra = {}
     if rc != 0:
@@ -90,7 +87,7 @@ def main() -> None:
     ap.add_argument("--ram-gb", type=float, default=None)
     ap.add_argument("--chunk", type=int, default=None, help="EngineConfig.prefill_chunk (default: the engine's)")
     ap.add_argument("--limit-mb", type=int, default=None, help="run each child in a memory cgroup of this size")
-    ap.add_argument("--json", action="store_true")
+    add_json_arg(ap)
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child is not None:
@@ -98,8 +95,10 @@ def main() -> None:
         return
     rows = [run_one(a, int(n)) for n in a.lengths.split(",")]
     if a.json:
-        print(json.dumps({"model": a.model or "default", "limit_mb": a.limit_mb, "rows": rows}, indent=1))
-        return
+        write_json(a.json, {"model": a.model or "default", "limit_mb": a.limit_mb, "rows": rows}, args=a)
+        if a.json == "-":
+            return
+    print(machine_line())
     print(f"model {a.model or 'default (SmolLM2-135M Q4_1)'}, threads {os.environ.get('NUMBA_NUM_THREADS', 'default')}"
           + (f", memory cgroup {a.limit_mb} MiB" if a.limit_mb else ""))
     print(f"{'tokens':>7} {'prefill tok/s':>14} {'prefill s':>10} {'base RSS MB':>12} {'peak growth MB':>15} "

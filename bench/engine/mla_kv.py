@@ -3,19 +3,15 @@
 indexer key) for a full-size config, filled to N tokens in a child process, and its resident
 growth read from /proc (VmRSS) beside the array bytes and what expanded per-head K/V would take.
 
-    python bench/mla_kv.py --presets deepseek-v3,glm-5 --contexts 8192,32768
+    python -m bench.engine.mla_kv --presets deepseek-v3,glm-5 --contexts 8192,32768
 """
 from __future__ import annotations
 
 import argparse
 import json
 import subprocess
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tools"))
+from bench.common import add_json_arg, child_env, machine_line, module_command, write_json
 
 
 def rss() -> int:
@@ -26,10 +22,10 @@ def rss() -> int:
 
 
 def child(preset: str, n: int) -> dict:
-    import moe_presets
     import numpy as np
 
     from colibri.models import family
+    from tools import moe_presets
 
     cfg = moe_presets.preset_config(preset)
     args = family(cfg["model_type"]).ModelArgs.from_dict(cfg)
@@ -53,20 +49,26 @@ def main() -> None:
     ap.add_argument("--presets", default="deepseek-v3,glm-5")
     ap.add_argument("--contexts", default="8192,32768")
     ap.add_argument("--child", nargs=2)
+    add_json_arg(ap)
     a = ap.parse_args()
     if a.child:
         print(json.dumps(child(a.child[0], int(a.child[1]))))
         return
+    print(machine_line())
+    rows = []
     print(f"{'model':12} {'context':>8} {'cache GB (RSS growth)':>22} {'bytes/token':>12} {'expanded K/V GB':>16}")
     for preset in a.presets.split(","):
         for n in (int(v) for v in a.contexts.split(",")):
-            p = subprocess.run([sys.executable, __file__, "--child", preset, str(n)], capture_output=True, text=True)
+            p = subprocess.run([*module_command(__spec__.name), "--child", preset, str(n)], capture_output=True,
+                               text=True, env=child_env())
             if p.returncode != 0:
                 print(f"{preset:12} {n:8d} failed: {p.stderr.strip().splitlines()[-1:]}")
                 continue
             r = json.loads(p.stdout)
+            rows.append(r)
             print(f"{preset:12} {n:8d} {r['array_bytes'] / 1e9:10.2f} ({r['rss_growth'] / 1e9:5.2f} measured) "
                   f"{r['bytes_per_token']:12d} {r['expanded_bytes'] / 1e9:16.1f}")
+    write_json(a.json, {"rows": rows}, args=a)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ on the same GGUF when its path is given. Every run: greedy, distinct prompts, th
 tokens per client. With a streamed-experts model, colibri's GB read from disk per generated token
 too (its /metrics). Benchmark only: no asserts.
 
-    python bench/serve_batching.py [--llama-server PATH] [--clients 1,2,4,8] [--tokens 128] [--rounds 3]
-    python bench/serve_batching.py --model /tmp/olmoe --ram-gb 1.5 --no-baseline   # streamed experts
+    python -m bench.engine.serve_batching [--llama-server PATH] [--clients 1,2,4,8] [--tokens 128] [--rounds 3]
+    python -m bench.engine.serve_batching --model /tmp/olmoe --ram-gb 1.5 --no-baseline   # streamed experts
 """
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import json
 import os
 import re
 import socket
-import statistics
 import subprocess
 import sys
 import threading
@@ -24,8 +23,7 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench.common import add_json_arg, child_env, interleaved, machine_line, median, write_json
 
 TOPICS = ["the history of the printing press", "how a steam engine works", "the life cycle of a star",
           "why the sky is blue", "how bees make honey", "the rules of chess", "how vaccines work",
@@ -108,7 +106,7 @@ def measure(url: str, model: str, clients: int, tokens: int) -> dict:
     inside = sum(1 for times in results for t in times if start < t <= end)
     return {"clients": clients, "tokens": n, "wall_s": wall, "aggregate_tok_s": (n - clients) / span if span else 0,
             "steady_tok_s": inside / (end - start) if end > start else 0.0,
-            "gap_p50_ms": 1e3 * statistics.median(gaps), "gap_p99_ms": 1e3 * quantile(gaps, 0.99),
+            "gap_p50_ms": 1e3 * median(gaps), "gap_p99_ms": 1e3 * quantile(gaps, 0.99),
             "ttft_max_s": max(firsts)}
 
 
@@ -133,6 +131,8 @@ def main() -> None:
     ap.add_argument("--ram-gb", default=None, help="colibri's --ram-gb (streams experts when below the model)")
     ap.add_argument("--no-baseline", action="store_true", help="skip colibri --max-batch 1")
     ap.add_argument("--rounds", type=int, default=3, help="runs per client count; the median is kept")
+    ap.add_argument("--logs", type=Path, default=Path("/tmp/serve_batching"), help="servers' logs go here")
+    add_json_arg(ap)
     a = ap.parse_args()
 
     from colibri.default_model import default_gguf, default_model_dir
@@ -141,9 +141,10 @@ def main() -> None:
     gguf = a.gguf or (str(default_gguf()) if a.model is None else None)
     counts = [int(c) for c in a.clients.split(",")]
     top = max(counts)
-    env = {**os.environ, "NUMBA_NUM_THREADS": str(a.threads), "OMP_NUM_THREADS": str(a.threads)}
-    logs = Path("/tmp/serve_batching")
-    logs.mkdir(exist_ok=True)
+    env = child_env({**os.environ, "NUMBA_NUM_THREADS": str(a.threads), "OMP_NUM_THREADS": str(a.threads)})
+    logs = a.logs
+    logs.mkdir(parents=True, exist_ok=True)
+    print(machine_line())
     engines = []
     colibri = [sys.executable, "-m", "colibri.cli", "serve", "--model", model, "--model-id", "m", "--no-persist",
                "--threads", str(a.threads), "--max-tokens", str(a.tokens), "--max-queue", str(top)]
@@ -165,15 +166,18 @@ def main() -> None:
             port = free_port()
             servers.append((name, Server(cmd + ["--port", str(port)], port, env, logs / f"{name.split()[0]}-{port}.log")))
             measure(servers[-1][1].url, "m", 1, 8)  # warm: kernels, caches
-        runs: dict[tuple[str, int], list] = {}
-        for _ in range(a.rounds):
-            for name, srv in servers:
-                for c in counts:
-                    before = expert_bytes(srv.url) if name.startswith("colibri") else None
-                    r = measure(srv.url, "m", c, a.tokens)
-                    after = expert_bytes(srv.url) if before is not None else None
-                    r["gb_per_token"] = (after - before) / r["tokens"] / 1e9 if after is not None else None
-                    runs.setdefault((name, c), []).append(r)
+        urls = dict(servers)
+
+        def once(variant):
+            name, c = variant
+            url = urls[name].url
+            before = expert_bytes(url) if name.startswith("colibri") else None
+            r = measure(url, "m", c, a.tokens)
+            after = expert_bytes(url) if before is not None else None
+            r["gb_per_token"] = (after - before) / r["tokens"] / 1e9 if after is not None else None
+            return r
+
+        runs = interleaved([(name, c) for name, _ in servers for c in counts], a.rounds, once)
     finally:
         for _, srv in servers:
             srv.stop()
@@ -198,12 +202,14 @@ def main() -> None:
         best = max(x["aggregate_tok_s"] for n, x in rows
                    if n.split()[0] == name.split()[0] and x["clients"] == min(counts))
         gb = f"{r['gb_per_token']:8.4f}" if r["gb_per_token"] is not None else f"{'':8}"
-        steady = statistics.median(x["steady_tok_s"] for x in runs[(name, r["clients"])])
-        steady_one = statistics.median(x["steady_tok_s"] for x in runs[(name, min(counts))])
+        steady = median(runs[(name, r["clients"])], "steady_tok_s")
+        steady_one = median(runs[(name, min(counts))], "steady_tok_s")
         # (no window where every client streams: one generation at a time, --max-batch 1)
         steady_cols = f"{steady:13.1f} {steady / steady_one:5.2f}x" if steady and steady_one else f"{'-':>13} {'-':>6}"
         print(f"{name:28} {r['clients']:7} {r['aggregate_tok_s']:9.1f} {r['aggregate_tok_s'] / one['aggregate_tok_s']:9.2f}x "
               f"{r['aggregate_tok_s'] / best:7.2f}x {steady_cols} {r['gap_p50_ms']:10.1f} {r['gap_p99_ms']:10.1f} {gb}")
+    write_json(a.json, {"model": model, "median_runs": [{"engine": n, **r} for n, r in rows],
+                        "runs": [{"engine": n, "clients": c, "rounds": v} for (n, c), v in runs.items()]}, args=a)
 
 
 if __name__ == "__main__":

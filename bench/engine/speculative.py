@@ -3,20 +3,18 @@ acceptance, and (on a model whose experts stream from disk) MB of experts read p
 token. Modes run interleaved (off, ngram, auto, off, ...), each generation from an empty slot;
 the tokens are checked to be identical across modes. Benchmark only: no asserts.
 
-    python bench/speculative.py [--repeats 3] [--tokens 200]                # SmolLM2: edit/repeat and free-form prompts
-    python bench/speculative.py --model /work/medium-moe --ram-gb 0.14      # streamed experts (random ids prompt)
-    python bench/speculative.py --row-cost                                  # ms of one forward_rows pass, 1-9 rows
+    python -m bench.engine.speculative [--repeats 3] [--tokens 200]                # SmolLM2: edit/repeat and free-form prompts
+    python -m bench.engine.speculative --model /work/medium-moe --ram-gb 0.14      # streamed experts (random ids prompt)
+    python -m bench.engine.speculative --row-cost                                  # ms of one forward_rows pass, 1-9 rows
 """
 from __future__ import annotations
 
 import argparse
-import statistics
-import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import add_json_arg, interleaved, machine_line, median, write_json
+
 
 CODE = '''def load_config(path):
     with open(path) as f:
@@ -57,6 +55,7 @@ def main() -> None:
                     help="generate --tokens tokens past the end of the answer (default: stop at it)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--row-cost", action="store_true", help="time DecoderModel.forward_rows with 1-9 rows instead")
+    add_json_arg(ap)
     a = ap.parse_args()
 
     from colibri import Engine
@@ -76,31 +75,38 @@ def main() -> None:
     else:
         prompts = PROMPTS
     modes = ["off", "ngram", "auto"]
+    print(machine_line())
     print(f"model {engine.model_id}; {a.tokens} tokens per generation, {a.draft_tokens} drafts per pass, "
           f"{a.repeats} interleaved repeats, medians")
     print(f"{'prompt':11} {'mode':6} {'decode tok/s':>12} {'x off':>6} {'acceptance':>10} {'MB read/token':>13} {'same tokens':>11}")
+    report = []
     for name, prompt in prompts.items():
-        runs: dict[str, list] = {m: [] for m in modes}
-        for _ in range(a.repeats):
-            for m in modes:
-                for i in range(len(engine.slots)):
-                    engine.reset(i)
-                before = engine.expert_stats
-                g = engine.generate(prompt, max_tokens=a.tokens, stop_at_eos=a.stop_at_eos, speculative=m,
-                                    draft_tokens=a.draft_tokens)
-                after = engine.expert_stats
-                read = (after["bytes_read"] - before["bytes_read"]) / len(g.token_ids) / 1e6 if after else None
-                runs[m].append((g, read))
+        def once(m):
+            for i in range(len(engine.slots)):
+                engine.reset(i)
+            before = engine.expert_stats
+            g = engine.generate(prompt, max_tokens=a.tokens, stop_at_eos=a.stop_at_eos, speculative=m,
+                                draft_tokens=a.draft_tokens)
+            after = engine.expert_stats
+            read = (after["bytes_read"] - before["bytes_read"]) / len(g.token_ids) / 1e6 if after else None
+            return g, read
+
+        runs = interleaved(modes, a.repeats, once)
         ref = runs["off"][0][0].token_ids
-        base = statistics.median(g.decode_tok_s for g, _ in runs["off"])
+        base = median(runs["off"], lambda r: r[0].decode_tok_s)
         for m in modes:
-            tok_s = statistics.median(g.decode_tok_s for g, _ in runs[m])
+            tok_s = median(runs[m], lambda r: r[0].decode_tok_s)
             acc = runs[m][-1][0].speculative
             acc_text = f"{100 * acc['acceptance']:9.0f}%" if acc and acc["drafted"] else f"{'-':>10}"
             reads = [r for _, r in runs[m] if r is not None]
-            read_text = f"{statistics.median(reads):13.2f}" if reads else f"{'-':>13}"
+            read_text = f"{median(reads):13.2f}" if reads else f"{'-':>13}"
             same = all(g.token_ids == ref for g, _ in runs[m])
+            report.append({"prompt": name, "mode": m, "decode_tok_s": tok_s, "vs_off": tok_s / base,
+                           "acceptance": acc["acceptance"] if acc and acc["drafted"] else None,
+                           "mb_read_per_token": median(reads) if reads else None, "same_tokens": same,
+                           "runs_tok_s": [g.decode_tok_s for g, _ in runs[m]]})
             print(f"{name:11} {m:6} {tok_s:12.1f} {tok_s / base:5.2f}x {acc_text} {read_text} {str(same):>11}")
+    write_json(a.json, {"model": engine.model_id, "rows": report}, args=a)
 
 
 def row_cost(engine) -> None:
@@ -120,7 +126,7 @@ def row_cost(engine) -> None:
             t0 = time.perf_counter()
             model.forward_rows([5] * rows, [cache] * rows)
             times.append(time.perf_counter() - t0)
-        t = statistics.median(times)
+        t = median(times)
         one = one or t
         extra = f", each extra row {(t - one) / (rows - 1) / one:.2f} of a step" if rows > 1 else ""
         print(f"{rows} rows: {t * 1e3:6.2f} ms{extra}")

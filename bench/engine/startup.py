@@ -9,19 +9,18 @@ whose balloon reports free pages to the host (virtio-balloon free page reporting
 freed a while ago must be backed by the host again on first touch, which shows as tens of
 seconds of kernel time in the first large run after a pause. Benchmark only: no asserts.
 
-    python bench/startup.py /work/qwen3-30b [--typing 5] [--runs 2] [--tokens 16] [--back-memory 18]
+    python -m bench.engine.startup /work/qwen3-30b [--typing 5] [--runs 2] [--tokens 16] [--back-memory 18]
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.common import add_json_arg, child_env, interleaved, machine_line, write_json
 
 CHILD = """
 import json, sys, threading, time
@@ -71,24 +70,29 @@ def main() -> None:
     ap.add_argument("--back-memory", type=float, default=0.0, metavar="GIB",
                     help="before each run, touch and free this much memory in a child process, so that a VM's "
                          "host backs it again first (the run then meets memory as a bare machine would)")
+    ap.add_argument("--settle", type=float, default=2.0, help="seconds of quiet after dropping the page cache")
+    add_json_arg(ap)
     a = ap.parse_args()
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    rows = []
-    for _ in range(a.runs):
-        for background in (True, False):
-            if a.back_memory > 0:
-                subprocess.run([sys.executable, "-c", BACK, str(int(a.back_memory * (1 << 30)))], check=True, env=env)
-            cold = drop_caches()
-            time.sleep(2)
-            r = subprocess.run([sys.executable, "-c", CHILD, a.model, "1" if background else "0", str(a.typing),
-                                str(a.tokens)], capture_output=True, text=True, env=env, check=True)
-            got = json.loads(r.stdout.strip().splitlines()[-1])
-            mode = "background" if background else "waited for"
-            rows.append((mode, got))
-            print(f"experts {mode:10} ({'cold' if cold else 'warm page cache'}): prompt ready {got['ready_s']:.1f} s, "
-                  f"first token {got['ttft_s']:.1f} s after enter, {got['first_token_from_launch_s']:.1f} s from "
-                  f"launch; every expert in at {got['all_experts_in_s']:.1f} s; CPU user {got['user_s']:.1f} s, "
-                  f"kernel {got['sys_s']:.1f} s", flush=True)
+    env = child_env()
+    print(machine_line())
+
+    def once(background: bool) -> dict:
+        if a.back_memory > 0:
+            subprocess.run([sys.executable, "-c", BACK, str(int(a.back_memory * (1 << 30)))], check=True, env=env)
+        cold = drop_caches()
+        time.sleep(a.settle)
+        r = subprocess.run([sys.executable, "-c", CHILD, a.model, "1" if background else "0", str(a.typing),
+                            str(a.tokens)], capture_output=True, text=True, env=env, check=True)
+        got = json.loads(r.stdout.strip().splitlines()[-1])
+        mode = "background" if background else "waited for"
+        print(f"experts {mode:10} ({'cold' if cold else 'warm page cache'}): prompt ready {got['ready_s']:.1f} s, "
+              f"first token {got['ttft_s']:.1f} s after enter, {got['first_token_from_launch_s']:.1f} s from "
+              f"launch; every expert in at {got['all_experts_in_s']:.1f} s; CPU user {got['user_s']:.1f} s, "
+              f"kernel {got['sys_s']:.1f} s", flush=True)
+        return {"cold": cold, **got}
+
+    runs = interleaved([True, False], a.runs, once)
+    write_json(a.json, {"model": a.model, "background": runs[True], "waited_for": runs[False]}, args=a)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ killed after it. Each row is the median over the repeats, with the range; the "b
 line is the CPU other processes (not the run, not the competitor) used meanwhile, in cores,
 which tells how noisy the machine was.
 
-    python bench/threads.py [--repeats 3] [--tokens 96] [--competitors 0 1 2]
-    python bench/threads.py --setting "threads=2 NUMBA_THREADING_LAYER=workqueue" --setting default
+    python -m bench.engine.threads [--repeats 3] [--tokens 96] [--competitors 0 1 2]
+    python -m bench.engine.threads --setting "threads=2 NUMBA_THREADING_LAYER=workqueue" --setting default
 
 A setting is `default` (Engine.load without threads=) or `threads=N`, optionally followed by
 environment variables for that run (NUMBA_THREADING_LAYER=omp|workqueue|tbb, OMP_WAIT_POLICY=...).
@@ -19,16 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
-import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench.common import add_json_arg, child_env, interleaved, machine_line, median, module_command, write_json
 
 PROMPT = "Write a long story about a fox who learns to read."
 HZ = os.sysconf("SC_CLK_TCK")
@@ -105,7 +101,7 @@ def wait_quiet(limit_s: float) -> float:
 def run_once(spec: str, competitors: int, a) -> dict | None:
     threads, env = parse_setting(spec)
     wait_quiet(a.quiet_wait)
-    cmd = [sys.executable, __file__, "--child", "--tokens", str(a.tokens), "--max-s", str(a.max_s)]
+    cmd = [*module_command(__spec__.name), "--child", "--tokens", str(a.tokens), "--max-s", str(a.max_s)]
     if threads is not None:
         cmd += ["--threads", str(threads)]
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(competitors)]
@@ -113,7 +109,7 @@ def run_once(spec: str, competitors: int, a) -> dict | None:
         time.sleep(0.3 if hogs else 0)  # the competitor is running before the engine starts
         b0, c0, t0 = busy_jiffies(), children_cpu_s(), time.monotonic()
         h0 = sum(proc_jiffies(h.pid) for h in hogs)
-        p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}, timeout=300)
+        p = subprocess.run(cmd, capture_output=True, text=True, env=child_env({**os.environ, **env}), timeout=300)
         hog = sum(proc_jiffies(h.pid) for h in hogs) - h0
         wall = time.monotonic() - t0
         mine = (children_cpu_s() - c0) * HZ
@@ -130,10 +126,7 @@ def run_once(spec: str, competitors: int, a) -> dict | None:
     return r
 
 
-def machine_facts() -> str:
-    import numba
-
-    model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+def cpu_quota() -> str:
     quota = "none"
     for path in ("/sys/fs/cgroup/cpu.max", "/sys/fs/cgroup/cpu/cpu.cfs_quota_us"):
         try:
@@ -141,9 +134,13 @@ def machine_facts() -> str:
             break
         except OSError:
             pass
-    return (f"machine: {model}, {os.cpu_count()} cores, affinity {len(os.sched_getaffinity(0))}, "
-            f"cgroup cpu quota {quota}; {platform.python_implementation()} {platform.python_version()}, "
-            f"numba {numba.__version__} (NUMBA_NUM_THREADS {numba.config.NUMBA_NUM_THREADS}); "
+    return quota
+
+
+def machine_facts() -> str:
+    import numba
+
+    return (f"{machine_line()}\n# cgroup cpu quota {cpu_quota()}; NUMBA_NUM_THREADS {numba.config.NUMBA_NUM_THREADS}; "
             f"load average {os.getloadavg()[0]:.2f} at start")
 
 
@@ -158,6 +155,7 @@ def main() -> None:
                     help="before each run, wait up to this long for the machine to be idle")
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--threads", type=int, default=None)
+    add_json_arg(ap)
     a = ap.parse_args()
     if a.child:
         print(json.dumps(child(a.threads, a.tokens, a.max_s)))
@@ -166,16 +164,16 @@ def main() -> None:
     cores = len(os.sched_getaffinity(0))
     settings = a.setting or [f"threads={n}" for n in sorted({1, cores})] + ["default"]
     print(machine_facts(), flush=True)
-    rows: dict[tuple[str, int], list[dict]] = {(s, c): [] for s in settings for c in a.competitors}
-    for i in range(a.repeats):
-        for c in a.competitors:
-            for s in settings:
-                r = run_once(s, c, a)
-                if r:
-                    rows[s, c].append(r)
-                    print(f"  repeat {i + 1}, {c} busy, {s}: {r['decode_tok_s']:.1f} tok/s "
-                          f"({r['kernel_threads']} threads, {r['layer']}, "
-                          f"background {r['background_cores']:.2f} cores)", flush=True)
+
+    def show(variant, i, r):
+        if r:
+            s, c = variant
+            print(f"  repeat {i + 1}, {c} busy, {s}: {r['decode_tok_s']:.1f} tok/s "
+                  f"({r['kernel_threads']} threads, {r['layer']}, "
+                  f"background {r['background_cores']:.2f} cores)", flush=True)
+
+    rows = interleaved([(s, c) for c in a.competitors for s in settings], a.repeats,
+                       lambda v: run_once(v[0], v[1], a), on_result=show)
     print(f"\ndecode tok/s, SmolLM2-135M-Instruct, greedy, median of {a.repeats} interleaved runs (min-max); "
           "kernel threads used in brackets")
     head = " | ".join(f"{c} busy process{'es' if c != 1 else ''}" for c in a.competitors)
@@ -190,14 +188,16 @@ def main() -> None:
                 continue
             v = [r["decode_tok_s"] for r in rs]
             used = "/".join(str(n) for n in sorted({r["kernel_threads"] for r in rs}))
-            cells.append(f"{statistics.median(v):.1f} ({min(v):.0f}-{max(v):.0f}) [{used}]")
+            cells.append(f"{median(v):.1f} ({min(v):.0f}-{max(v):.0f}) [{used}]")
         print(f"| {s} | {' | '.join(cells)} |")
     layers = sorted({r["layer"] for rs in rows.values() for r in rs})
     print(f"threading layer(s) used: {', '.join(layers)}")
     for c in a.competitors:
         bg = [r["background_cores"] for s in settings for r in rows[s, c]]
         if bg:
-            print(f"background CPU with {c} busy: median {statistics.median(bg):.2f} cores, max {max(bg):.2f}")
+            print(f"background CPU with {c} busy: median {median(bg):.2f} cores, max {max(bg):.2f}")
+    write_json(a.json, {"machine_extra": {"cpu_quota": cpu_quota()},
+                        "runs": [{"setting": s, "competitors": c, "runs": v} for (s, c), v in rows.items()]}, args=a)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 against a cold disk read of the same bytes, and a streamed decode with verification off, on
 (xxh3_64, what containers record) and with crc32 (stdlib), interleaved.
 
-    python -m tools.checksum_bench                                   # checksum speeds only
-    python -m tools.checksum_bench --model /tmp/olmoe --ram-gb 1.5   # + streamed decode A/B/C
+    python -m bench.io.checksums                                   # checksum speeds only
+    python -m bench.io.checksums --model /tmp/olmoe --ram-gb 1.5   # + streamed decode A/B/C
 
 Make the model first: python -m tools.synthetic_moe /tmp/olmoe --preset olmoe-1b-7b.
 Decode reads with O_DIRECT (the page cache never serves a miss), so every miss costs a disk read
@@ -14,16 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import add_json_arg, interleaved, machine_line, median, write_json  # noqa: E402
 from colibri.io.container import CHECKSUMS, MANIFEST, Container, checksum  # noqa: E402
 
 SIZES = {"1.2 MB": 1_200_128, "OLMoE expert 3.5 MB": 3_543_040, "DeepSeek-V3 expert 22 MB": 22_020_096}
@@ -51,7 +48,7 @@ def hash_speeds(repeat_bytes: float = 0.4e9) -> list[dict]:
                 t0 = time.perf_counter()
                 f(bufs[r % 4])
                 times.append(time.perf_counter() - t0)
-            t = statistics.median(times)
+            t = median(times)
             rows.append({"size": label, "bytes": n, "checksum": name, "ms": t * 1e3, "gb_s": n / t / 1e9})
     return rows
 
@@ -137,11 +134,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
+    add_json_arg(ap)
     a = ap.parse_args()
-    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}")
-    for r in hash_speeds():
+    print(machine_line())
+    speeds = hash_speeds()
+    for r in speeds:
         print(f"{r['size']:26s} {r['checksum']:12s} {r['ms']:8.3f} ms/expert {r['gb_s']:6.2f} GB/s")
     if not a.model:
+        write_json(a.json, {"hash_speeds": speeds}, args=a)
         return
     c = Container(a.model)
     layout = next(iter(c.expert_layouts.values()))
@@ -149,16 +149,15 @@ def main() -> None:
     print(f"# disk: O_DIRECT reads of one expert ({layout.blob_bytes / 1e6:.2f} MB): "
           + (f"{disk:.2f} GB/s" if disk else "O_DIRECT refused"))
     twin = crc32_twin(a.model, a.model.with_name(a.model.name + "-crc32"))
-    rows = []
-    for rep in range(a.repeats):  # interleaved: the machine's load moves between runs
-        for variant, model in (("off", a.model), ("xxh3_64", a.model), ("crc32", twin)):
-            row = decode(model, variant, a.ram_gb, a.tokens, a.threads)
-            rows.append(row)
-            print(json.dumps({"repeat": rep, **{k: round(v, 4) if isinstance(v, float) else v
-                                                for k, v in row.items()}}))
-    for variant in ("off", "xxh3_64", "crc32"):
-        tok_s = [r["tok_s"] for r in rows if r["variant"] == variant]
-        print(f"{variant:8s} median {statistics.median(tok_s):6.2f} tok/s  runs {' '.join(f'{t:.2f}' for t in tok_s)}")
+    models = {"off": a.model, "xxh3_64": a.model, "crc32": twin}
+    # interleaved: the machine's load moves between runs
+    runs = interleaved(models, a.repeats, lambda variant: decode(models[variant], variant, a.ram_gb, a.tokens, a.threads),
+                       on_result=lambda variant, rep, row: print(json.dumps(
+                           {"repeat": rep, **{k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}})))
+    for variant, rows in runs.items():
+        tok_s = [r["tok_s"] for r in rows]
+        print(f"{variant:8s} median {median(tok_s):6.2f} tok/s  runs {' '.join(f'{t:.2f}' for t in tok_s)}")
+    write_json(a.json, {"hash_speeds": speeds, "disk_gb_s": disk, "decode": runs}, args=a)
 
 
 if __name__ == "__main__":

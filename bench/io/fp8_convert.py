@@ -1,6 +1,6 @@
 """FP8 conversion at DeepSeek-V3's shapes: peak memory under a cgroup limit, rate, and a decode.
 
-    python bench/fp8_convert.py [--layers 4] [--experts 256] [--vocab 49152] [--limit-mb N]
+    python -m bench.io.fp8_convert [--layers 4] [--experts 256] [--vocab 49152] [--limit-mb N]
                                 [--workdir DIR] [--width-divisor 1] [--no-decode] [--keep] [--json]
 
 1. tools/synthetic_fp8.py writes a synthetic FP8 checkpoint (DeepSeek-V3 names, shapes, dtypes,
@@ -47,12 +47,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
-
-import memlimit  # noqa: E402
-import synthetic_fp8  # noqa: E402
+from bench.common import add_json_arg, child_env, machine_line, write_json
+from tools import memlimit, synthetic_fp8
 
 GB = 1e9
 MiB = 1 << 20
@@ -166,10 +162,10 @@ def run(a) -> dict:
         if why:
             print(f"no memory cgroup ({why}): converting without a limit", file=sys.stderr)
             res["limit_bytes"] = None
-            p = subprocess.run(cmd, capture_output=True, text=True)
+            p = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
             rc, stdout, stderr, group_peak, failcnt, oom = p.returncode, p.stdout, p.stderr, None, None, None
         else:
-            r = memlimit.run_limited(cmd, limit, timeout=4 * 3600)
+            r = memlimit.run_limited(cmd, limit, timeout=4 * 3600, env=child_env())
             rc, stdout, stderr, group_peak, failcnt, oom = (r.returncode, r.stdout, r.stderr, r.max_usage_bytes,
                                                             r.failcnt, r.oom_killed)
         inner = json.loads(stdout.strip().splitlines()[-1]) if stdout.strip() else {}
@@ -184,7 +180,7 @@ def run(a) -> dict:
         if not a.no_decode:
             t = time.perf_counter()
             d = subprocess.run([*colibri_cmd(), "run", "-m", str(out), "-n", "8", "Hello"], capture_output=True,
-                               text=True, timeout=1800)
+                               text=True, timeout=1800, env=child_env())
             res["decode"] = {"rc": d.returncode, "seconds": time.perf_counter() - t, "stdout": d.stdout.strip(),
                              "stderr_tail": d.stderr.strip()[-600:]}
             res["decode_ok"] = d.returncode == 0 and bool(d.stdout.strip())
@@ -232,10 +228,14 @@ def main() -> None:
     ap.add_argument("--no-tokenizer", action="store_true")
     ap.add_argument("--no-decode", action="store_true")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint and the container")
-    ap.add_argument("--json", action="store_true")
+    add_json_arg(ap)
     a = ap.parse_args()
     res = run(a)
-    print(json.dumps(res, indent=1)) if a.json else report(res)
+    if a.json:
+        write_json(a.json, res, args=a)
+    if a.json != "-":
+        print(machine_line())
+        report(res)
     ok = res.get("convert_rc") == 0 and not res.get("oom_killed") and res.get("decode_ok", True)
     sys.exit(0 if ok else 1)
 

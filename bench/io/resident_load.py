@@ -4,19 +4,18 @@ colibri.io.experts.ResidentExperts does now (4 O_DIRECT readers), "serial" what 
 (one buffered reader). Both allocate the same touched arena and verify every checksum.
 Benchmark only: no asserts.
 
-    python bench/resident_load.py /work/qwen3-30b [--runs 4]
+    python -m bench.io.resident_load /work/qwen3-30b [--runs 4]
 """
 from __future__ import annotations
 
 import argparse
 import os
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import child_env, interleaved, machine_line, module_command
 
 
 def child(model: str, mode: str) -> None:
@@ -58,14 +57,17 @@ def main() -> None:
     if a.child:
         child(a.model, a.child)
         return
-    for i in range(a.runs):
-        for mode in ("parallel", "serial") if i % 2 == 0 else ("serial", "parallel"):
-            subprocess.run(["sync"])
-            try:
-                Path("/proc/sys/vm/drop_caches").write_text("3\n")
-            except OSError:
-                pass
-            subprocess.run([sys.executable, __file__, a.model, "--child", mode], check=True)
+    print(machine_line())
+
+    def once(mode):  # the child prints its own row
+        subprocess.run(["sync"])
+        try:
+            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        except OSError:
+            pass
+        subprocess.run([*module_command(__spec__.name), a.model, "--child", mode], check=True, env=child_env())
+
+    interleaved(["parallel", "serial"], a.runs, once, alternate=True)
 
 
 if __name__ == "__main__":

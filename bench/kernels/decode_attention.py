@@ -8,20 +8,19 @@ HEAD~1:colibri/kernels/ops.py > /tmp/ops_before.py`) in the same process, the tw
 repeat by repeat, each first in turn, and says whether their outputs are the same bits: this
 machine's speed drifts too much between processes for a before/after of a few percent.
 
-    python bench/decode_attention.py [--contexts 1024,4096,8192] [--heads 9 --kv-heads 3 --head-dim 64 --layers 30]
+    python -m bench.kernels.decode_attention [--contexts 1024,4096,8192] [--heads 9 --kv-heads 3 --head-dim 64 --layers 30]
                                      [--kv-cache f32,f16] [--small-pages] [--baseline FILE]
 """
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 import types
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import interleaved, machine_line
 
 
 def main() -> None:
@@ -67,18 +66,22 @@ def main() -> None:
         source = Path(a.baseline).read_text().replace("cache=True", "cache=False")
         exec(compile(source, a.baseline, "exec"), baseline.__dict__)
         kernels["baseline"] = baseline
+    print(machine_line())
     print(f"{a.heads} heads over {a.kv_heads} KV heads of {a.head_dim}, {a.layers} layers; best of {a.repeats}")
     print(f"{'kernel':>8} {'cache':>5} {'context':>7} {'ms/token':>9} {'K+V GB/s':>9}")
     for kind, n in [(kind, n) for kind in a.kv_cache.split(",") for n in lengths]:
         k, v = caches[kind]
         outs = {name: mod.attend_one(q, k[0], v[0], n, scale) for name, mod in kernels.items()}
-        best = dict.fromkeys(kernels, float("inf"))
-        for rep in range(a.repeats):
-            for name, mod in (kernels.items() if rep % 2 == 0 else reversed(kernels.items())):  # either goes first
-                t0 = time.perf_counter()
-                for layer in range(a.layers):
-                    mod.attend_one(q, k[layer], v[layer], n, scale)
-                best[name] = min(best[name], time.perf_counter() - t0)
+
+        def once(name):
+            mod = kernels[name]
+            t0 = time.perf_counter()
+            for layer in range(a.layers):
+                mod.attend_one(q, k[layer], v[layer], n, scale)
+            return time.perf_counter() - t0
+
+        # alternated: either goes first in turn
+        best = {name: min(ts) for name, ts in interleaved(kernels, a.repeats, once, alternate=True).items()}
         read = a.layers * a.kv_heads * n * a.head_dim * k[0].itemsize * 2
         for name in kernels:
             print(f"{name:>8} {kind:>5} {n:7} {best[name] * 1e3:9.2f} {read / best[name] / 1e9:9.1f}")

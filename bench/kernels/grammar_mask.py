@@ -34,8 +34,8 @@ stay canonical (llguidance refuses, at forced text, a token that encoding would 
 The pick: an engine that imports torch is out (torch is a test-only dependency of colibri);
 among the rest, the most schemas compiled + enforced, then the lower worst p99 at 150k.
 
-    python bench/grammar_mask.py                  # both engines, both vocabularies (~30 s)
-    python bench/grammar_mask.py --engines llguidance --steps 500
+    python -m bench.kernels.grammar_mask                  # both engines, both vocabularies (~30 s)
+    python -m bench.kernels.grammar_mask --engines llguidance --steps 500
 """
 from __future__ import annotations
 
@@ -53,10 +53,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common import add_json_arg, machine_line, write_json
 from colibri.io.gguf_import import bytes_to_unicode  # the byte-level BPE alphabet
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 EXT_VOCAB = 150_000
 
@@ -430,7 +428,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", default="llguidance,xgrammar")
     ap.add_argument("--steps", type=int, default=1000, help="at most this many tokens walked per document")
+    add_json_arg(ap)
     args = ap.parse_args()
+    print(machine_line())
     engines = [e for e in args.engines.split(",") if e]
     classes = {"llguidance": LLG, "xgrammar": XGR}
     import importlib.util
@@ -515,6 +515,9 @@ def main() -> None:
               f"{', '.join(e for e in engines if torch_free[e]) or 'none'}; compiled + enforced: "
               f"{', '.join(f'{e} {cov[e][0]} + {cov[e][2]}' for e in engines)})")
     print(f"total {time.perf_counter() - t_all:.0f}s")
+    write_json(args.json, {"per_schema": [{"vocab": label, "engine": e, "rows": rows} for (label, e), rows in summary.items()],
+                           "coverage": {e: dict(zip(("compiled", "accepted", "enforced"), v)) for e, v in cov.items()},
+                           "torch_free": torch_free}, args=args)
 
 
 if __name__ == "__main__":

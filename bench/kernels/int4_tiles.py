@@ -1,41 +1,50 @@
-"""The int4 decode tiles alone (colibri.kernels.cpu._int4_rows8, what every int4 matvec of a
-token runs), against other copies of cpu.py in the same process: GB/s of weights (q, scales
+"""The int4 decode tiles alone (colibri.kernels.cpu.matvec.int4_rows8, what every int4 matvec
+of a token runs), against other copies of the colibri/kernels/cpu/ package in the same process: GB/s of weights (q, scales
 and mins) over one interleaved matrix, from the CPU caches (a few MB) or streamed from memory
 (hundreds of MB), 2 threads in one parallel region, so no per-call cost is in the figure.
 Benchmark only: no asserts.
 
-    git show HEAD~1:colibri/kernels/cpu.py > /tmp/cpu_before.py
-    python bench/int4_tiles.py --versions /tmp/cpu_before.py [--shapes 576:4,1536:4,576:400]
+    mkdir /tmp/before && git archive HEAD~1 colibri/kernels/cpu | tar -x -C /tmp/before
+    python -m bench.kernels.int4_tiles --versions /tmp/before/colibri/kernels/cpu [--shapes 576:4,1536:4,576:400]
 
 Each --shapes item is INPUTS:MB (SmolLM2's rows have 576 and 1536 inputs; 4 MB stays in the
 L3, 400 MB does not). The copies run alternately, each first in turn (the second of two runs
-was up to ~10% faster on this VM), and their outputs are compared bit for bit: a change that
+was up to ~10% faster), and their outputs are compared bit for bit: a change that
 only reorders work must print "same bits". Medians and best of --repeats runs.
 """
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-import types
 from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench.common import REPO, machine_line, median
+from bench.common import interleaved as interleaved_runs  # (colibri.formats.qtensor has an `interleaved` too)
 
 
 def load(path: Path, name: str):
-    """A copy of cpu.py as its own module (compiled here, not cached), with a 2-thread runner of
-    its 8-row tiles over a whole matrix."""
+    """A copy of the cpu/ package at `path` as its own package (compiled here, not cached), with
+    a 2-thread runner of its 8-row tiles over a whole matrix."""
+    import importlib
+    import importlib.util
+    import shutil
+    import sys
+    import tempfile
+
     from numba import njit, prange
 
-    module = types.ModuleType(name)
-    source = path.read_text().replace("cache=True", "cache=False").replace(
-        "from .quant import", "from colibri.kernels.quant import")
-    exec(compile(source, str(path), "exec"), module.__dict__)
-    rows8 = module._int4_rows8
+    copy = Path(tempfile.mkdtemp(prefix=f"{name}-")) / "cpu"
+    shutil.copytree(path, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    for f in copy.glob("*.py"):
+        f.write_text(f.read_text().replace("cache=True", "cache=False"))
+    spec = importlib.util.spec_from_file_location(name, copy / "__init__.py", submodule_search_locations=[str(copy)])
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[name] = package
+    spec.loader.exec_module(package)
+    module = importlib.import_module(f"{name}.matvec")
+    rows8 = module.int4_rows8
 
     @njit(parallel=True, cache=False)
     def run(q, scales, offs, coef, half, cshift, ilv, xp, xs, y):
@@ -54,19 +63,20 @@ def load(path: Path, name: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--versions", default="", help="other copies of colibri/kernels/cpu.py, comma-separated")
+    ap.add_argument("--versions", default="", help="other copies of the colibri/kernels/cpu/ package (directories), comma-separated")
     ap.add_argument("--shapes", default="576:4,1536:4,576:400,1536:400", help="INPUTS:MB, comma-separated")
     ap.add_argument("--scheme", default="q4_1", choices=["q4_1", "q4_0", "int4_g64"])
     ap.add_argument("--repeats", type=int, default=12)
     a = ap.parse_args()
 
     from colibri.kernels import quantize
-    from colibri.kernels.quant import interleaved
+    from colibri.formats.qtensor import interleaved
 
-    paths = [REPO / "colibri" / "kernels" / "cpu.py"] + [Path(p) for p in a.versions.split(",") if p]
+    paths = [REPO / "colibri" / "kernels" / "cpu"] + [Path(p) for p in a.versions.split(",") if p]
     names = ["this"] + [p.name for p in paths[1:]]
     modules = [load(p, f"cpu_copy{i}") for i, p in enumerate(paths)]
     rng = np.random.default_rng(0)
+    print(machine_line())
     print(f"{a.scheme}, 2 threads, {a.repeats} alternated runs: median (best) GB/s of q, scales and mins")
     for item in a.shapes.split(","):
         cols, mb = (int(v) for v in item.split(":"))
@@ -79,18 +89,19 @@ def main() -> None:
         x = rng.standard_normal(cols).astype(np.float32)
         nbytes = t.nbytes
         args = [m.int4_weight(t) for m in modules]
-        prepared = [(m._prepare_x(x, arg[4]), m._group_sums(x, 2 * arg[4])) for m, arg in zip(modules, args)]
-        rates: list[list[float]] = [[] for _ in modules]
+        prepared = [(m.prepare_x(x, arg[4]), m.group_sums(x, 2 * arg[4])) for m, arg in zip(modules, args)]
         outs: list[np.ndarray] = [np.zeros(rows, np.float32) for _ in modules]
-        for rep in range(a.repeats):
-            order = range(len(modules)) if rep % 2 == 0 else reversed(range(len(modules)))
-            for i in order:
-                modules[i].run(*args[i], *prepared[i], outs[i])  # compiled, and the matrix touched
-                t0 = time.perf_counter()
-                modules[i].run(*args[i], *prepared[i], outs[i])
-                rates[i].append(nbytes / (time.perf_counter() - t0) / 1e9)
+
+        def once(i):
+            modules[i].run(*args[i], *prepared[i], outs[i])  # compiled, and the matrix touched
+            t0 = time.perf_counter()
+            modules[i].run(*args[i], *prepared[i], outs[i])
+            return nbytes / (time.perf_counter() - t0) / 1e9
+
+        runs = interleaved_runs(range(len(modules)), a.repeats, once, alternate=True)
+        rates = [runs[i] for i in range(len(modules))]
         same = all(np.array_equal(outs[0], o) for o in outs[1:])
-        cells = "  ".join(f"{n} {np.median(r):5.1f} ({max(r):5.1f})" for n, r in zip(names, rates))
+        cells = "  ".join(f"{n} {median(r):5.1f} ({max(r):5.1f})" for n, r in zip(names, rates))
         bits = "" if len(modules) == 1 else ("  same bits" if same else "  outputs DIFFER")
         print(f"{rows:>8} x {cols:<5} {nbytes / 1e6:5.0f} MB  {cells}{bits}")
 

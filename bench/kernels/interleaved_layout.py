@@ -1,9 +1,9 @@
 """Does a block-interleaved int4 layout stream faster than row-major rows? (issue 15, item 1).
-Benchmark only. The measurement that led to colibri's interleaved rows (kernels/quant.py,
+Benchmark only. The measurement that led to colibri's interleaved rows (formats/qtensor.py,
 Layout). Three layouts: row-major; q and scales interleaved; q only, scales row-major, which
 is what colibri does (README, Measured, fifth session).
 
-    python bench/interleaved_layout.py [--repeats 10]
+    python -m bench.kernels.interleaved_layout [--repeats 10]
 
 Row-major int4 matrices: a row's bytes, then the next row's, and the scales in a separate
 [rows, groups] array. The decode kernels read W rows at a time (8, or 2 for rows of
@@ -23,7 +23,6 @@ of 64, no offset term, whole blocks only): enough to time the reads.
 from __future__ import annotations
 
 import argparse
-import statistics
 import threading
 import time
 
@@ -33,7 +32,9 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from colibri.kernels import cpu
+from bench.common import interleaved, machine_line, median
+from colibri.kernels.cpu.codegen import hsum
+from colibri.kernels.cpu.matvec import prepare_x
 
 _F32, _I64, _I8, _I32 = ir.FloatType(), ir.IntType(64), ir.IntType(8), ir.IntType(32)
 _V16F, _V16I = ir.VectorType(_F32, 16), ir.VectorType(_I32, 16)
@@ -55,7 +56,7 @@ LAYOUTS = {"row-major": (False, False), "interleaved": (True, True), "q only": (
 def make_tile(W: int, q_inter: bool, s_inter: bool):
     """An intrinsic (q, scales, r, rn, xp, out): out[0:W] = rows r..r+W-1 of q (int4_g64
     nibbles, row-major or interleaved in blocks of W rows) times x prepared by
-    cpu._prepare_x; the same data of rows rn.. prefetched."""
+    cpu.matvec.prepare_x; the same data of rows rn.. prefetched."""
     def tile(typingctx, q, scales, r, rn, xp, out):
         sig = types.void(q, scales, types.intp, types.intp, xp, out)
 
@@ -112,7 +113,7 @@ def make_tile(W: int, q_inter: bool, s_inter: bool):
                         t = builder.call(fma, [ns[k], xs[k], t])
                     builder.store(builder.call(fma, [t, scale, builder.load(accs[j])]), accs[j])
             for j in range(W):
-                builder.store(cpu._hsum(builder, builder.load(accs[j])), builder.gep(ob, [_i64(j)]))
+                builder.store(hsum(builder, builder.load(accs[j])), builder.gep(ob, [_i64(j)]))
             return context.get_dummy_value()
         return sig, codegen
     tile.__name__ = tile.__qualname__ = f"_tile{W}_{int(q_inter)}{int(s_inter)}"
@@ -152,13 +153,15 @@ def interleave(q, scales, W: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=10, help="passes per layout, alternated")
+    ap.add_argument("--smoke", action="store_true", help="two matrices per shape (in the caches): checks the script")
     a = ap.parse_args()
-    th = threading.Thread(target=work, args=(a.repeats,))  # off the main thread, as the engine runs kernels
+    print(machine_line())
+    th = threading.Thread(target=work, args=(a.repeats, a.smoke))  # off the main thread, as the engine runs kernels
     th.start()
     th.join()
 
 
-def work(repeats: int) -> None:
+def work(repeats: int, smoke: bool = False) -> None:
     rng = np.random.default_rng(0)
 
     def matrix(rows, n):
@@ -173,27 +176,29 @@ def work(repeats: int) -> None:
     for W in (8, 2):
         matvecs = {name: make_matvec(W, *LAYOUTS[name]) for name in LAYOUTS}
         q, s = matrix(64, 2048)
-        xp = cpu._prepare_x(rng.standard_normal(2048).astype(np.float32), 32)
+        xp = prepare_x(rng.standard_normal(2048).astype(np.float32), 32)
         ys = {name: np.empty(64, np.float32) for name in LAYOUTS}
         for name in LAYOUTS:
             matvecs[name](*laid_out(q, s, W, name), xp, ys[name], 2)
             assert np.array_equal(ys[name], ys["row-major"]), "every layout must give the same bits"
         for n, rows, count in ((2048, 3072, 120), (768, 4096, 200)):  # ~0.4 GB each: past the caches
+            count = 2 if smoke else count
             plain = [matrix(rows, n) for _ in range(count)]
             mats = {name: [laid_out(q, s, W, name) for q, s in plain] for name in LAYOUTS}
             del plain
-            xp = cpu._prepare_x(rng.standard_normal(n).astype(np.float32), 32)
+            xp = prepare_x(rng.standard_normal(n).astype(np.float32), 32)
             y = np.empty(rows, np.float32)
             nbytes = sum(q.nbytes + s.nbytes for q, s in mats["row-major"])
-            gbs = {name: [] for name in LAYOUTS}
-            for rnd in range(repeats):
-                for name in (list(LAYOUTS) if rnd % 2 else list(LAYOUTS)[::-1]):
-                    t0 = time.perf_counter()
-                    for q, s in mats[name]:
-                        matvecs[name](q, s, xp, y, 2)
-                    gbs[name].append(nbytes / (time.perf_counter() - t0) / 1e9)
+
+            def once(name):
+                t0 = time.perf_counter()
+                for q, s in mats[name]:
+                    matvecs[name](q, s, xp, y, 2)
+                return nbytes / (time.perf_counter() - t0) / 1e9
+
+            gbs = interleaved(list(LAYOUTS)[::-1], repeats, once, alternate=True)  # last first, then in order
             print(f"W={W} {n:5d} inputs ({n // 2:4d} B rows), {nbytes / 1e9:.2f} GB from DRAM, 2 threads: "
-                  + "  ".join(f"{name} {statistics.median(gbs[name]):5.1f}" for name in LAYOUTS) + " GB/s")
+                  + "  ".join(f"{name} {median(gbs[name]):5.1f}" for name in LAYOUTS) + " GB/s")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 (median of 20 calls after warm-up; bytes = QTensor.nbytes) and as a share of the memory read
 bandwidth measured in the same run (bench/membw.py), plus prefill matmul GFLOP/s.
 
-    python bench/kernels_quick.py --shapes 7168x2048,2048x7168,6144x2048,2048x768 --schemes int4_g64
+    python -m bench.kernels.kernels_quick --shapes 7168x2048,2048x7168,6144x2048,2048x768 --schemes int4_g64
 
 measures the shapes frontier MoE decode runs (rows x inputs: DeepSeek-V3's expert gate/up and
 down, GLM-5's gate/up, Qwen3-30B's gate/up), each cycling through enough distinct copies
@@ -23,7 +23,8 @@ import numba
 import numpy as np
 
 from colibri.kernels import SCHEMES, QTensor, matmul, matvec, quantize
-from membw import read_bandwidth  # bench/membw.py, beside this script
+from bench.common import machine_line
+from bench.membw import read_bandwidth
 
 
 def median_seconds(fn, calls: int) -> float:
@@ -47,6 +48,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="", help="ROWSxCOLS,... instead of --n x --n (copies past the L3)")
     ap.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated schemes")
     args = ap.parse_args()
+    print(machine_line())
     if args.shapes:
         shapes_main(args)
         return

@@ -1,12 +1,12 @@
 """The fused routed-experts kernel alone (colibri/kernels/moe.py), one MoE layer's top-8 call, at
 a container's real expert shapes: is it bound by its arithmetic or by its reads? Benchmark only.
 
-    python bench/moe_kernel.py --model /work/qwen3-30b [--layers 6] [--calls 60]
+    python -m bench.kernels.moe_kernel --model /work/qwen3-30b [--layers 6] [--calls 60]
 
 The experts are random bytes in the container's blob layout (scales set to 0.01), `--layers`
 layers of all experts in RAM. "hot": the same 8 experts called again and again (Qwen3-30B-A3B:
 8 x 2.25 MB, inside the L3 cache), which is the arithmetic's speed; "cold": a new layer and new
-experts each call, read from DRAM, as decode reads them. Both layouts (kernels/quant.py,
+experts each call, read from DRAM, as decode reads them. Both layouts (formats/qtensor.py,
 Layout), exact and int8 activations; medians, 2 threads, from one thread that is not the main one.
 """
 from __future__ import annotations
@@ -26,6 +26,9 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=60)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
+    from bench.common import machine_line
+
+    print(machine_line())
     th = threading.Thread(target=run, args=(a,))
     th.start()
     th.join()

@@ -3,18 +3,17 @@ and dequantize-a-tile + BLAS sgemm, at the shapes a prefill chunk runs, in GFLOP
 call). Picks colibri.kernels.gemm.BLAS_MIN_ROWS: the smallest L where BLAS wins.
 Benchmark only: no asserts.
 
-    python bench/prefill_gemm.py [--threads 2] [--scheme q4_1] [--rows 4,8,16,32,64,512]
+    python -m bench.kernels.prefill_gemm [--threads 2] [--scheme q4_1] [--rows 4,8,16,32,64,512]
 """
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import machine_line
+
 
 # (out, in): SmolLM2's q/k/v/o, gate/up, down and an OLMoE-shaped expert's projections.
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (1024, 2048), (2048, 1024)]
@@ -46,6 +45,7 @@ def main() -> None:
     numba.set_num_threads(a.threads)
     threadpool_limits(1)  # as the engine runs: one BLAS thread per call, Python threads over tiles
     rng = np.random.default_rng(0)
+    print(machine_line())
     print(f"scheme {a.scheme}, {a.threads} threads; GFLOP/s, best of {a.repeats}; BLAS_MIN_ROWS = {gemm.BLAS_MIN_ROWS}")
     print(f"{'out x in':>11} {'L':>4} {'numba':>7} {'BLAS':>7} {'BLAS/numba':>10}")
     for shape in SHAPES:

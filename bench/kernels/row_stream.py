@@ -1,8 +1,8 @@
 """How fast the quantized row kernels read weights from DRAM, eight rows at a time against two
-(colibri/kernels/cpu.py, PAIR_ROW_BYTES; colibri/kernels/idot.py, rows8). Benchmark only: no
+(colibri/kernels/cpu/, PAIR_ROW_BYTES; colibri/kernels/idot.py, rows8). Benchmark only: no
 asserts.
 
-    python bench/row_stream.py [--scheme int4_g64|q8_0|int4-int8] [--layout rows|interleaved]
+    python -m bench.kernels.row_stream [--scheme int4_g64|q8_0|int4-int8] [--layout rows|interleaved]
                                [--shapes 2048,576,768,4096] [--gib 0.8] [--rows-per-call 6144]
 
 For each input width, a matrix of random bytes (about --gib GiB, far past the caches), read
@@ -14,7 +14,7 @@ were all the same bytes read ~30% faster here.
 
 --scheme int4-int8: int4 weights times int8 activations (`--activations int8`, idot.py).
 --layout interleaved: each order on the layout that makes it one stream per thread (rows
-interleaved in blocks of 8 for eight at a time, of 2 for two: kernels/quant.py, Layout), as
+interleaved in blocks of 8 for eight at a time, of 2 for two: formats/qtensor.py, Layout), as
 the engine lays matrices out; rows (the default): row-major, as stored.
 """
 from __future__ import annotations
@@ -26,11 +26,13 @@ import time
 import numpy as np
 from numba import njit, prange
 
-from colibri.kernels import cpu, idot
+from bench.common import interleaved, machine_line
+from colibri.kernels import idot
+from colibri.kernels.cpu.codegen import int4_dot2, int4_dot8, q8_dot2, q8_dot8
+from colibri.kernels.cpu.matvec import prepare_x
 from colibri.memory import huge_pages
 
 
-_q8_dot2 = cpu._q8_dot2
 
 
 @njit(parallel=True)
@@ -44,9 +46,9 @@ def _matvec_q8(q, s, x, y, pairs, ilv):
             rn = r + 8 if r + 16 <= out else r
             if pairs:
                 for p in range(0, 8, 2):
-                    _q8_dot2(q, s, r + p, r + p + 2 if p < 6 else rn, x, 32, 1, ilv, y, r + p)
+                    q8_dot2(q, s, r + p, r + p + 2 if p < 6 else rn, x, 32, 1, ilv, y, r + p)
             else:
-                cpu._q8_dot8(q, s, r, rn, x, 32, 1, ilv, y, r)
+                q8_dot8(q, s, r, rn, x, 32, 1, ilv, y, r)
 
 
 @njit(parallel=True)
@@ -61,9 +63,9 @@ def _matvec(q, s, xp, y, pairs, ilv):
             rn = r + 8 if r + 16 <= out else r
             if pairs:
                 for p in range(0, 8, 2):
-                    cpu._int4_dot2(q, s, s, r + p, r + p + 2 if p < 6 else rn, xp, 32, 1, ilv, d, p)
+                    int4_dot2(q, s, s, r + p, r + p + 2 if p < 6 else rn, xp, 32, 1, ilv, d, p)
             else:
-                cpu._int4_dot8(q, s, s, r, rn, xp, 32, 1, ilv, d, 0)
+                int4_dot8(q, s, s, r, rn, xp, 32, 1, ilv, d, 0)
             for j in range(8):
                 y[r + j] = d[j]
 
@@ -109,6 +111,7 @@ def main() -> None:
     flush = huge_pages(1 << 30)
     flush[:] = 1
     int4 = args.scheme != "q8_0"
+    print(machine_line())
     print(f"{args.scheme}, {args.layout} layout, from DRAM, 2 threads: GB/s of weights + scales "
           f"(median of 5, alternated)")
 
@@ -128,18 +131,19 @@ def main() -> None:
         if args.scheme == "int4-int8":
             xp, matvec = idot.quantize(x, 32), _matvec_int8
         else:
-            xp, matvec = (cpu._prepare_x(x, 32), _matvec) if int4 else (x, _matvec_q8)
+            xp, matvec = (prepare_x(x, 32), _matvec) if int4 else (x, _matvec_q8)
         y = np.empty(rows, np.float32)
-        times = {False: [], True: []}
         for pairs in (False, True):
             matvec(q[:chunk], s[:chunk], xp, y[:chunk], pairs, width(pairs))
-        for _ in range(5):
-            for pairs in (False, True):
-                _flush(flush)
-                t0 = time.perf_counter()
-                for r0 in range(0, rows, chunk):
-                    matvec(q[r0:r0 + chunk], s[r0:r0 + chunk], xp, y[r0:r0 + chunk], pairs, width(pairs))
-                times[pairs].append(time.perf_counter() - t0)
+
+        def timed(pairs):
+            _flush(flush)
+            t0 = time.perf_counter()
+            for r0 in range(0, rows, chunk):
+                matvec(q[r0:r0 + chunk], s[r0:r0 + chunk], xp, y[r0:r0 + chunk], pairs, width(pairs))
+            return time.perf_counter() - t0
+
+        times = interleaved([False, True], 5, timed)
         nbytes = q.nbytes + s.nbytes
         eight, two = (nbytes / np.median(times[p]) / 1e9 for p in (False, True))
         print(f"{cols:5d} inputs ({row_bytes:4d}-byte rows), {nbytes / 2**30:.2f} GiB: eight rows at a time "

@@ -5,7 +5,7 @@ and the decode roof (weight bytes read per token / memory read bandwidth measure
 Prefill is each process's second run of the long prompt; its first, with the first-use costs
 in it, is printed beside it. Benchmark only: no asserts.
 
-    python bench/decode_vs_peers.py --llama-python /work/peer-venv/bin/python [--repeats 3]
+    python -m bench.peers.decode_vs_peers --llama-python /work/peer-venv/bin/python [--repeats 3]
 
 With --contexts (e.g. 1024,4096,8160) it measures decode after long contexts instead: each engine
 prefills one long text up to each length in turn (the later lengths extend the earlier context)
@@ -17,14 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench.common import add_json_arg, child_env, interleaved, machine_line, median, module_command, write_json
 
 SHORT = "What is the capital of France?"
 
@@ -50,7 +48,7 @@ def rss() -> int:
 def child_colibri(a) -> dict:
     from colibri import Engine
 
-    e = Engine.load(a.container, activations=_activations(a), kv_cache=_kv_cache(a), weight_layout=_layout(a))
+    e = Engine.load(a.container, activations=checked_x(a), kv_cache=_kv_cache(a), weight_layout=_layout(a))
     g = e.generate(SHORT, max_tokens=1)
     first = time.time()
     # One decode step outside the timing: a cached start loads the decode kernels from numba's
@@ -72,7 +70,7 @@ def child_colibri(a) -> dict:
             "decode_tok_s": g.decode_tok_s, "tokens": g.token_ids, "peak_rss": rss()}
 
 
-def _activations(a) -> str:
+def checked_x(a) -> str:
     return "int8" if a.child == "colibri-int8" else "f32"
 
 
@@ -101,7 +99,7 @@ def child_colibri_contexts(a) -> dict:
     from colibri.kernels import ops
 
     lengths = [int(x) for x in a.contexts.split(",")]
-    e = Engine.load(a.container, max_context=max(lengths) + a.tokens, activations=_activations(a),
+    e = Engine.load(a.container, max_context=max(lengths) + a.tokens, activations=checked_x(a),
                     kv_cache=_kv_cache(a), weight_layout=_layout(a))
     ids = context_ids(lambda t: e.tokenizer.encode(t, add_special_tokens=False), max(lengths))
     e.generate(SHORT, max_tokens=3, stop_at_eos=False)  # kernels compiled (or loaded) outside the timing
@@ -250,6 +248,7 @@ def main() -> None:
     ap.add_argument("--baseline-tree", metavar="DIR",
                     help="also colibri from another checkout (e.g. `git worktree add /tmp/base HEAD~1`), run "
                          "by that tree's copy of this script, as colibri-base: an A/B of two versions in one run")
+    add_json_arg(ap)
     ap.add_argument("--child", choices=["colibri", "colibri-int8", "colibri-f16kv", "colibri-rows", "llama",
                                         "transformers"])
     a = ap.parse_args()
@@ -273,10 +272,11 @@ def main() -> None:
     embed = c.manifest["tensors"].get("model.embed_tokens.weight", {})
     # Per token every matrix is read once; the tied embedding is read whole as lm_head.
     bytes_per_token = c.dense_bytes
-    from membw import read_bandwidth  # bench/membw.py, beside this script
+    from bench.membw import read_bandwidth
 
+    print(machine_line())
     bw = read_bandwidth(a.threads)
-    env = {**os.environ, "NUMBA_NUM_THREADS": str(a.threads), "OMP_NUM_THREADS": str(a.threads)}
+    env = child_env({**os.environ, "NUMBA_NUM_THREADS": str(a.threads), "OMP_NUM_THREADS": str(a.threads)})
     engines = [("colibri", sys.executable)]
     if a.baseline_tree:
         engines.append(("colibri-base", sys.executable))
@@ -290,30 +290,38 @@ def main() -> None:
         engines.append(("llama", a.llama_python))
     if not a.no_transformers and not a.contexts:
         engines.append(("transformers", sys.executable))
-    results: dict[str, list[dict]] = {n: [] for n, _ in engines}
     common = ["--gguf", a.gguf, "--container", a.container, "--threads", str(a.threads), "--tokens", str(a.tokens),
               "--prompt-words", str(a.prompt_words)]
     if a.contexts:
         common += ["--contexts", a.contexts]
-    for _ in range(a.repeats):
-        for name, py in engines:
-            t_spawn = time.time()
-            script, child = __file__, name
-            if name == "colibri-base":  # the other tree's script imports that tree's colibri
-                script, child = str(Path(a.baseline_tree) / "bench" / Path(__file__).name), "colibri"
-            p = subprocess.run([py, script, "--child", child, *common], capture_output=True, text=True, env=env)
-            if p.returncode != 0:
-                print(f"{name} failed: {p.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
-                continue
-            r = json.loads(p.stdout.strip().splitlines()[-1])
-            if "first_token_unix" in r:
-                r["cold_start_s"] = r["first_token_unix"] - t_spawn
-            results[name].append(r)
+
+    def once(engine):
+        name, py = engine
+        t_spawn = time.time()
+        cmd, child_env_ = [*module_command(__spec__.name, py), "--child", name], env
+        if name == "colibri-base":  # the other tree's script imports that tree's colibri
+            base = Path(a.baseline_tree)
+            if (base / "bench" / "peers" / "decode_vs_peers.py").exists():
+                cmd, child_env_ = [py, "-m", "bench.peers.decode_vs_peers", "--child", "colibri"], {
+                    **env, "PYTHONPATH": str(base.resolve())}
+            else:  # a tree from before bench/ was grouped
+                cmd = [py, str(base / "bench" / "decode_vs_peers.py"), "--child", "colibri"]
+        p = subprocess.run([*cmd, *common], capture_output=True, text=True, env=child_env_)
+        if p.returncode != 0:
+            print(f"{name} failed: {p.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+            return None
+        r = json.loads(p.stdout.strip().splitlines()[-1])
+        if "first_token_unix" in r:
+            r["cold_start_s"] = r["first_token_unix"] - t_spawn
+        return r
+
+    results = {name: rs for (name, _), rs in interleaved(engines, a.repeats, once).items()}
 
     def med(name, key):
-        vals = [r[key] for r in results[name]]
-        return statistics.median(vals) if vals else float("nan")
+        return median(results[name], key)
 
+    write_json(a.json, {"gguf": a.gguf, "read_bandwidth_gbs": bw / 1e9, "bytes_per_token": bytes_per_token,
+                        "runs": results}, args=a)
     if a.contexts:
         report_contexts(a, c, results, engines, bw, bytes_per_token)
         return
@@ -371,19 +379,19 @@ def report_contexts(a, c, results, engines, bw, weight_bytes) -> None:
             if not results[name]:
                 continue
             rows = [r["rows"][i] for r in results[name]]
-            d = statistics.median(r["decode_tok_s"] for r in rows)
+            d = median(rows, "decode_tok_s")
             kv_bytes = n * kv_row * (4 if name in ("colibri", "colibri-base", "colibri-int8") else 2)
             roof = bw / (weight_bytes + kv_bytes)
-            share = (f"{100 * statistics.median(r['attention_s'] * r['decode_tok_s'] for r in rows):14.0f}%"
+            share = (f"{100 * median(rows, lambda r: r['attention_s'] * r['decode_tok_s']):14.0f}%"
                      if "attention_s" in rows[0] else f"{'':15}")
             print(f"{n:7} {name:12} {d:12.1f} {roof:10.0f} {100 * d / roof:5.0f}% {share}")
         if all(results[name] for name, _ in engines) and len(engines) > 1:
-            ratio = (statistics.median(r["rows"][i]["decode_tok_s"] for r in results["colibri"])
-                     / statistics.median(r["rows"][i]["decode_tok_s"] for r in results["llama"]))
+            ratio = (median(results["colibri"], lambda r: r["rows"][i]["decode_tok_s"])
+                     / median(results["llama"], lambda r: r["rows"][i]["decode_tok_s"]))
             print(f"{n:7} colibri / llama.cpp: {ratio:.2f}x")
             if results.get("colibri-f16kv"):
-                f16 = (statistics.median(r["rows"][i]["decode_tok_s"] for r in results["colibri-f16kv"])
-                       / statistics.median(r["rows"][i]["decode_tok_s"] for r in results["llama"]))
+                f16 = (median(results["colibri-f16kv"], lambda r: r["rows"][i]["decode_tok_s"])
+                       / median(results["llama"], lambda r: r["rows"][i]["decode_tok_s"]))
                 print(f"{n:7} colibri --kv-cache f16 / llama.cpp: {f16:.2f}x")
 
 

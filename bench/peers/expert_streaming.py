@@ -10,24 +10,21 @@ tok/s, expert hit rate, GB read from disk per token (/proc/self/io read_bytes, t
 both engines), peak RSS, and the disk-bound limit = measured disk bandwidth / bytes missed per
 token. Benchmark only: no asserts.
 
-    python bench/expert_streaming.py --model /tmp/olmoe --gguf /tmp/olmoe.gguf --limit-gb 2 \
+    python -m bench.peers.expert_streaming --model /tmp/olmoe --gguf /tmp/olmoe.gguf --limit-gb 2 \
         --llama-python /work/peer-venv/bin/python
-Make the models first:  python tools/synthetic_moe.py /tmp/olmoe --preset olmoe-1b-7b --gguf /tmp/olmoe.gguf
+Make the models first:  python -m tools.synthetic_moe /tmp/olmoe --preset olmoe-1b-7b --gguf /tmp/olmoe.gguf
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tools"))
+from bench.common import add_json_arg, child_env, interleaved, machine_line, median, module_command, write_json
 
 
 def peak_rss() -> int:
@@ -176,14 +173,14 @@ def main() -> None:
     ap.add_argument("--no-llama-default", action="store_true",
                     help="skip llama.cpp's default setting (its repack does not fit small limits)")
     ap.add_argument("--child", choices=["colibri", "llama", "llama-mmap"])
-    ap.add_argument("--json", action="store_true")
+    add_json_arg(ap)
     a = ap.parse_args()
     if a.child:
         out = child_colibri(a) if a.child == "colibri" else child_llama(a, repack=a.child == "llama")
         print(json.dumps(out))
         return
 
-    from memlimit import drop_caches, run_limited, why_unavailable
+    from tools.memlimit import drop_caches, run_limited, why_unavailable
 
     from colibri.io.container import Container
 
@@ -196,7 +193,7 @@ def main() -> None:
                          for l in c.expert_layouts.values())
     drop_caches()
     bw = disk_bandwidth(a.model)
-    env = {"NUMBA_NUM_THREADS": str(a.threads), "OMP_NUM_THREADS": str(a.threads)}
+    env = child_env({"NUMBA_NUM_THREADS": str(a.threads), "OMP_NUM_THREADS": str(a.threads)})
     common = ["--model", str(a.model), "--tokens", str(a.tokens),
               "--threads", str(a.threads), "--expert-io", a.expert_io, "--ram-gb", str(ram_gb)]
     common += ["--prefetch"] * a.prefetch + ["--no-hot-set"] * a.no_hot_set
@@ -214,27 +211,34 @@ def main() -> None:
         engines += [("llama.cpp", "llama", a.llama_python, [])] * (not a.no_llama_default)
         engines += [("llama.cpp mmap-only", "llama-mmap", a.llama_python, [])]
         common += ["--gguf", str(a.gguf)]
+    engines = [(label, kind, py, tuple(extra)) for label, kind, py, extra in engines]
+
+    def once(engine) -> list[dict]:
+        label, kind, py, extra = engine
+        drop_caches()
+        try:
+            r = run_limited([*module_command(__spec__.name, py), "--child", kind, *common, *extra],
+                            int(a.limit_gb * (1 << 30)), env=env, timeout=a.child_timeout)
+        except subprocess.TimeoutExpired:
+            return [{"engine": label, "state": "cold", "oom": False,
+                     "error": f"no result within {a.child_timeout:.0f} s (thrashing under the limit)"}]
+        if r.returncode != 0:
+            return [{"engine": label, "state": "cold", "oom": r.oom_killed,
+                     "error": (r.stderr.strip().splitlines() or ["?"])[-1]}]
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        return [{**out[state], "engine": label, "state": state, "peak_rss": out["peak_rss"],
+                 "group_peak": r.max_usage_bytes} for state in ("cold", "warm")]
+
     rows = []
-    for rep in range(a.repeats):
-        for label, kind, py, extra in engines:  # interleaved: A B A B
-            drop_caches()
-            try:
-                r = run_limited([py, __file__, "--child", kind, *common, *extra], int(a.limit_gb * (1 << 30)),
-                                env=env, timeout=a.child_timeout)
-            except subprocess.TimeoutExpired:
-                rows.append({"engine": label, "state": "cold", "oom": False,
-                             "error": f"no result within {a.child_timeout:.0f} s (thrashing under the limit)"})
-                continue
-            if r.returncode != 0:
-                rows.append({"engine": label, "state": "cold", "oom": r.oom_killed,
-                             "error": (r.stderr.strip().splitlines() or ["?"])[-1]})
-                continue
-            out = json.loads(r.stdout.strip().splitlines()[-1])
-            for state in ("cold", "warm"):
-                rows.append({**out[state], "engine": label, "state": state, "peak_rss": out["peak_rss"],
-                             "group_peak": r.max_usage_bytes, "repeat": rep})
-    report = {"machine": {"cores": os.cpu_count(), "cpu": platform.processor() or platform.machine()},
-              "model": str(a.model), "dense_bytes": c.dense_bytes, "expert_bytes": c.expert_bytes,
+
+    def record(engine, rep, got):
+        for r in got:
+            if "error" not in r:
+                r["repeat"] = rep
+        rows.extend(got)
+
+    interleaved(engines, a.repeats, once, on_result=record)  # A B A B
+    report = {"model": str(a.model), "dense_bytes": c.dense_bytes, "expert_bytes": c.expert_bytes,
               "routed_bytes_per_token": per_tok_expert, "disk_bw": bw, "limit_gb": a.limit_gb,
               "colibri_ram_gb": ram_gb, "tokens": a.tokens, "rows": rows}
     summary = {}
@@ -242,8 +246,10 @@ def main() -> None:
         if "error" not in r:
             summary.setdefault((r["engine"], r["state"]), []).append(r["tok_s"])
     if a.json:
-        print(json.dumps(report, indent=1))
-        return
+        write_json(a.json, report, args=a)
+        if a.json == "-":
+            return
+    print(machine_line())
     print(f"disk (O_DIRECT 4 MiB reads, cold): {bw / 1e9:.2f} GB/s; routed expert bytes per token "
           f"{per_tok_expert / 1e9:.3f} GB; no-hit disk-bound limit {bw / per_tok_expert:.2f} tok/s; "
           f"memory limit {a.limit_gb} GiB, colibri budget {ram_gb:.2f} GiB")
@@ -262,9 +268,7 @@ def main() -> None:
         print(f"{r['engine']:25} {r['state']:5} {r['tok_s']:7.2f} {hit:>5} {missed / 1e9:7.3f} {limit} "
               f"{share} {wait:>5} {r['peak_rss'] / 2**30:7.2f}")
     if a.repeats > 1:
-        import statistics
-
-        print("medians over repeats: " + "; ".join(f"{e} {s_}: {statistics.median(v):.2f} tok/s"
+        print("medians over repeats: " + "; ".join(f"{e} {s_}: {median(v):.2f} tok/s"
                                                    for (e, s_), v in summary.items()))
 
 

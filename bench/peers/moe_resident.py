@@ -8,9 +8,9 @@ point 7), after one untimed pass over it (warm caches, compiled kernels). The ro
 bytes a token must read (the dense weights it touches plus top-k experts per MoE layer) over
 the measured read bandwidth (bench/membw.py).
 
-    python tools/synthetic_moe.py /work/models/qwen3-30b-a3b --preset qwen3-30b-a3b \
+    python -m tools.synthetic_moe /work/models/qwen3-30b-a3b --preset qwen3-30b-a3b \
         --gguf /work/models/qwen3-30b-a3b.gguf
-    python bench/moe_resident.py --model /work/models/qwen3-30b-a3b --gguf /work/models/qwen3-30b-a3b.gguf \
+    python -m bench.peers.moe_resident --model /work/models/qwen3-30b-a3b --gguf /work/models/qwen3-30b-a3b.gguf \
         --llama-python /work/peer-venv/bin/python
 """
 from __future__ import annotations
@@ -18,15 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
+from bench.common import add_json_arg, child_env, interleaved, machine_line, median, module_command, write_json
 
 
 # colibri: the fused routed-experts kernel; -int8: the same with --activations int8;
@@ -67,7 +64,7 @@ def child_colibri(a, fused: bool, activations: str = "f32", layout: str = "inter
 
 
 def child_llama(a) -> dict:
-    from expert_streaming import llama_forced_pass
+    from bench.peers.expert_streaming import llama_forced_pass
     from llama_cpp import Llama
 
     t0 = time.perf_counter()
@@ -102,7 +99,7 @@ def main() -> None:
     ap.add_argument("--child", choices=ENGINES)
     ap.add_argument("--engines", default="colibri,colibri-int8,llama",
                     help=f"comma-separated, from {', '.join(ENGINES)} (llama needs --gguf and --llama-python)")
-    ap.add_argument("--json", action="store_true")
+    add_json_arg(ap)
     a = ap.parse_args()
     if a.child:
         out = (child_llama(a) if a.child == "llama" else
@@ -111,7 +108,7 @@ def main() -> None:
                              layout="rows" if a.child == "colibri-rows" else "interleaved"))
         print(json.dumps(out))
         return
-    from membw import read_bandwidth
+    from bench.membw import read_bandwidth
 
     bw = read_bandwidth(a.threads)
     per_token, experts = active_bytes(a.model)
@@ -122,24 +119,27 @@ def main() -> None:
     engines = [(name, sys.executable) for name in wanted if name != "llama"]
     if "llama" in wanted and a.gguf and a.llama_python:
         engines.append(("llama", a.llama_python))
-    env = {**os.environ, "NUMBA_NUM_THREADS": str(a.threads), "OMP_NUM_THREADS": str(a.threads)}
+    env = child_env({**os.environ, "NUMBA_NUM_THREADS": str(a.threads), "OMP_NUM_THREADS": str(a.threads)})
     args = ["--model", str(a.model), "--tokens", str(a.tokens), "--threads", str(a.threads)]
     if a.gguf:
         args += ["--gguf", str(a.gguf)]
-    rows: dict[str, list[dict]] = {name: [] for name, _ in engines}
-    for _ in range(a.repeats):
-        for name, py in engines:
-            p = subprocess.run([py, __file__, "--child", name, *args], capture_output=True, text=True, env=env,
-                               timeout=1800)
-            if p.returncode != 0:
-                rows[name].append({"error": (p.stderr.strip().splitlines() or ["?"])[-1]})
-                continue
-            rows[name].append(json.loads(p.stdout.strip().splitlines()[-1]))
+
+    def once(engine) -> dict:
+        name, py = engine
+        p = subprocess.run([*module_command(__spec__.name, py), "--child", name, *args], capture_output=True,
+                           text=True, env=env, timeout=1800)
+        if p.returncode != 0:
+            return {"error": (p.stderr.strip().splitlines() or ["?"])[-1]}
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    rows = {name: rs for (name, _), rs in interleaved(engines, a.repeats, once).items()}
     report = {"model": str(a.model), "threads": a.threads, "read_bandwidth_gbs": bw / 1e9,
               "bytes_per_token": per_token, "expert_bytes_per_token": experts, "roof_tok_s": roof, "runs": rows}
     if a.json:
-        print(json.dumps(report, indent=1))
-        return
+        write_json(a.json, report, args=a)
+        if a.json == "-":
+            return
+    print(machine_line())
     print(f"{a.model.name}: {per_token / 1e9:.2f} GB read per token ({experts / 1e9:.2f} GB of experts); "
           f"read bandwidth {bw / 1e9:.1f} GB/s on {a.threads} threads -> roof {roof:.2f} tok/s")
     llama = [r["tok_s"] for r in rows.get("llama", []) if "tok_s" in r]
@@ -148,8 +148,8 @@ def main() -> None:
         if not ok:
             print(f"{name:20} failed: {runs[0].get('error')}")
             continue
-        med = statistics.median(ok)
-        vs = f"  {med / statistics.median(llama):.2f}x llama.cpp" if llama and name != "llama" else ""
+        med = median(ok)
+        vs = f"  {med / median(llama):.2f}x llama.cpp" if llama and name != "llama" else ""
         print(f"{name:20} {med:6.2f} tok/s (runs: {', '.join(f'{t:.2f}' for t in ok)})  "
               f"{100 * med / roof:3.0f}% of roof{vs}")
         bd = runs[-1].get("breakdown")

@@ -1,10 +1,10 @@
 """SmolLM2 perplexity and KL divergence: colibri, transformers fp32 (the reference: the same GGUF's
 weights dequantized) and llama.cpp, on the same tokens with the same windows.
 
-    python bench/perplexity_vs_peers.py [--tokens 20480] [--ctx 512] [--stride 256]
+    python -m bench.peers.perplexity_vs_peers [--tokens 20480] [--ctx 512] [--stride 256]
                                         [--peer-python /work/peer-venv/bin/python]
-    python bench/perplexity_vs_peers.py --write-text pydoc_topics.txt   # the text alone
-    python bench/perplexity_vs_peers.py --export-hf DIR   # the GGUF as a float32 checkpoint
+    python -m bench.peers.perplexity_vs_peers --write-text pydoc_topics.txt   # the text alone
+    python -m bench.peers.perplexity_vs_peers --export-hf DIR   # the GGUF as a float32 checkpoint
 
 The text ships with Python: pydoc's topic help (pydoc_data.topics), topics in sorted order
 joined by blank lines, its first --tokens tokens (SmolLM2's tokenizer). Windows are
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.common import REPO, add_json_arg, child_env, machine_line, module_command, write_json
 
 
 def pydoc_text() -> str:
@@ -134,6 +134,7 @@ def main() -> None:
     ap.add_argument("--write-text", metavar="FILE", help="only write the text to FILE (for `colibri perplexity`)")
     ap.add_argument("--export-hf", metavar="DIR", help="only write the GGUF's weights dequantized as a float32 "
                     "Hugging Face checkpoint (for `colibri convert --bits 4|8|32`)")
+    add_json_arg(ap)
     ap.add_argument("--child-in", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -153,6 +154,7 @@ def main() -> None:
     gguf = Path(args.gguf or default_gguf())
     engine = Engine.load(default_model_dir(), max_context=args.ctx)
     ids = engine.encode_prompt(pydoc_text(), raw=True)[: args.tokens]
+    print(machine_line())
     print(f"{len(ids)} tokens of pydoc topics, ctx {args.ctx}, stride {args.stride}")
     rows = []
 
@@ -171,8 +173,9 @@ def main() -> None:
             child_in, child_out = Path(tmp) / "in.npz", Path(tmp) / "out.json"
             np.savez(child_in, ids=np.asarray(ids), targets=ref.targets, logprobs=ref.logprobs, top_ids=ref.top_ids,
                      top_logprobs=ref.top_logprobs)
-            subprocess.run([args.peer_python, __file__, "--gguf", str(gguf), "--ctx", str(args.ctx), "--stride",
-                            str(args.stride), "--child-in", str(child_in), "--child-out", str(child_out)], check=True)
+            subprocess.run([*module_command(__spec__.name, args.peer_python), "--gguf", str(gguf), "--ctx", str(args.ctx), "--stride",
+                            str(args.stride), "--child-in", str(child_in), "--child-out", str(child_out)], check=True,
+                           env=child_env())
             rows.append(("llama.cpp (llama-cpp-python)", json.loads(child_out.read_text())))
     else:
         print(f"llama.cpp skipped: no peer environment at {args.peer_python}")
@@ -185,6 +188,8 @@ def main() -> None:
               else "- | - | -")
         print(f"| {name} | {r['perplexity']:.4f} | {(r['perplexity'] / base - 1) * 100:+.3f}% | {kl} | "
               f"{r['tokens_per_s']:.0f} |")
+    write_json(args.json, {"gguf": str(gguf), "tokens": len(ids), "rows": [{"engine": n, **r} for n, r in rows]},
+               args=args)
 
 
 if __name__ == "__main__":

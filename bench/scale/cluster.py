@@ -17,24 +17,20 @@ prompt; the bench prints whether the cluster's tokens are one process's, token f
 Decode is a fixed forced token sequence fed one token at a time (Engine.feed), after one
 untimed pass over it. Each figure is from this machine as printed; nothing is projected.
 
-    python tools/synthetic_moe.py /tmp/olmoe-1b-7b --preset olmoe-1b-7b
-    python bench/cluster.py --model /tmp/olmoe-1b-7b --workers 2
+    python -m tools.synthetic_moe /tmp/olmoe-1b-7b --preset olmoe-1b-7b
+    python -m bench.scale.cluster --model /tmp/olmoe-1b-7b --workers 2
 """
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench.common import add_json_arg, machine_line, median, write_json
 
 
 def transport(repeats: int, width: int) -> list[dict]:
@@ -58,7 +54,7 @@ def transport(repeats: int, width: int) -> list[dict]:
                 out = ray.get(echo.back.remote(arg))
                 times.append(time.perf_counter() - t0)
             assert np.array_equal(out, a)
-            rows.append({"rows": n, "bytes": a.nbytes, "how": how, "ms": 1e3 * statistics.median(times)})
+            rows.append({"rows": n, "bytes": a.nbytes, "how": how, "ms": 1e3 * median(times)})
     ray.kill(echo)
     return rows
 
@@ -132,7 +128,7 @@ def main() -> None:
     ap.add_argument("--budget-tokens", type=int, default=96, help="forced tokens in part 3")
     ap.add_argument("--repeats", type=int, default=50, help="round trips per size in part 1")
     ap.add_argument("--greedy", type=int, default=24, help="greedy tokens compared in every configuration")
-    ap.add_argument("--json", type=Path, help="also write the figures here")
+    add_json_arg(ap)
     a = ap.parse_args()
 
     from colibri.cluster.head import connect
@@ -144,6 +140,7 @@ def main() -> None:
     tokens = np.random.default_rng(0).integers(100, int(c.config["vocab_size"]) - 1,
                                                size=max(a.tokens, a.budget_tokens) + a.prompt_tokens).tolist()
     seq, prompt = tokens[:a.tokens], tokens[-a.prompt_tokens:]
+    print(machine_line())
     print(f"load average {os.getloadavg()[0]:.2f} at start")
     print(f"{a.model.name}: {len(c.expert_layouts)} MoE layers, experts {experts_gb:.2f} GiB, dense {dense_gb:.2f} GiB; "
           f"{a.workers} workers; {a.tokens} forced tokens", flush=True)
@@ -185,8 +182,7 @@ def main() -> None:
           f"{spread['disk_reads']} disk reads ({spread['gb_read']:.2f} GB)", flush=True)
     print(f"   greedy tokens: {same(squeezed, spread, a.greedy)}", flush=True)
     report["over_budget"] = {"budget_gib": budget, "single": squeezed, "cluster": spread}
-    if a.json:
-        a.json.write_text(json.dumps(report, indent=1))
+    write_json(a.json, report, args=a)
 
 
 if __name__ == "__main__":

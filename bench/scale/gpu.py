@@ -1,8 +1,8 @@
 """GPU tier figures in one call, for a CUDA machine (written for an H200: ~4.8 TB/s HBM3e):
 
-    python bench/gpu.py                 # installs numba-cuda if needed, then every section
-    python bench/gpu.py --dry-run       # the CPU-side preparation only (no GPU needed)
-    NUMBA_ENABLE_CUDASIM=1 python bench/gpu.py --smoke --model DIR   # the script itself, on the
+    python -m bench.scale.gpu                 # installs numba-cuda if needed, then every section
+    python -m bench.scale.gpu --dry-run       # the CPU-side preparation only (no GPU needed)
+    NUMBA_ENABLE_CUDASIM=1 python -m bench.scale.gpu --smoke --model DIR   # the script itself, on the
         # CPU under numba's simulator: every shape's rows / 64, a small dense model in DIR
 
 On a GPU machine without internet access, bring the wheels along and pass --wheels DIR (they
@@ -40,8 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
+from bench.common import child_env, machine_line
 
 # rows x inputs, scheme: what a decode step of these models streams.
 KERNEL_SHAPES = [
@@ -92,7 +91,7 @@ def ensure_numba_cuda(no_install: bool, wheels: Path | None) -> None:
     if subprocess.run(cmd).returncode != 0:
         print("!! installing numba-cuda failed: --device cuda cannot compile its kernels without it", flush=True)
         return
-    os.execv(sys.executable, [sys.executable, *sys.argv, "--no-install"])
+    os.execve(sys.executable, [sys.executable, "-m", __spec__.name, *sys.argv[1:], "--no-install"], child_env())
 
 
 def smollm2_container(work: Path) -> Path:
@@ -111,9 +110,9 @@ def smollm2_container(work: Path) -> Path:
 
 
 def weights_for(shape_rows: int, shape_in: int, scheme: str, seed: int):
-    from synthetic_moe import random_int4, random_q8  # tools/: real weight statistics, fast
+    from tools.synthetic_moe import random_int4, random_q8  # real weight statistics, fast
 
-    from colibri.kernels.quant import QTensor, f32_to_bf16
+    from colibri.formats.qtensor import QTensor, f32_to_bf16
 
     rng = np.random.default_rng(seed)
     if scheme in ("int4_g64", "q4_0", "q4_1"):
@@ -130,7 +129,7 @@ def weights_for(shape_rows: int, shape_in: int, scheme: str, seed: int):
 def moe_container(work: Path, layers: int, smoke: bool) -> Path:
     """The Qwen3-30B-A3B real-shape synthetic (tools/synthetic_moe.py), `layers` of its 48; the
     simulator's smoke run takes the tiny OLMoE-shaped preset with a 512-token vocabulary."""
-    import synthetic_moe
+    from tools import synthetic_moe
 
     preset = "tiny" if smoke else "qwen3-30b-a3b"
     out = work / (f"{preset}-{layers}L" if not smoke else preset)
@@ -214,6 +213,7 @@ def main() -> None:
 
     from colibri.kernels import cuda as C
 
+    print(machine_line())
     print(f"colibri GPU bench: numba {__import__('numba').__version__}, "
           f"numba-cuda {'yes' if importlib.util.find_spec('numba_cuda') else 'no (built-in numba.cuda)'}, "
           f"CUDA available: {C.available()}, roof {args.roof_gbs:.0f} GB/s")
@@ -248,7 +248,7 @@ def main() -> None:
     @section("correctness at real shapes (device vs CPU kernels)")
     def _correct():
         from colibri.kernels import idot, matmul, matvec, ops
-        from colibri.kernels.quant import quantize
+        from colibri.formats.qtensor import quantize
 
         rng = np.random.default_rng(1)
 

@@ -261,7 +261,7 @@ class ClusterExperts:
             rows = np.flatnonzero(np.isin(ids, experts).any(axis=1))
             # Passed in the call: Ray inlines it up to 100 KiB (a decode row) and moves a larger
             # one (a prefill chunk) through its shared-memory object store itself; ray.put first
-            # measured no faster at 512 KiB and 4 MiB and 1.4 ms slower at 8 KiB (bench/cluster.py).
+            # measured no faster at 512 KiB and 4 MiB and 1.4 ms slower at 8 KiB (bench/scale/cluster.py).
             calls[index] = w.handle.compute.remote(prefix, x[rows], weights[rows], ids[rows], experts,
                                                    one_token_rows, mode)
         outputs: dict[int, np.ndarray] = {}

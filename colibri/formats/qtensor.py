@@ -21,7 +21,7 @@ of W rows, the rows' first 64-byte blocks lie side by side, then their second on
 on; the bytes past a row's last whole 64-byte block (its tail) follow, row after row. A decode
 kernel reading W rows at a time then walks one contiguous run of W x 64 bytes per step where
 it walked W streams a row apart: 18 -> 24-28 GB/s from DRAM on an AMD EPYC (Zen 4) VM
-(bench/interleaved_layout.py; llama.cpp repacks Q4_0 the same way for x86, block_q4_0x8).
+(bench/kernels/interleaved_layout.py; llama.cpp repacks Q4_0 the same way for x86, block_q4_0x8).
 Scales and mins stay row-major: W consecutive rows' scales are one short run already. Only
 where bytes sit changes, never what is computed with them: every kernel gives the same bits
 on either layout (tests/kernels/test_layout.py).

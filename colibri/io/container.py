@@ -44,7 +44,7 @@ def _round_up(n: int, a: int) -> int:
 
 
 # ----------------------------------------------------------------------------- checksums
-# xxh3_64 is what writers record. Measured on one thread here (tools/checksum_bench.py): ~10 GB/s
+# xxh3_64 is what writers record. Measured on one thread here (bench/io/checksums.py): ~10 GB/s
 # at expert sizes (3.5 MB OLMoE, 22 MB DeepSeek-V3) against 2-3.3 GB/s for zlib.crc32, ~1.5 for
 # sha1 and ~0.7 for blake2b; that is ~5% of the time a 0.5 GB/s disk takes to read the expert
 # (crc32: 15-25%), ~2-3% of a streamed token's time, so verification stays on by default. All

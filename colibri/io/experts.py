@@ -5,7 +5,7 @@ layer, each blob checked against the manifest checksum): the fastest choice when
 fits the budget. READ_THREADS readers issue O_DIRECT reads at once (one buffered reader reached
 ~1 GB/s cold here, four ~2 GB/s, the disk's speed): on the Qwen3-30B-A3B-shaped synthetic (16.3
 GB of experts, 24 GB of RAM) 10-11 s against 16-24 s for the one buffered reader, runs
-interleaved (bench/resident_load.py).
+interleaved (bench/io/resident_load.py).
 `expert_store.ExpertStore` (disk -> RAM LRU, readahead, hot set, prefetch) implements the same
 `iter_experts` / `prefetch` contract, so models never know where an expert came from.
 """

@@ -11,7 +11,7 @@ arithmetic is float32 multiply-adds. Two ways to do that arithmetic:
   512-token chunk this ran 245-300 GFLOP/s on 2 threads against 200-220 for the numba kernel
   on an AMD EPYC (1.2-1.4x on SmolLM2's and OLMoE's shapes), 207-248 against 150-180 on a
   Xeon; the two are even at 128 (AMD) to 192 rows (Xeon), below that the per-tile
-  dequantization dominates (bench/prefill_gemm.py).
+  dequantization dominates (bench/kernels/prefill_gemm.py).
 - Fewer rows (an expert's handful of tokens in a chunk, a short prompt): the numba 4x4
   register-blocked kernel below, one parallel call, nothing dequantized twice.
 
@@ -39,7 +39,7 @@ from .tasks import run_tasks
 
 # Rows dequantized per numba matmul tile: 16 rows x 4096 inputs x 4 B = 256 KB, L2-resident.
 _TILE = 16
-BLAS_MIN_ROWS = 192  # activation rows from which BLAS wins (bench/prefill_gemm.py: 128 on an AMD EPYC, ~192 on a Xeon)
+BLAS_MIN_ROWS = 192  # activation rows from which BLAS wins (bench/kernels/prefill_gemm.py: 128 on an AMD EPYC, ~192 on a Xeon)
 
 
 def _l2_bytes() -> int:
@@ -56,7 +56,7 @@ def _l2_bytes() -> int:
 
 # One BLAS tile of dequantized rows (per thread), kept in L2 while BLAS reads it back: 3/4 of
 # L2, at least 512 KB (the best size on a 512 KB-L2 AMD EPYC; on a 2 MB-L2 Xeon 1.5 MB ran
-# 10-20% faster than 512 KB at a 512-token chunk, bench/prefill_gemm.py).
+# 10-20% faster than 512 KB at a 512-token chunk, bench/kernels/prefill_gemm.py).
 TILE_BYTES = max(1 << 19, _l2_bytes() * 3 // 4)
 
 

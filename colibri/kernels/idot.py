@@ -148,7 +148,7 @@ def _idot_codegen(nrows: int, half: int, mins: bool, ncols: int | None = None):
     out[0:nrows] = rows r..r+nrows-1 of the int4 x int8 product (q's rows interleaved in blocks
     of ilv: formats/qtensor.py, Layout, found as cpu.codegen.tile_codegen finds them). The same bytes of rows rn..
     are prefetched, with their scales (and mins): the scales' prefetch took about a tenth off
-    SmolLM2's int8 decode (bench/engine/decode_phases.py --activations int8).
+    SmolLM2's int8 decode (`python -m bench.engine.decode_phases --activations int8`).
     half: bytes per weight group (16 or 32), a constant so the lane -> group shuffles are.
     mins: q4_1 (offs holds the mins); else symmetric, offs unused.
     Per-x arrays (quantize_into): xlo/xhi int8 [n/2]; per 4-byte lane: negc int32 (-8 * the

@@ -97,7 +97,7 @@ ATTEND_CHUNK = 128
 # of each of the 16 rows, then the next 16), the same bytes came at half the rate, and
 # prefetching the next 16 rows by hand only partly made up for it (the kernel alone at
 # SmolLM2's shapes, 8k of context, 2 threads: 22.2-22.7 -> 12.7 ms a token, 17 -> 30 GB/s;
-# bench/decode_attention.py --baseline). Scores come out as one 16-lane vector per head by a
+# bench/kernels/decode_attention.py --baseline). Scores come out as one 16-lane vector per head by a
 # transposed tree of shuffles instead of a horizontal sum per key.
 _F32 = ir.FloatType()
 _I32 = ir.IntType(32)
