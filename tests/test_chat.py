@@ -16,6 +16,7 @@ import pytest
 from colibri import ColibriError
 from colibri.chat_backends import AttachBackend, EngineBackend, TurnStats
 from colibri.tui import ChatSession, ChatUI, ReasoningSplitter, StreamPrinter, format_stats, has_markdown, read_message
+from requirements import needs
 
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
@@ -401,7 +402,7 @@ class Tmux:
         subprocess.run([*self.base, "kill-server"], capture_output=True)
 
 
-@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+@needs(shutil.which("tmux") is not None, "tmux is not installed (apt-get install tmux)")
 def test_chat_in_a_real_terminal(smollm2_container, tmp_path):
     """Two turns, a Ctrl-C mid-answer, /save, /reset and Ctrl-D, typed into a tmux pane."""
     home = tmp_path / "home"

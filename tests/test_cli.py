@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from requirements import missing
+
 
 def colibri(*args, env=None, timeout=300):
     return subprocess.run([sys.executable, "-m", "colibri.cli", *map(str, args)], capture_output=True,
@@ -124,7 +126,7 @@ def test_installed_console_script_answers(smollm2_container):
     if not os.path.exists(script):
         script = shutil.which("colibri")
     if script is None:
-        pytest.skip("the colibri console script is not installed")
+        missing("the colibri console script is not installed")
     p = subprocess.run([script, "run", "--model", str(smollm2_container), "-n", "8",
                         "What is the capital of France?"], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr

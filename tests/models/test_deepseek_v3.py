@@ -47,10 +47,18 @@ def config(case: str) -> DeepseekV3Config:
     return DeepseekV3Config(vocab_size=150, max_position_embeddings=256, **CASES[case])
 
 
+MODEL = DeepseekV3ForCausalLM
+
+
+def case_seed(case: str) -> int:
+    return sorted(CASES).index(case) + 61
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [32, 4])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_deepseek_v3_matches_transformers(tmp_path, case, bits):
-    seed = sorted(CASES).index(case) + 61
+    seed = case_seed(case)
     engine = check_against_transformers(DeepseekV3ForCausalLM, config(case), tmp_path, seed, bits,
                                         prompts_for(150, seed), prepare=random_bias, after_save=add_mtp_layer)
     check_decode_matches_recompute(engine, prompts_for(150, seed + 1, lengths=(7,))[0])

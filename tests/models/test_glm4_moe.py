@@ -38,10 +38,18 @@ def config(case: str) -> Glm4MoeConfig:
     return Glm4MoeConfig(vocab_size=140, max_position_embeddings=256, **CASES[case])
 
 
+MODEL = Glm4MoeForCausalLM
+
+
+def case_seed(case: str) -> int:
+    return sorted(CASES).index(case) + 71
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [32, 4])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_glm4_moe_matches_transformers(tmp_path, case, bits):
-    seed = sorted(CASES).index(case) + 71
+    seed = case_seed(case)
     engine = check_against_transformers(Glm4MoeForCausalLM, config(case), tmp_path, seed, bits,
                                         prompts_for(140, seed), prepare=random_bias, after_save=add_mtp_layer)
     check_decode_matches_recompute(engine, prompts_for(140, seed + 1, lengths=(6,))[0])

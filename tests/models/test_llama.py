@@ -16,12 +16,23 @@ CASES = {
 }
 
 
+MODEL = LlamaForCausalLM
+
+
+def config(case: str) -> LlamaConfig:
+    return LlamaConfig(vocab_size=160, num_hidden_layers=2, max_position_embeddings=512, **CASES[case])
+
+
+def case_seed(case: str) -> int:
+    return sorted(CASES).index(case) + 11
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [32, 4])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_llama_matches_transformers(tmp_path, case, bits):
-    seed = sorted(CASES).index(case) + 11
-    cfg = LlamaConfig(vocab_size=160, num_hidden_layers=2, max_position_embeddings=512, **CASES[case])
-    check_against_transformers(LlamaForCausalLM, cfg, tmp_path, seed, bits, prompts_for(160, seed))
+    cfg, seed = config(case), case_seed(case)
+    check_against_transformers(MODEL, cfg, tmp_path, seed, bits, prompts_for(cfg.vocab_size, seed))
 
 
 def test_fused_decode_is_exact_on_smollm2(smollm2_container):

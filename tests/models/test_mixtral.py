@@ -13,10 +13,21 @@ CASES = {
 }
 
 
+MODEL = MixtralForCausalLM
+
+
+def config(case: str) -> MixtralConfig:
+    return MixtralConfig(vocab_size=150, num_hidden_layers=2, max_position_embeddings=512,
+                         sliding_window=None, **CASES[case])
+
+
+def case_seed(case: str) -> int:
+    return sorted(CASES).index(case) + 21
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [32, 4])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_mixtral_matches_transformers(tmp_path, case, bits):
-    seed = sorted(CASES).index(case) + 21
-    cfg = MixtralConfig(vocab_size=150, num_hidden_layers=2, max_position_embeddings=512,
-                        sliding_window=None, **CASES[case])
-    check_against_transformers(MixtralForCausalLM, cfg, tmp_path, seed, bits, prompts_for(150, seed))
+    cfg, seed = config(case), case_seed(case)
+    check_against_transformers(MODEL, cfg, tmp_path, seed, bits, prompts_for(cfg.vocab_size, seed))

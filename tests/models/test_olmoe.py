@@ -12,9 +12,20 @@ CASES = {
 }
 
 
+MODEL = OlmoeForCausalLM
+
+
+def config(case: str) -> OlmoeConfig:
+    return OlmoeConfig(vocab_size=170, num_hidden_layers=2, max_position_embeddings=512, **CASES[case])
+
+
+def case_seed(case: str) -> int:
+    return sorted(CASES).index(case) + 31
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [32, 4])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_olmoe_matches_transformers(tmp_path, case, bits):
-    seed = sorted(CASES).index(case) + 31
-    cfg = OlmoeConfig(vocab_size=170, num_hidden_layers=2, max_position_embeddings=512, **CASES[case])
-    check_against_transformers(OlmoeForCausalLM, cfg, tmp_path, seed, bits, prompts_for(170, seed))
+    cfg, seed = config(case), case_seed(case)
+    check_against_transformers(MODEL, cfg, tmp_path, seed, bits, prompts_for(cfg.vocab_size, seed))

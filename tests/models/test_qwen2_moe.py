@@ -16,10 +16,21 @@ CASES = {
 }
 
 
+MODEL = Qwen2MoeForCausalLM
+
+
+def config(case: str) -> Qwen2MoeConfig:
+    kw = {"num_hidden_layers": 2, **CASES[case]}
+    return Qwen2MoeConfig(vocab_size=140, max_position_embeddings=512, **kw)
+
+
+def case_seed(case: str) -> int:
+    return sorted(CASES).index(case) + 41
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [32, 4])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_qwen2_moe_matches_transformers(tmp_path, case, bits):
-    seed = sorted(CASES).index(case) + 41
-    kw = {"num_hidden_layers": 2, **CASES[case]}
-    cfg = Qwen2MoeConfig(vocab_size=140, max_position_embeddings=512, **kw)
-    check_against_transformers(Qwen2MoeForCausalLM, cfg, tmp_path, seed, bits, prompts_for(140, seed))
+    cfg, seed = config(case), case_seed(case)
+    check_against_transformers(MODEL, cfg, tmp_path, seed, bits, prompts_for(cfg.vocab_size, seed))

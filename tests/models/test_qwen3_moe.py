@@ -16,9 +16,20 @@ CASES = {
 }
 
 
+MODEL = Qwen3MoeForCausalLM
+
+
+def config(case: str) -> Qwen3MoeConfig:
+    return Qwen3MoeConfig(vocab_size=130, num_hidden_layers=2, max_position_embeddings=512, **CASES[case])
+
+
+def case_seed(case: str) -> int:
+    return sorted(CASES).index(case) + 51
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [32, 4])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_qwen3_moe_matches_transformers(tmp_path, case, bits):
-    seed = sorted(CASES).index(case) + 51
-    cfg = Qwen3MoeConfig(vocab_size=130, num_hidden_layers=2, max_position_embeddings=512, **CASES[case])
-    check_against_transformers(Qwen3MoeForCausalLM, cfg, tmp_path, seed, bits, prompts_for(130, seed))
+    cfg, seed = config(case), case_seed(case)
+    check_against_transformers(MODEL, cfg, tmp_path, seed, bits, prompts_for(cfg.vocab_size, seed))

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from requirements import missing
 
 SHOTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "dashboard"
 KEY = "dashboard-test-key"
@@ -30,10 +31,13 @@ def _chromium() -> str | None:
 
 @pytest.fixture(scope="module")
 def browser():
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
+    try:
+        from playwright import sync_api
+    except ImportError:
+        missing("playwright is not installed (pip install playwright)")
     exe = _chromium()
     if exe is None:
-        pytest.skip("no Chromium on this machine (apt-get install chromium, or set COLIBRI_CHROMIUM)")
+        missing("no Chromium on this machine (apt-get install chromium, or set COLIBRI_CHROMIUM)")
     SHOTS.mkdir(parents=True, exist_ok=True)
     with sync_api.sync_playwright() as p:
         b = p.chromium.launch(executable_path=exe, headless=True)
