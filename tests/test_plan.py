@@ -1,7 +1,6 @@
 """`colibri plan`: generated MoE containers of several sizes against fake machine descriptions.
 Budgets add up, never exceed what is available minus headroom, name a bottleneck, and a dense
-part that does not fit is a clear error. (The issue's "projected tok/s within 2x of `bench`" check
-waits for the bench command of issue 4.) At frontier scale: DeepSeek-V3's config.json alone on
+part that does not fit is a clear error. At frontier scale: DeepSeek-V3's config.json alone on
 the named machines, synthetic slices projected to the full model, machine files and specs."""
 import dataclasses
 import json
