@@ -36,7 +36,8 @@ def main() -> None:
 
 def run(a) -> None:
     from colibri.io.container import Container
-    from colibri.kernels.moe import FusedExperts
+    from colibri.formats.expert_blob import FusedExperts
+    from colibri.kernels.moe import fused_experts
 
     c = Container(a.model)
     prefix, layout = next(iter(c.expert_layouts.items()))
@@ -61,16 +62,16 @@ def run(a) -> None:
         for interleaved in (False, True):
             kernel = FusedExperts.of(proj, interleaved)
             slots = pick()
-            kernel(x, memory[0], slots, weights, a.threads, act)  # compile / load
+            fused_experts(kernel, x, memory[0], slots, weights, a.threads, act)  # compile / load
             hot, cold = [], []
             for _ in range(a.calls):
                 t0 = time.perf_counter()
-                kernel(x, memory[0], slots, weights, a.threads, act)
+                fused_experts(kernel, x, memory[0], slots, weights, a.threads, act)
                 hot.append(time.perf_counter() - t0)
             for i in range(a.calls):
                 s = pick()
                 t0 = time.perf_counter()
-                kernel(x, memory[i % a.layers], s, weights, a.threads, act)
+                fused_experts(kernel, x, memory[i % a.layers], s, weights, a.threads, act)
                 cold.append(time.perf_counter() - t0)
             h, cd = statistics.median(hot), statistics.median(cold)
             print(f"{act:4} {'interleaved' if interleaved else 'row-major':11}  hot {h * 1e3:6.3f} ms "

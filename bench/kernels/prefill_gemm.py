@@ -41,6 +41,7 @@ def main() -> None:
     from threadpoolctl import threadpool_limits
 
     from colibri.kernels import gemm, quantize
+    from colibri.kernels.cpu.checks import int4_args
 
     numba.set_num_threads(a.threads)
     threadpool_limits(1)  # as the engine runs: one BLAS thread per call, Python threads over tiles
@@ -50,13 +51,13 @@ def main() -> None:
     print(f"{'out x in':>11} {'L':>4} {'numba':>7} {'BLAS':>7} {'BLAS/numba':>10}")
     for shape in SHAPES:
         t = quantize(rng.standard_normal(shape).astype(np.float32), a.scheme)
-        args = gemm._int4_args(t)
+        args = int4_args(t)
         for L in (int(v) for v in a.rows.split(",")):
             x = rng.standard_normal((L, shape[1])).astype(np.float32)
             y = np.empty((L, shape[0]), np.float32)
             flop = 2 * L * shape[0] * shape[1]
-            nb = best_of(lambda: gemm._matmul_int4(*args, x, y, a.threads), a.repeats)
-            bl = best_of(lambda: gemm._matmul_blas(t, x, y, a.threads), a.repeats)
+            nb = best_of(lambda: gemm.matmul_int4(*args, x, y, a.threads), a.repeats)
+            bl = best_of(lambda: gemm.matmul_blas(t, x, y, a.threads), a.repeats)
             print(f"{shape[0]:5}x{shape[1]:<5} {L:4} {flop / nb / 1e9:7.1f} {flop / bl / 1e9:7.1f} {nb / bl:9.2f}x")
 
 

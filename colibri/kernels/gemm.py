@@ -122,7 +122,7 @@ def _tile_matmul(w, nr, x, y, y0):
 
 
 @njit(parallel=True, cache=True)
-def _matmul_int4(q, scales, mins, half, has_min, ilv, x, y, nthreads):
+def matmul_int4(q, scales, mins, half, has_min, ilv, x, y, nthreads):
     out, n = q.shape[0], x.shape[1]
     nblk = (out + _TILE - 1) // _TILE
     nth = min(nthreads, nblk)
@@ -248,7 +248,7 @@ def _dequantizer(t: QTensor):
     return lambda r0, nr, buf: _deq_u16_tile(w, is_bf16, r0, nr, buf)
 
 
-def _matmul_blas(t: QTensor, x: np.ndarray, y: np.ndarray, nthreads: int) -> None:
+def matmul_blas(t: QTensor, x: np.ndarray, y: np.ndarray, nthreads: int) -> None:
     out, n_in = t.shape
     rows = _tile_rows(out, n_in)
     tiles = list(range(0, out, rows))
@@ -278,11 +278,11 @@ def matmul(t: QTensor, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarr
         return y
     nthreads = get_num_threads()
     if x.shape[0] >= BLAS_MIN_ROWS:
-        _matmul_blas(t, x, y, nthreads)
+        matmul_blas(t, x, y, nthreads)
         return y
     s = t.scheme
     if s in INT4_SCHEMES:
-        _matmul_int4(*int4_args(t), x, y, nthreads)
+        matmul_int4(*int4_args(t), x, y, nthreads)
     elif s == "q8_0":
         _matmul_q8(t.q, t.scales, GROUP_SIZE[s], t.interleave, x, y, nthreads)
     elif s == "f32":
