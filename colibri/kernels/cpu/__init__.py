@@ -5,7 +5,8 @@
     matvec.py    decode's matvec (one token) and matvec_rows (a few tokens, the same bits)
     checks.py    the argument checks every entry point runs
 
-Prefill's matmul is gemm.py; int4 x int8 dots idot.py.
+Prefill's matmul is gemm.py; int4 x int8 dots idot.py. The package attribute `matvec` is the
+function; take the module's other names with `from colibri.kernels.cpu.matvec import ...`.
 """
 from .checks import check_tensor
 from .codegen import TILE_A, TILE_W
