@@ -385,7 +385,7 @@ def report_contexts(a, c, results, engines, bw, weight_bytes) -> None:
             share = (f"{100 * median(rows, lambda r: r['attention_s'] * r['decode_tok_s']):14.0f}%"
                      if "attention_s" in rows[0] else f"{'':15}")
             print(f"{n:7} {name:12} {d:12.1f} {roof:10.0f} {100 * d / roof:5.0f}% {share}")
-        if all(results[name] for name, _ in engines) and len(engines) > 1:
+        if all(results[name] for name, _ in engines) and results.get("llama"):
             ratio = (median(results["colibri"], lambda r: r["rows"][i]["decode_tok_s"])
                      / median(results["llama"], lambda r: r["rows"][i]["decode_tok_s"]))
             print(f"{n:7} colibri / llama.cpp: {ratio:.2f}x")
