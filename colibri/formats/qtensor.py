@@ -8,6 +8,8 @@ Layouts (all groups run along the input dimension, rows are output channels):
 - q4_1 (GGUF Q4_1): group 32, w = nibble * d + m.
 - q8_0 (GGUF Q8_0): group 32, int8 q, w = q * d.
 - f32 / f16 / bf16: unquantized; bf16 is kept as its raw uint16 bits (numpy has no bf16).
+- block schemes (q2_k .. q6_k, iq4_nl, iq4_xs, q5_0, q5_1, mxfp4): GGUF's own blocks, q a row's
+  run of them byte for byte, no scales arrays (formats/ggml_blocks.py).
 
 Nibble order within a group of g elements (g/2 bytes): byte k holds element k in its low
 nibble and element k + g/2 in its high nibble. That is GGUF's own Q4_0/Q4_1 order, so GGUF
@@ -32,9 +34,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from colibri.formats.ggml_blocks import BLOCK_SCHEMES
+
 GROUP_SIZE = {"int4_g64": 64, "q4_0": 32, "q4_1": 32, "q8_0": 32}
 FLOAT_SCHEMES = ("f32", "f16", "bf16")
-SCHEMES = tuple(GROUP_SIZE) + FLOAT_SCHEMES
+SCHEMES = tuple(GROUP_SIZE) + FLOAT_SCHEMES + BLOCK_SCHEMES
 INT4_SCHEMES = ("int4_g64", "q4_0", "q4_1")
 INTERLEAVED_SCHEMES = INT4_SCHEMES + ("q8_0",)  # those whose rows the CPU kernels take interleaved (Layout)
 
@@ -44,8 +48,9 @@ class QTensor:
     """A 2-D weight matrix [out, in] in one of SCHEMES.
 
     q:      int4 schemes: uint8 [out, in // 2] packed nibbles; q8_0: int8 [out, in];
-            f32: float32 [out, in]; f16: float16 [out, in]; bf16: uint16 [out, in] raw bits.
-    scales: float32 [out, in // group] for quantized schemes, else None.
+            f32: float32 [out, in]; f16: float16 [out, in]; bf16: uint16 [out, in] raw bits;
+            block schemes: uint8 [out, ggml_blocks.row_bytes(scheme, in)] GGUF blocks.
+    scales: float32 [out, in // group] for the GROUP_SIZE schemes, else None.
     mins:   float32 [out, in // group] for q4_1, else None.
     interleave: int4 and q8_0: q's rows interleaved in blocks of this many (1: row-major; see
             Layout above; `interleaved` makes one, `row_major` undoes it).

@@ -38,7 +38,8 @@ def _sources_digest() -> str:
     h = hashlib.sha1(numba.__version__.encode())
     # Every kernel source, and the format module whose constants the kernels compile in.
     here = Path(__file__).parent
-    for f in [*sorted(here.rglob("*.py")), here.parent / "formats" / "qtensor.py"]:
+    formats = here.parent / "formats"
+    for f in [*sorted(here.rglob("*.py")), formats / "qtensor.py", formats / "ggml_blocks.py"]:
         h.update(str(f.relative_to(here.parent)).encode() + f.read_bytes())
     return f"kernels-{h.hexdigest()[:12]}"
 

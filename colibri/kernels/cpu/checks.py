@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from colibri.formats.ggml_blocks import BLOCK_TYPES, row_bytes
 from colibri.formats.qtensor import GROUP_SIZE, INTERLEAVED_SCHEMES, SCHEMES, QTensor
 
 # --- Python-level dispatch and checks -----------------------------------------------------
@@ -24,6 +25,15 @@ def _check_tensor_once(t: QTensor) -> None:
     if t.scheme not in SCHEMES:
         raise ValueError(f"unknown quantization scheme {t.scheme!r}; known: {', '.join(SCHEMES)}")
     out, n = t.shape
+    if t.scheme in BLOCK_TYPES:
+        bt = BLOCK_TYPES[t.scheme]
+        if n % bt.elements:
+            raise ValueError(f"{t.scheme} tensor of shape {t.shape}: inputs must be a multiple of {bt.elements}")
+        rb = row_bytes(t.scheme, n)
+        if t.q.dtype != np.uint8 or t.q.shape != (out, rb) or not t.q.flags.c_contiguous or t.interleave != 1:
+            raise ValueError(f"{t.scheme} tensor of shape {t.shape} needs q as row-major C-contiguous uint8 "
+                             f"[{out}, {rb}] (GGUF blocks), got {t.q.dtype.name} {t.q.shape}")
+        return
     want = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16, "q8_0": np.int8}.get(t.scheme, np.uint8)
     qcols = n // 2 if t.scheme in GROUP_SIZE and t.scheme != "q8_0" else n
     if t.q.dtype != want or t.q.shape != (out, qcols) or not t.q.flags.c_contiguous:
