@@ -71,6 +71,43 @@ def checksum(buf: np.ndarray, algorithm: str = CHECKSUM) -> str:
     return CHECKSUMS[algorithm](memoryview(buf).cast("B"))
 
 
+class Digest:
+    """A checksum taken over several pieces in turn (an expert read as several ranges); the
+    same digest as `checksum` of their concatenation."""
+
+    def __init__(self, algorithm: str = CHECKSUM):
+        self.algorithm = algorithm
+        if algorithm == "xxh3_64":
+            import xxhash
+
+            self._h = xxhash.xxh3_64()
+        else:
+            self._crc = 0
+
+    def update(self, buf: np.ndarray) -> None:
+        view = memoryview(np.ascontiguousarray(buf)).cast("B")
+        if self.algorithm == "xxh3_64":
+            self._h.update(view)
+        else:
+            self._crc = zlib.crc32(view, self._crc)
+
+    def hexdigest(self) -> str:
+        return f"{self._h.intdigest():016x}" if self.algorithm == "xxh3_64" else f"{self._crc:08x}"
+
+
+@dataclass(frozen=True)
+class ExpertRange:
+    """One byte range of an expert on disk: `nbytes` at `offset` of `path`, landing at
+    `blob_offset` in the expert's blob, or handed to `repack(raw, blob)` when its bytes must be
+    rearranged first (colibri/io/expert_reader.py)."""
+
+    path: Path
+    offset: int
+    nbytes: int
+    blob_offset: int = 0
+    repack: Callable[[np.ndarray, np.ndarray], None] | None = None
+
+
 @dataclass(frozen=True)
 class ExpertLayout:
     """Where each array of one expert lives inside its blob (the same for every expert of a layer)."""
@@ -149,19 +186,29 @@ class Container:
                                f"supported (expected {FORMAT_VERSION}); re-convert the model")
         if not isinstance(self.config.get("model_type"), str):
             raise ColibriError(f"{self.dir}/config.json names no model_type; restore the file or re-convert the model")
-        _check_manifest(self.dir, self.manifest)
-        self.dense = SafetensorsFile(self.dir / self.manifest["dense_file"])
+        # A model linked to a GGUF file (colibri/io/gguf_link.py): its tensors and experts are
+        # read from the user's file itself; this directory holds only the index.
+        self.gguf = None
+        if self.manifest.get("kind") == "gguf-link":
+            from colibri.io.gguf_link import GGUFLink
+
+            self.gguf = GGUFLink(self.dir, self.manifest)
+        else:
+            _check_manifest(self.dir, self.manifest)
+        self.dense = None if self.gguf else SafetensorsFile(self.dir / self.manifest["dense_file"])
         self.expert_layouts = {prefix: _layout(self.dir, prefix, spec)
                                for prefix, spec in self.manifest.get("experts", {}).items()}
         self._expert_files: dict[str, SafetensorsFile] = {}
         self._checked_prefixes: set[str] = set()
-        missing = [n for n in self.manifest["tensors"] if f"{n}.q" not in self.dense.tensors]
+        missing = [] if self.gguf else [n for n in self.manifest["tensors"] if f"{n}.q" not in self.dense.tensors]
         if missing:
             raise ColibriError(f"{self.dir}: {len(missing)} tensors of the manifest are missing from "
                                f"{self.manifest['dense_file']} (first: {missing[0]}); re-convert the model")
 
     @property
     def dense_bytes(self) -> int:
+        if self.gguf:
+            return self.gguf.dense_bytes
         return sum(t.nbytes for t in self.dense.tensors.values())
 
     @property
@@ -177,8 +224,11 @@ class Container:
         spec = self.manifest["tensors"].get(name)
         if spec is None:
             raise ColibriError(f"{self.dir}: tensor {name} is missing; the container does not match its config")
-        parts = {p: self.dense.read(f"{name}.{p}", WEIGHTS.empty) for p in ("q", "scales", "mins")
-                 if f"{name}.{p}" in self.dense.tensors}
+        if self.gguf:
+            parts = self.gguf.tensor_parts(name, WEIGHTS.copy)
+        else:
+            parts = {p: self.dense.read(f"{name}.{p}", WEIGHTS.empty) for p in ("q", "scales", "mins")
+                     if f"{name}.{p}" in self.dense.tensors}
         if self.on_read is not None:
             self.on_read(sum(a.nbytes for a in parts.values()))
         if len(spec["shape"]) == 1:
@@ -191,6 +241,9 @@ class Container:
         return any(l.digests is not None for l in self.expert_layouts.values())
 
     def expert_file(self, prefix: str) -> SafetensorsFile:
+        if self.gguf:
+            raise ColibriError(f"{self.dir}: the experts of {prefix} are read from a GGUF file, not a "
+                               "container file (use expert_ranges)")
         layout = self.expert_layouts[prefix]
         if layout.file not in self._expert_files:
             self._expert_files[layout.file] = SafetensorsFile(self.dir / layout.file)
@@ -205,6 +258,34 @@ class Container:
         f = self.expert_file(prefix)
         info = f.tensors[f"{prefix}.experts.{expert}"]
         return f.path, info.offset, info.nbytes
+
+    def expert_ranges(self, prefix: str, expert: int) -> list[ExpertRange]:
+        """Where expert `expert` of `prefix` lies on disk: one range (its blob) in a container,
+        one per projection in a model linked to a GGUF."""
+        if self.gguf:
+            return self.gguf.expert_ranges(prefix, expert)
+        path, offset, nbytes = self.expert_range(prefix, expert)
+        return [ExpertRange(path, offset, nbytes)]
+
+    def expert_paths(self, prefix: str) -> list[Path]:
+        """The files the experts of `prefix` are read from."""
+        return sorted({r.path for r in self.expert_ranges(prefix, 0)})
+
+    def new_digest(self, prefix: str) -> Digest | None:
+        """A checksum to feed an expert's bytes as read from disk (check_digest checks it);
+        None when the model records none."""
+        layout = self.expert_layouts[prefix]
+        return None if layout.digests is None else Digest(layout.checksum)
+
+    def check_digest(self, prefix: str, expert: int, digest: Digest, blob: np.ndarray) -> None:
+        """Raise EngineFault when an expert's bytes, as read, do not match the recorded checksum."""
+        got, want = digest.hexdigest(), self.expert_layouts[prefix].digests[expert]
+        if got != want:
+            where = self.gguf.describe(prefix) if self.gguf else self.dir / self.expert_layouts[prefix].file
+            raise EngineFault(f"expert {expert} of {prefix} in {where} failed its checksum "
+                              f"({digest.algorithm} {got} != {want}): the file is damaged; "
+                              + ("restore it (the index is rebuilt when the file changes)" if self.gguf
+                                 else "re-convert or restore it"))
 
     def verify_expert(self, prefix: str, expert: int, blob: np.ndarray) -> None:
         """Raise EngineFault when `blob` (the expert's bytes as read from disk) does not match the

@@ -40,6 +40,7 @@ import numpy as np
 
 from colibri.errors import ColibriError, EngineFault
 from colibri.io.container import Container, ExpertLayout
+from colibri.io.expert_reader import ExpertReader, aligned_buffer
 from colibri.formats.expert_blob import FusedExperts, StackedExperts
 from colibri.memory import huge_pages
 
@@ -88,22 +89,11 @@ def save_history(path: Path | None, earlier: dict, counts: dict[str, np.ndarray]
         warnings.warn(f"could not save routing history to {path}: {e}", stacklevel=3)
 
 
-def read_expert(container: Container, fd: int, prefix: str, e: int, buf: np.ndarray, verify: bool) -> int:
-    """Expert e of `prefix` from its open file `fd` into buf[:nbytes], checked against the
-    manifest when `verify`; returns nbytes. Failures are EngineFaults naming file and expert:
-    the client's request is fine, the model files are not."""
-    path, offset, nbytes = container.expert_range(prefix, e)
-    try:
-        n = os.preadv(fd, [memoryview(buf[:nbytes])], offset)
-    except OSError as err:
-        raise EngineFault(f"reading expert {e} of {prefix} from {path} failed ({err.strerror}); "
-                          "check the disk, then restore or re-convert the file") from None
-    if n != nbytes:
-        raise EngineFault(f"expert {e} of {prefix} in {path} is truncated (read {n} of {nbytes} bytes): "
-                          "the file is damaged; re-convert or restore it")
-    if verify:
-        container.verify_expert(prefix, e, buf[:nbytes])
-    return nbytes
+def read_expert(reader: ExpertReader, prefix: str, e: int, buf: np.ndarray, verify: bool) -> int:
+    """Expert e of `prefix` from disk into buf, checked against the model's checksum when
+    `verify`; returns the bytes read (expert_reader.py: failures are EngineFaults naming file
+    and expert). One function every source reads through (tests slow it down here)."""
+    return reader.read(prefix, e, buf, verify)
 
 
 def arena(nbytes: int, touch: bool = True) -> np.ndarray:
@@ -117,13 +107,6 @@ def arena(nbytes: int, touch: bool = True) -> np.ndarray:
     fault the pages in while other reads are in flight, instead of zeroing 16 GB (~5 s here)
     before the first expert can be read."""
     return huge_pages(nbytes, touch=touch)
-
-
-def aligned_buffer(nbytes: int) -> np.ndarray:
-    """uint8 [nbytes] whose data pointer is 4096-aligned (O_DIRECT needs it)."""
-    raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
-    off = (-raw.ctypes.data) % _ALIGN
-    return raw[off: off + nbytes]
 
 
 @dataclass
@@ -211,7 +194,10 @@ class ExpertStore:
         self.stats = StoreStats()
         self._lock = threading.Lock()
         self._history_lock = threading.Lock()  # turn ends of concurrent generations (batching) save it
-        self._fds: dict[str, int] = {}
+        if config.io == "mmap" and container.gguf:
+            raise ColibriError("--expert-io mmap maps a container's expert files; a model read from a GGUF "
+                               "streams its experts with --expert-io pread or direct")
+        self._reader = ExpertReader(container, "require" if config.io == "direct" else "off")
         self._maps: dict[str, np.ndarray] = {}
         self._verified: set[tuple[str, int]] = set()  # mmap: experts checked since the files were mapped
         prefixes = list(container.expert_layouts)
@@ -243,30 +229,26 @@ class ExpertStore:
 
     # ------------------------------------------------------------------ files
     def _open(self, prefix: str) -> None:
+        """Open the files of `prefix`'s experts now, so a missing or unreadable one fails the load."""
+        if self.config.io != "mmap":
+            for path in self.container.expert_paths(prefix):
+                self._reader._fd(path)
+            return
         path, _, _ = self.container.expert_range(prefix, 0)
         key = str(path)
-        if key in self._fds or key in self._maps:
+        if key in self._maps:
             return
-        if self.config.io == "mmap":
-            # A private (copy-on-write) mapping, never written: its arrays are writable, so the
-            # kernels get the same numba types as with experts in RAM. Read-only arrays compile
-            # separate specializations, and numba's dispatcher may serve a later writable call
-            # from one of them: the last bits then depended on which ran first in the process.
-            with open(path, "rb") as f:
-                self._maps[key] = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), dtype=np.uint8)
-            return
-        flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if self.config.io == "direct" else 0)
-        try:
-            self._fds[key] = os.open(path, flags)
-        except OSError as e:
-            raise ColibriError(f"cannot open expert file {path} ({e.strerror}); "
-                               "try --expert-io pread if the filesystem refuses O_DIRECT") from None
+        # A private (copy-on-write) mapping, never written: its arrays are writable, so the
+        # kernels get the same numba types as with experts in RAM. Read-only arrays compile
+        # separate specializations, and numba's dispatcher may serve a later writable call
+        # from one of them: the last bits then depended on which ran first in the process.
+        with open(path, "rb") as f:
+            self._maps[key] = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), dtype=np.uint8)
 
     def _read(self, prefix: str, e: int, buf: np.ndarray) -> np.ndarray:
         """One expert from disk into `buf` (runs in a reader thread), verified. Failures are
         EngineFaults: the client's request is fine, the model files are not."""
-        path, _, _ = self.container.expert_range(prefix, e)
-        nbytes = read_expert(self.container, self._fds[str(path)], prefix, e, buf, self.config.verify)
+        nbytes = read_expert(self._reader, prefix, e, buf, self.config.verify)
         if self.interleaved:
             self.layers[prefix].layout.interleave(buf)
         with self._lock:
@@ -527,7 +509,5 @@ class ExpertStore:
 
     def close(self) -> None:
         self._readers.shutdown(wait=True)
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self._reader.close()
 

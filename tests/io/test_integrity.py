@@ -268,7 +268,7 @@ def test_an_engine_answers_before_its_experts_are_in_with_the_same_tokens(pristi
         if threading.current_thread().name.startswith("colibri-expert-load"):
             time.sleep(0.5)
         else:
-            on_demand.append(a[2:4])  # (layer, expert) read by the generating thread itself
+            on_demand.append(a[1:3])  # (layer, expert) read by the generating thread itself
         return read(*a, **kw)
 
     monkeypatch.setattr(ex, "read_expert", slow)
