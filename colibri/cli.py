@@ -15,14 +15,14 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Run Mixture-of-Experts language models bigger than memory.")
 err = Console(stderr=True, soft_wrap=True)  # soft_wrap: a message stays one line in a log or pipe
 
-MODEL_HELP = ("Model container directory or .gguf file (a GGUF is converted once into the cache; "
-              "default: embedded SmolLM2-135M-Instruct).")
+MODEL_HELP = ("Model container directory or .gguf file (any part of a split GGUF; it is read in place, "
+              "indexed once into the cache; default: embedded SmolLM2-135M-Instruct).")
 ModelOpt = typer.Option(None, "--model", "-m", help=MODEL_HELP)
 
 
 def model_dir(model: Optional[Path], progress: bool = True, default: bool = False) -> Optional[Path]:
-    """What -m names, as a container directory: a directory as is, a .gguf file converted once
-    into the cache (colibri.default_model.gguf_model_dir), nothing as None (Engine.load takes the
+    """What -m names, as a model directory: a directory as is, a .gguf file's linked directory,
+    indexed once into the cache (colibri.default_model.gguf_model_dir), nothing as None (Engine.load takes the
     default model) or, with `default`, the default model's directory."""
     from colibri.default_model import default_model_dir, gguf_model_dir
 

