@@ -148,4 +148,4 @@ def test_bad_group_multiple_raises():
     with pytest.raises(ValueError, match="multiple of the group size"):
         quantize(np.zeros((2, 48), np.float32), "int4_g64")
     with pytest.raises(ValueError, match="unknown quantization scheme"):
-        quantize(np.zeros((2, 64), np.float32), "q5_k")
+        quantize(np.zeros((2, 64), np.float32), "q7_k")
