@@ -9,7 +9,9 @@ Layouts (all groups run along the input dimension, rows are output channels):
 - q8_0 (GGUF Q8_0): group 32, int8 q, w = q * d.
 - f32 / f16 / bf16: unquantized; bf16 is kept as its raw uint16 bits (numpy has no bf16).
 - block schemes (q2_k .. q6_k, iq4_nl, iq4_xs, q5_0, q5_1, mxfp4): GGUF's own blocks, q a row's
-  run of them byte for byte, no scales arrays (formats/ggml_blocks.py).
+  run of them byte for byte, no scales arrays; quantize / dequantize hand them to
+  ggml_blocks.quantize_blocks (ports of ggml's reference quantizers) / dequantize_blocks
+  (gguf-py's values bit for bit).
 
 Nibble order within a group of g elements (g/2 bytes): byte k holds element k in its low
 nibble and element k + g/2 in its high nibble. That is GGUF's own Q4_0/Q4_1 order, so GGUF
@@ -34,7 +36,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from colibri.formats.ggml_blocks import BLOCK_SCHEMES
+from colibri.formats.ggml_blocks import (
+    BLOCK_SCHEMES,
+    dequantize_blocks,
+    quantize_blocks,
+)
 
 GROUP_SIZE = {"int4_g64": 64, "q4_0": 32, "q4_1": 32, "q8_0": 32}
 FLOAT_SCHEMES = ("f32", "f16", "bf16")
@@ -248,6 +254,9 @@ def quantize(w: np.ndarray, scheme: str) -> QTensor:
         return QTensor(scheme, w.shape, w)
     if scheme == "bf16":
         return QTensor(scheme, w.shape, f32_to_bf16(w))
+    if scheme in BLOCK_SCHEMES:
+        q = quantize_blocks(w, scheme)
+        return QTensor(scheme, (q.shape[0], np.shape(w)[1]), q)
     if scheme not in GROUP_SIZE:
         raise ValueError(f"unknown quantization scheme {scheme!r}; known: {', '.join(SCHEMES)}")
     g = GROUP_SIZE[scheme]
@@ -299,6 +308,8 @@ def dequantize(t: QTensor) -> np.ndarray:
         return t.q.astype(np.float32)
     if t.scheme == "bf16":
         return bf16_to_f32(t.q)
+    if t.scheme in BLOCK_SCHEMES:
+        return dequantize_blocks(t.q, t.scheme, n)
     g = GROUP_SIZE[t.scheme]
     if t.scheme == "q8_0":
         vals = t.q.astype(np.float32).reshape(out, n // g, g)
