@@ -31,6 +31,7 @@ from numba import get_num_threads, njit, prange
 
 from colibri.formats.qtensor import GROUP_SIZE, INT4_SCHEMES, QTensor
 
+from .cpu.blocks import TYPE_CODE, deq_block_row, deq_block_tile
 from .cpu.checks import check_tensor, checked_x, int4_args, result_array
 from .cpu.codegen import FASTMATH
 from .cpu.dequant import deq_int4_row_at, deq_q8_row_at, deq_u16_row
@@ -154,6 +155,22 @@ def _matmul_q8(q, scales, group, ilv, x, y, nthreads):
 
 
 @njit(parallel=True, cache=True)
+def _matmul_blocks(tc, q, x, y, nthreads):
+    """GGUF block schemes (cpu/blocks.py): rows dequantized exactly, as the embedding's."""
+    out, n = q.shape[0], x.shape[1]
+    nblk = (out + _TILE - 1) // _TILE
+    nth = min(nthreads, nblk)
+    for t in prange(nth):
+        buf = np.empty((_TILE, n), np.float32)
+        for blk in range(t, nblk, nth):
+            r0 = blk * _TILE
+            nr = min(_TILE, out - r0)
+            for j in range(nr):
+                deq_block_row(tc, q[r0 + j], buf[j])
+            _tile_matmul(buf, nr, x, y, r0)
+
+
+@njit(parallel=True, cache=True)
 def _matmul_u16(w, is_bf16, x, y, nthreads):
     out, n = w.shape[0], x.shape[1]
     nblk = (out + _TILE - 1) // _TILE
@@ -237,6 +254,9 @@ def _tile_buffer(rows: int, n_in: int) -> np.ndarray:
 def _dequantizer(t: QTensor):
     """fn(r0, nr, buf) filling buf[:nr] with rows r0 .. r0+nr of dequantize(t); None for f32."""
     s = t.scheme
+    if s in TYPE_CODE:
+        tc = TYPE_CODE[s]
+        return lambda r0, nr, buf: deq_block_tile(tc, t.q, r0, nr, buf)
     if s in INT4_SCHEMES:
         args = int4_args(t)
         return lambda r0, nr, buf: _deq_int4_tile(*args, r0, nr, buf)
@@ -281,7 +301,9 @@ def matmul(t: QTensor, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarr
         matmul_blas(t, x, y, nthreads)
         return y
     s = t.scheme
-    if s in INT4_SCHEMES:
+    if s in TYPE_CODE:
+        _matmul_blocks(TYPE_CODE[s], t.q, x, y, nthreads)
+    elif s in INT4_SCHEMES:
         matmul_int4(*int4_args(t), x, y, nthreads)
     elif s == "q8_0":
         _matmul_q8(t.q, t.scales, GROUP_SIZE[s], t.interleave, x, y, nthreads)

@@ -632,9 +632,17 @@ def _tail_rows_into(q, scales, offs, coef, half, x, xp, y, act):
 # --- QTensor entry points (the model's linear() calls these in int8 mode) ----------------
 
 
+def _int4_only(t: QTensor) -> tuple:
+    w = int4_weight(t)
+    if w is None:
+        raise ValueError(f"int8 activations take int4 weights (int4_g64, q4_0, q4_1), not {t.scheme}; "
+                         "other schemes run with --activations f32")
+    return w
+
+
 def matvec_q(t: QTensor, x: np.ndarray) -> np.ndarray:
     """dequantize(t) @ x with x rounded to int8 per group; t an int4 scheme."""
-    q, scales, offs, coef, half, _, ilv = int4_weight(t)
+    q, scales, offs, coef, half, _, ilv = _int4_only(t)
     x = checked_x(x, 1, t.shape[1], "matvec")
     y = np.empty(t.shape[0], np.float32)
     if y.size:
@@ -645,7 +653,7 @@ def matvec_q(t: QTensor, x: np.ndarray) -> np.ndarray:
 def matmul_q(t: QTensor, x: np.ndarray) -> np.ndarray:
     """x @ dequantize(t).T with each row of x rounded to int8 per group; row l equals
     matvec_q(t, x[l]) bit for bit."""
-    q, scales, offs, coef, half, _, ilv = int4_weight(t)
+    q, scales, offs, coef, half, _, ilv = _int4_only(t)
     x = checked_x(x, 2, t.shape[1], "matmul")
     y = np.empty((x.shape[0], t.shape[0]), np.float32)
     if y.size:

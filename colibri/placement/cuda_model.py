@@ -25,6 +25,7 @@ import threading
 import numpy as np
 
 from colibri.errors import ColibriError
+from colibri.formats.ggml_blocks import BLOCK_TYPES
 from colibri.kernels import embedding
 from colibri.models import mla
 from colibri.models.attention import Attention
@@ -56,7 +57,24 @@ def unsupported(model) -> str | None:
                 return "shared experts other than a SwiGLU MLP with fused gate/up"
         elif type(m) is not MLP or m.gate_up is None:
             return "feed-forward blocks other than a dense SwiGLU MLP with fused gate/up or routed experts"
+    if any(getattr(p, "scheme", None) in BLOCK_TYPES for p in _device_weights(model)):
+        return "GGUF block-quantized weights (Q4_K, Q6_K, IQ4_XS, ...)"
     return None
+
+
+def _device_weights(model):
+    """The matrices DeviceModel would upload: every layer's dense weights and the head (routed
+    experts are checked where their blobs are uploaded: cuda.upload)."""
+    for layer in model.layers:
+        a, m = layer.attn, layer.mlp
+        if type(a) is mla.MLAttention:
+            yield from (a.q_a, a.q_b, a.kv_a, a.o_proj)
+        else:
+            yield from (a.qkv, a.o_proj)
+        dense = getattr(m, "shared", None) if isinstance(m, RoutedMoE) else m
+        if dense is not None:
+            yield from (dense.gate_up, dense.down)
+    yield model.lm_head
 
 
 def check(device: str) -> None:

@@ -9,6 +9,7 @@ from numba import njit, prange
 
 from colibri.formats.qtensor import GROUP_SIZE, QTensor
 
+from .blocks import TYPE_CODE, deq_block_row, embed_blocks
 from .checks import check_tensor, int4_args
 from .codegen import bf16_f32, f16_f32, int8_f32, nibble_hi, nibble_lo
 
@@ -133,14 +134,18 @@ def embedding(t: QTensor, ids: np.ndarray) -> np.ndarray:
         # The one row on this thread: a parallel region for it woke the other threads first,
         # which took longer than the row (~0.1 ms a token against ~7 us).
         r = int(ids[0])
-        if s in ("int4_g64", "q4_0", "q4_1"):
+        if s in TYPE_CODE:
+            deq_block_row(TYPE_CODE[s], t.q[r], y[0])
+        elif s in ("int4_g64", "q4_0", "q4_1"):
             deq_int4_row_at(*int4_args(t), r, y[0])
         elif s == "q8_0":
             deq_q8_row_at(t.q, t.scales, GROUP_SIZE[s], t.interleave, r, y[0])
         else:
             deq_u16_row(t.q.view(np.uint16)[r], s == "bf16", y[0])
         return y
-    if s in ("int4_g64", "q4_0", "q4_1"):
+    if s in TYPE_CODE:
+        embed_blocks(TYPE_CODE[s], t.q, ids, y)
+    elif s in ("int4_g64", "q4_0", "q4_1"):
         _embed_int4(*int4_args(t), ids, y)
     elif s == "q8_0":
         _embed_q8(t.q, t.scales, GROUP_SIZE[s], t.interleave, ids, y)

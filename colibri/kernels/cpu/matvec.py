@@ -1,5 +1,5 @@
 """matvec for decode (one token) and matvec_rows (a few tokens at once, each token's result
-the same bits), over every QTensor scheme.
+the same bits), over every QTensor scheme (the GGUF block schemes' kernels: blocks.py).
 
 - Decode is bound by streaming weights, so matvec never materialises a dequantized row. The
   offset term (-8*s, or q4_1's min m) does not depend on the nibble, so it leaves the inner
@@ -18,6 +18,7 @@ from numba import get_num_threads, njit, prange
 
 from colibri.formats.qtensor import GROUP_SIZE, INT4_SCHEMES, PAIR_ROW_BYTES, QTensor, chunk_shift
 
+from .blocks import TYPE_CODE, matmul_rows_blocks, matvec_blocks
 from .checks import check_tensor, checked_x, result_array
 from .codegen import (
     FASTMATH,
@@ -419,7 +420,9 @@ def matvec(t: QTensor, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarr
     if t.shape[0] == 0:
         return y
     s = t.scheme
-    if s in INT4_SCHEMES:
+    if s in TYPE_CODE:  # GGUF block schemes (blocks.py)
+        matvec_blocks(TYPE_CODE[s], t.q, x, y, get_num_threads())
+    elif s in INT4_SCHEMES:
         matvec_int4(*int4_weight(t), x, y, get_num_threads())
     elif s == "q8_0":
         group = GROUP_SIZE[s]
@@ -440,7 +443,9 @@ def matvec_rows(t: QTensor, x: np.ndarray, out: np.ndarray | None = None) -> np.
     if t.shape[0] == 0 or x.shape[0] == 0:
         return y
     s = t.scheme
-    if s in INT4_SCHEMES:
+    if s in TYPE_CODE:
+        matmul_rows_blocks(TYPE_CODE[s], t.q, x, y, get_num_threads())
+    elif s in INT4_SCHEMES:
         matmul_rows_int4(*int4_weight(t), x, y, get_num_threads())
     elif s == "q8_0":
         group = GROUP_SIZE[s]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from colibri.errors import ColibriError
+from colibri.formats.ggml_blocks import BLOCK_TYPES
 from colibri.formats.qtensor import GROUP_SIZE, INT4_SCHEMES, QTensor, row_major
 
 try:  # numba's built-in CUDA target, or numba-cuda's (which replaces it when installed)
@@ -148,6 +149,9 @@ def upload(t: QTensor, stream=0) -> DeviceMatrix:
     """Copy a weight matrix to the device (dense weights: once, for the model's life; routed
     experts: into the VRAM tier, on its copy stream). The device kernels read rows
     row-major: a matrix interleaved for the CPU kernels is put back first."""
+    if t.scheme in BLOCK_TYPES:
+        raise ValueError(f"no CUDA kernel for GGUF {BLOCK_TYPES[t.scheme].gguf_name} weights yet; "
+                         "run the layers holding them on the CPU (--device cpu)")
     t = row_major(t)
     out, n = t.shape
 

@@ -1,0 +1,453 @@
+"""The CPU kernels of GGUF's block schemes (formats/ggml_blocks.py): Q2_K..Q6_K, IQ4_NL,
+IQ4_XS, Q5_0, Q5_1 and MXFP4, read in ggml's byte layout as the file holds them.
+
+Every block type is one integer code per weight and a float scale (and, for some, an offset)
+per 16 weights: w = scale * code + offset, the code a small integer (Q4_K's nibble, Q6_K's
+6 bits less 32, IQ4's and MXFP4's table values), the scale d * sub-block scale, the offset
+-dmin * min (Q2_K, Q4_K, Q5_K) or Q5_1's m. So a row is read in two steps:
+
+1. decode_blocks: a row's blocks -> int8 codes [n] and float32 scales and offsets [n / 16]
+   (a 32-weight sub-block's scale written twice), with integer operations (no float but the
+   scales'), numba code that LLVM vectorizes freely (integer arithmetic has one result
+   whatever the order). One function for every type, the type a runtime code (TYPE_CODE),
+   so each entry point compiles once.
+2. The dot products of q8_0 (codegen.py's int8 row tiles, group 16) over those codes, eight
+   rows (or TILE_W rows x TILE_A tokens) at a time, plus the offset term
+   sum_g offset_g * sum(x_g) with x's 16-wide sums taken once per call (with_offsets8).
+
+The decoded codes of eight rows are a thread's scratch (one byte a weight, in L1 or L2: never
+a dequantized float row); the weights are streamed once, one row after the other. Every row of
+every entry point (matvec, matvec_rows, the fused MoE kernel) goes through the same decode and
+the same IR tile code in a written order, no fastmath, so a (weight row, x) pair gives the
+same bits whoever calls it and with any number of threads; a tail of fewer than eight rows
+runs in the same eight-row tile (the unused rows discarded).
+
+The exact dequantizer (deq_block_row: embedding, prefill's tiles) is decode_blocks followed by
+w = scale * float(code) + offset per weight, which is gguf-py's arithmetic: its products are
+the same float32 products (d * sc first, then by the code) and an offset-free type's offset is
+-0.0, which adds nothing to any float (x + -0.0 == x, -0.0 included).
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from colibri.formats.ggml_blocks import BLOCK_SCHEMES, BLOCK_TYPES
+
+from .codegen import (
+    TILE_A,
+    TILE_W,
+    f16_f32,
+    q8_dot8,
+    q8_tile1,
+    q8_tile2,
+    q8_tile3,
+    q8_tile4,
+    with_offsets8,
+    with_offsets_tile,
+)
+
+# scheme -> the kernels' type code; the tables below are indexed by it.
+TYPE_CODE = {s: i for i, s in enumerate(BLOCK_SCHEMES)}
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, Q5_0, Q5_1, MXFP4 = (
+    TYPE_CODE[s] for s in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs", "q5_0", "q5_1", "mxfp4"))
+ELEMENTS = np.array([BLOCK_TYPES[s].elements for s in BLOCK_SCHEMES], np.int64)
+NBYTES = np.array([BLOCK_TYPES[s].nbytes for s in BLOCK_SCHEMES], np.int64)
+# Types with a per-sub-block offset (a min): their matvec adds the offset term.
+HAS_OFFSET = np.array([s in ("q2_k", "q4_k", "q5_k", "q5_1") for s in BLOCK_SCHEMES], np.bool_)
+GROUP = 16  # weights per decoded scale: the smallest sub-block (Q2_K, Q3_K, Q6_K)
+
+_KV_IQ4 = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+_KV_MXFP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)  # e2m1, doubled
+_NEG0 = np.float32(-0.0)
+
+
+# --- the integer decoding, as LLVM vector IR ----------------------------------------------
+# numba's own byte loops stayed scalar (fully unrolled, then not vectorized; or vectorized in
+# 64-bit lanes): ~2 ns a weight, 10x the dot product. These work on 16 bytes at a time.
+
+_I8, _I32, _I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+_V16B = ir.VectorType(_I8, 16)
+_V32B = ir.VectorType(_I8, 32)
+_V32I = ir.VectorType(_I32, 32)
+
+
+def _splat(builder, value, vty):
+    v = builder.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined),
+                                  ir.Constant(ir.VectorType(_I32, vty.count), [0] * vty.count))
+
+
+def _byte_ptr(context, builder, aty, a, index):
+    data = context.make_array(aty)(context, builder, a).data
+    return builder.gep(builder.bitcast(data, _I8.as_pointer()), [index])
+
+
+@intrinsic
+def bits_into(typingctx, src, so, shift, mask, lsh, codes, co, n, acc):
+    """codes[co + i] = (codes[co + i] if acc else 0) + (((src[so + i] >> shift) & mask) << lsh)
+    for i < n (a multiple of 16), in bytes (wrapping): a bit field of every byte of src, moved
+    to its place in the codes."""
+    def codegen(context, builder, sig, args):
+        s, o, sh, mk, ls, c, cofs, cnt, ac = args
+        sp = _byte_ptr(context, builder, sig.args[0], s, o)
+        cp = _byte_ptr(context, builder, sig.args[5], c, cofs)
+        vsh = _splat(builder, builder.trunc(sh, _I8), _V16B)
+        vmk = _splat(builder, builder.trunc(mk, _I8), _V16B)
+        vls = _splat(builder, builder.trunc(ls, _I8), _V16B)
+        keep = _splat(builder, builder.select(ac, ir.Constant(_I8, 255), ir.Constant(_I8, 0)), _V16B)
+        with cgutils.for_range(builder, builder.lshr(cnt, ir.Constant(_I64, 4))) as loop:
+            off = builder.shl(loop.index, ir.Constant(_I64, 4))
+            vp = builder.bitcast(builder.gep(sp, [off]), _V16B.as_pointer())
+            dp = builder.bitcast(builder.gep(cp, [off]), _V16B.as_pointer())
+            v = builder.shl(builder.and_(builder.lshr(builder.load(vp, align=1), vsh), vmk), vls)
+            builder.store(builder.add(v, builder.and_(builder.load(dp, align=1), keep)), dp, align=1)
+        return context.get_dummy_value()
+    return types.void(src, types.intp, types.intp, types.intp, types.intp, codes, types.intp, types.intp,
+                      types.boolean), codegen
+
+
+@intrinsic
+def word_bits_into(typingctx, word, codes, co, lsh):
+    """codes[co + e] += ((word >> e) & 1) << lsh for e < 32 (Q5_0 / Q5_1's qh)."""
+    def codegen(context, builder, sig, args):
+        w, c, cofs, ls = args
+        cp = builder.bitcast(_byte_ptr(context, builder, sig.args[1], c, cofs), _V32B.as_pointer())
+        v = builder.lshr(_splat(builder, builder.trunc(w, _I32), _V32I), ir.Constant(_V32I, list(range(32))))
+        v = builder.trunc(builder.and_(v, ir.Constant(_V32I, [1] * 32)), _V32B)
+        v = builder.shl(v, _splat(builder, builder.trunc(ls, _I8), _V32B))
+        builder.store(builder.add(v, builder.load(cp, align=1)), cp, align=1)
+        return context.get_dummy_value()
+    return types.void(types.int64, codes, types.intp, types.intp), codegen
+
+
+@intrinsic
+def add_into(typingctx, codes, co, n, c):
+    """codes[co + i] += c for i < n (a multiple of 16)."""
+    def codegen(context, builder, sig, args):
+        a, cofs, cnt, cv = args
+        cp = _byte_ptr(context, builder, sig.args[0], a, cofs)
+        vc = _splat(builder, builder.trunc(cv, _I8), _V16B)
+        with cgutils.for_range(builder, builder.lshr(cnt, ir.Constant(_I64, 4))) as loop:
+            dp = builder.bitcast(builder.gep(cp, [builder.shl(loop.index, ir.Constant(_I64, 4))]), _V16B.as_pointer())
+            builder.store(builder.add(builder.load(dp, align=1), vc), dp, align=1)
+        return context.get_dummy_value()
+    return types.void(codes, types.intp, types.intp, types.int64), codegen
+
+
+@intrinsic
+def lut_into(typingctx, codes, co, n, table):
+    """codes[co + i] = table[codes[co + i]] for i < n (a multiple of 16; codes 0..15, table
+    int8 [16]): a chain of compares and selects, generic vector IR (no byte shuffle)."""
+    def codegen(context, builder, sig, args):
+        a, cofs, cnt, tab = args
+        cp = _byte_ptr(context, builder, sig.args[0], a, cofs)
+        tp = _byte_ptr(context, builder, sig.args[3], tab, ir.Constant(_I64, 0))
+        vals = [_splat(builder, builder.load(builder.gep(tp, [ir.Constant(_I64, k)])), _V16B) for k in range(16)]
+        with cgutils.for_range(builder, builder.lshr(cnt, ir.Constant(_I64, 4))) as loop:
+            dp = builder.bitcast(builder.gep(cp, [builder.shl(loop.index, ir.Constant(_I64, 4))]), _V16B.as_pointer())
+            v = builder.load(dp, align=1)
+            r = vals[0]
+            for k in range(1, 16):
+                r = builder.select(builder.icmp_unsigned("==", v, ir.Constant(_V16B, [k] * 16)), vals[k], r)
+            builder.store(r, dp, align=1)
+        return context.get_dummy_value()
+    return types.void(codes, types.intp, types.intp, table), codegen
+
+
+@intrinsic
+def _bits_f32(typingctx, v):
+    """The low 32 bits of an int64 as a float32's bits."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.trunc(args[0], ir.IntType(32)), ir.FloatType())
+    return types.float32(types.int64), codegen
+
+
+@njit(cache=True)
+def _f16_at(src, o):
+    """The little-endian IEEE half at bytes o, o + 1 of src, as float32 (exact)."""
+    return f16_f32(np.uint16(np.int64(src[o]) | (np.int64(src[o + 1]) << 8)))
+
+
+@njit(cache=True)
+def _k_scale_min(src, o, j):
+    """Q4_K / Q5_K: the 6-bit scale and min of sub-block j from the 12 bytes at o
+    (ggml's get_scale_min_k4)."""
+    if j < 4:
+        return np.int64(src[o + j]) & 63, np.int64(src[o + 4 + j]) & 63
+    sc = (np.int64(src[o + 4 + j]) & 15) | ((np.int64(src[o + j - 4]) >> 2) & 0x30)
+    m = (np.int64(src[o + 4 + j]) >> 4) | ((np.int64(src[o + j]) >> 2) & 0x30)
+    return sc, m
+
+
+@njit(cache=True)
+def decode_blocks(tc, src, b0, nb, codes, scales, offs):
+    """Blocks b0 .. b0+nb-1 of a row's bytes src (type tc) -> codes[0 : nb*E] (int8),
+    scales[0 : nb*E/16], offs[0 : nb*E/16] (float32): weight e is scales[e//16] * codes[e] +
+    offs[e//16]. Offset-free types get offs -0.0."""
+    nbytes = NBYTES[tc]
+    if tc == Q2_K:  # scales[16] qs[64] d dmin
+        for b in range(nb):
+            p, e0, g0 = (b0 + b) * nbytes, 256 * b, 16 * b
+            d, dmin = _f16_at(src, p + 80), _f16_at(src, p + 82)
+            for j in range(16):
+                sb = np.int64(src[p + j])
+                scales[g0 + j] = d * np.float32(sb & 15)
+                offs[g0 + j] = -(dmin * np.float32(sb >> 4))
+            for h in range(2):
+                for s in range(4):
+                    bits_into(src, p + 16 + 32 * h, 2 * s, 3, 0, codes, e0 + 128 * h + 32 * s, 32, False)
+    elif tc == Q3_K:  # hmask[32] qs[64] scales[12] d
+        for b in range(nb):
+            p, e0, g0 = (b0 + b) * nbytes, 256 * b, 16 * b
+            d = _f16_at(src, p + 108)
+            for j in range(16):
+                lo = (np.int64(src[p + 96 + (j & 7)]) >> (4 * (j >> 3))) & 15
+                hi = (np.int64(src[p + 104 + (j & 3)]) >> (2 * (j >> 2))) & 3
+                scales[g0 + j] = d * np.float32((lo | (hi << 4)) - 32)
+                offs[g0 + j] = _NEG0
+            for h in range(2):
+                for s in range(4):  # ql + 4 * hmask bit - 4
+                    o = e0 + 128 * h + 32 * s
+                    bits_into(src, p + 32 + 32 * h, 2 * s, 3, 0, codes, o, 32, False)
+                    bits_into(src, p, 4 * h + s, 1, 2, codes, o, 32, True)
+        add_into(codes, 0, 256 * nb, -4)
+    elif tc == Q4_K or tc == Q5_K:  # d dmin scales[12] (qh[32]) qs[128]
+        five = tc == Q5_K
+        qs = 48 if five else 16
+        for b in range(nb):
+            p, e0, g0 = (b0 + b) * nbytes, 256 * b, 16 * b
+            d, dmin = _f16_at(src, p), _f16_at(src, p + 2)
+            for j in range(8):
+                sc, m = _k_scale_min(src, p + 4, j)
+                dj = d * np.float32(sc)
+                mj = -(dmin * np.float32(m))
+                scales[g0 + 2 * j] = dj
+                scales[g0 + 2 * j + 1] = dj
+                offs[g0 + 2 * j] = mj
+                offs[g0 + 2 * j + 1] = mj
+            for c in range(4):
+                o = e0 + 64 * c
+                bits_into(src, p + qs + 32 * c, 0, 15, 0, codes, o, 32, False)
+                bits_into(src, p + qs + 32 * c, 4, 15, 0, codes, o + 32, 32, False)
+                if five:
+                    bits_into(src, p + 16, 2 * c, 1, 4, codes, o, 32, True)
+                    bits_into(src, p + 16, 2 * c + 1, 1, 4, codes, o + 32, 32, True)
+    elif tc == Q6_K:  # ql[128] qh[64] scales[16] (int8) d
+        for b in range(nb):
+            p, e0, g0 = (b0 + b) * nbytes, 256 * b, 16 * b
+            d = _f16_at(src, p + 208)
+            for j in range(16):
+                sc = np.int64(src[p + 192 + j])
+                scales[g0 + j] = d * np.float32(sc - 256 if sc >= 128 else sc)
+                offs[g0 + j] = _NEG0
+            for h in range(2):
+                for s in range(4):  # (ql | qh << 4) - 32
+                    o = e0 + 128 * h + 32 * s
+                    bits_into(src, p + 64 * h + 32 * (s & 1), 4 * (s >> 1), 15, 0, codes, o, 32, False)
+                    bits_into(src, p + 128 + 32 * h, 2 * s, 3, 4, codes, o, 32, True)
+        add_into(codes, 0, 256 * nb, -32)
+    elif tc == IQ4_XS:  # d scales_h (u16) scales_l[4] qs[128]
+        for b in range(nb):
+            p, e0, g0 = (b0 + b) * nbytes, 256 * b, 16 * b
+            d = _f16_at(src, p)
+            sh = np.int64(src[p + 2]) | (np.int64(src[p + 3]) << 8)
+            for j in range(8):
+                lo = (np.int64(src[p + 4 + (j >> 1)]) >> (4 * (j & 1))) & 15
+                hi = (sh >> (2 * j)) & 3
+                dj = d * np.float32((lo | (hi << 4)) - 32)
+                scales[g0 + 2 * j] = dj
+                scales[g0 + 2 * j + 1] = dj
+                offs[g0 + 2 * j] = _NEG0
+                offs[g0 + 2 * j + 1] = _NEG0
+            for j in range(8):
+                bits_into(src, p + 8 + 16 * j, 0, 15, 0, codes, e0 + 32 * j, 16, False)
+                bits_into(src, p + 8 + 16 * j, 4, 15, 0, codes, e0 + 32 * j + 16, 16, False)
+        lut_into(codes, 0, 256 * nb, _KV_IQ4)
+    elif tc == IQ4_NL or tc == MXFP4:  # d qs[16] / e qs[16]
+        mx = tc == MXFP4
+        for b in range(nb):
+            p, e0, g0 = (b0 + b) * nbytes, 32 * b, 2 * b
+            if mx:  # ggml_e8m0_to_fp32_half
+                e = np.int64(src[p])
+                d = _bits_f32(np.int64(0x00200000) << e if e < 2 else (e - 1) << 23)
+                q0 = p + 1
+            else:
+                d = _f16_at(src, p)
+                q0 = p + 2
+            bits_into(src, q0, 0, 15, 0, codes, e0, 16, False)
+            bits_into(src, q0, 4, 15, 0, codes, e0 + 16, 16, False)
+            scales[g0] = d
+            scales[g0 + 1] = d
+            offs[g0] = _NEG0
+            offs[g0 + 1] = _NEG0
+        lut_into(codes, 0, 32 * nb, _KV_MXFP4 if mx else _KV_IQ4)
+    else:  # Q5_0: d qh[4] qs[16]; Q5_1: d m qh[4] qs[16]
+        one = tc == Q5_1
+        h0 = 4 if one else 2
+        for b in range(nb):
+            p, e0, g0 = (b0 + b) * nbytes, 32 * b, 2 * b
+            d = _f16_at(src, p)
+            m = _f16_at(src, p + 2) if one else _NEG0
+            qh = (np.int64(src[p + h0]) | (np.int64(src[p + h0 + 1]) << 8) | (np.int64(src[p + h0 + 2]) << 16)
+                  | (np.int64(src[p + h0 + 3]) << 24))
+            bits_into(src, p + h0 + 4, 0, 15, 0, codes, e0, 16, False)
+            bits_into(src, p + h0 + 4, 4, 15, 0, codes, e0 + 16, 16, False)
+            word_bits_into(qh, codes, e0, 4)
+            scales[g0] = d
+            scales[g0 + 1] = d
+            offs[g0] = m
+            offs[g0 + 1] = m
+        if not one:
+            add_into(codes, 0, 32 * nb, -16)
+
+
+# --- the exact dequantizer (embedding, prefill) ---------------------------------------------
+
+
+@njit(cache=True)
+def deq_block_row(tc, src, dst):
+    """A row's bytes src -> dst float32 [n], equal to gguf-py's dequantize bit for bit; 256
+    weights at a time through decode_blocks."""
+    n = dst.shape[0]
+    el = ELEMENTS[tc]
+    codes = np.empty(256, np.int8)
+    sc = np.empty(16, np.float32)
+    of = np.empty(16, np.float32)
+    for e0 in range(0, n, 256):
+        m = min(256, n - e0)
+        decode_blocks(tc, src, e0 // el, m // el, codes, sc, of)
+        for i in range(m):
+            dst[e0 + i] = sc[i >> 4] * np.float32(codes[i]) + of[i >> 4]
+
+
+@njit(cache=True, nogil=True)
+def deq_block_tile(tc, q, r0, nr, buf):
+    """buf[:nr] = rows r0 .. r0+nr of the matrix q (prefill's BLAS tiles)."""
+    for j in range(nr):
+        deq_block_row(tc, q[r0 + j], buf[j])
+
+
+@njit(parallel=True, cache=True)
+def embed_blocks(tc, q, ids, y):
+    for i in prange(ids.shape[0]):
+        deq_block_row(tc, q[ids[i]], y[i])
+
+
+# --- decode: the row dots ----------------------------------------------------------------
+
+
+@njit(cache=True)
+def sums16(x, xs):
+    """xs[g] = the sum of x[16g : 16g+16]: eight interleaved partial sums, then a fixed tree."""
+    for g in range(xs.shape[0]):
+        x0 = GROUP * g
+        a0 = x[x0] + x[x0 + 8]
+        a1 = x[x0 + 1] + x[x0 + 9]
+        a2 = x[x0 + 2] + x[x0 + 10]
+        a3 = x[x0 + 3] + x[x0 + 11]
+        a4 = x[x0 + 4] + x[x0 + 12]
+        a5 = x[x0 + 5] + x[x0 + 13]
+        a6 = x[x0 + 6] + x[x0 + 14]
+        a7 = x[x0 + 7] + x[x0 + 15]
+        xs[g] = ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))
+
+
+@njit(cache=True)
+def x_sums(tc, x):
+    """x's 16-wide sums where type tc has offsets, else an empty array (no offset term)."""
+    xs = np.empty(x.shape[0] // GROUP if HAS_OFFSET[tc] else 0, np.float32)
+    sums16(x, xs)
+    return xs
+
+
+@njit(cache=True)
+def block_scratch(n):
+    """A thread's decoded codes, scales and offsets of eight rows of n weights."""
+    return (np.zeros((8, n), np.int8), np.zeros((8, n // GROUP), np.float32),
+            np.zeros((8, n // GROUP), np.float32))
+
+
+@njit(cache=True)
+def decode_rows8(tc, q, r, codes, sc, of):
+    """Rows r .. r+7 of q (as many as there are) decoded into the scratch's rows 0..7."""
+    nb = codes.shape[1] // ELEMENTS[tc]
+    for j in range(min(8, q.shape[0] - r)):
+        decode_blocks(tc, q[r + j], 0, nb, codes[j], sc[j], of[j])
+
+
+@njit(cache=True)
+def dot_rows8(codes, sc, of, x, xs, d):
+    """d[0:8] = the decoded scratch rows . x, offsets included (xs: x_sums)."""
+    q8_dot8(codes, sc, 0, 0, x, GROUP, 0, 1, d, 0)
+    with_offsets8(d, of, 0, np.float32(1.0), xs)
+
+
+@njit(cache=True)
+def block_rows8(tc, q, r, x, xs, codes, sc, of, d):
+    """d[0:8] = rows r .. r+7 of dequantize(q) @ x (rows past the end: garbage). Shared by
+    matvec_blocks and the fused MoE kernel (moe.py)."""
+    decode_rows8(tc, q, r, codes, sc, of)
+    dot_rows8(codes, sc, of, x, xs, d)
+
+
+@njit(parallel=True, cache=True)
+def matvec_blocks(tc, q, x, y, nthreads):
+    """y = dequantize(q) @ x for a block-scheme matrix q (uint8 [out, row bytes])."""
+    out, n = q.shape[0], x.shape[0]
+    xs = x_sums(tc, x)
+    nblk = (out + 7) // 8
+    per = (nblk + nthreads - 1) // nthreads
+    for t in prange(nthreads):
+        codes, sc, of = block_scratch(n)
+        d = np.empty(8, np.float32)
+        for blk in range(t * per, min(nblk, (t + 1) * per)):
+            r = 8 * blk
+            block_rows8(tc, q, r, x, xs, codes, sc, of, d)
+            for j in range(min(8, out - r)):
+                y[r + j] = d[j]
+
+
+@njit(cache=True)
+def _q8_tile(q, scales, r, x, a0, na, d):
+    """Weight rows r .. r+TILE_W-1 of the scratch x tokens a0 .. a0+na-1 (TILE_A = 4)."""
+    if na == 4:
+        q8_tile4(q, scales, r, r, x, a0, GROUP, 0, 1, d)
+    elif na == 3:
+        q8_tile3(q, scales, r, r, x, a0, GROUP, 0, 1, d)
+    elif na == 2:
+        q8_tile2(q, scales, r, r, x, a0, GROUP, 0, 1, d)
+    else:
+        q8_tile1(q, scales, r, r, x, a0, GROUP, 0, 1, d)
+
+
+@njit(parallel=True, cache=True)
+def matmul_rows_blocks(tc, q, x, y, nthreads):
+    """y [B, out] = x [B, n] @ dequantize(q).T for a few tokens: row a equals
+    matvec_blocks(x[a]) bit for bit (the same decode, the same per-pair tile operations),
+    each 8-row block decoded once for all B tokens."""
+    out, B, n = q.shape[0], x.shape[0], x.shape[1]
+    xs = np.empty((B, n // GROUP if HAS_OFFSET[tc] else 0), np.float32)
+    for a in range(B):
+        sums16(x[a], xs[a])
+    nblk = (out + 7) // 8
+    per = (nblk + nthreads - 1) // nthreads
+    for t in prange(nthreads):
+        codes, sc, of = block_scratch(n)
+        d = np.empty((TILE_A, TILE_W), np.float32)
+        for blk in range(t * per, min(nblk, (t + 1) * per)):
+            r = 8 * blk
+            decode_rows8(tc, q, r, codes, sc, of)
+            for w0 in range(0, 8, TILE_W):
+                if r + w0 >= out:
+                    break
+                for a0 in range(0, B, TILE_A):
+                    na = min(TILE_A, B - a0)
+                    _q8_tile(codes, sc, w0, x, a0, na, d)
+                    for a in range(na):
+                        with_offsets_tile(d[a], of, w0, np.float32(1.0), xs[a0 + a])
+                        for j in range(min(TILE_W, out - r - w0)):
+                            y[a0 + a, r + w0 + j] = d[a, j]
