@@ -207,15 +207,30 @@ def _tokenizer_files(src: Path) -> dict[str, str]:
 
 
 def _convert_gguf(path: Path, out: Path, progress: bool) -> None:
-    from colibri.io.gguf_import import read_gguf
+    """A lossless repack: every tensor keeps the file's type (bits=0 in the manifest); routed
+    experts are cut out of their per-layer stacks one expert at a time (GGUFStack.expert) and
+    written as container expert blobs."""
+    from colibri.io.gguf import read_gguf
 
     ckpt = read_gguf(path)
     writer = ContainerWriter(out, bits=0, source=str(path))
+    n_experts = sum(next(iter(stacks.values())).num_experts for stacks in ckpt.experts.values())
     with _progress(progress) as bar:
-        task = bar.add_task(f"repacking {path.name}", total=len(ckpt.tensors))
+        task = bar.add_task(f"repacking {path.name}", total=len(ckpt.tensors) + n_experts)
         for name, t in ckpt.tensors.items():
             writer.add_dense(name, t)
             bar.advance(task)
+        for prefix, stacks in ckpt.experts.items():
+            m = _LAYER.search(prefix + ".")
+            count = {s.num_experts for s in stacks.values()}
+            if len(count) != 1:
+                raise ColibriError(f"{path.name}: the expert stacks of {prefix} hold different expert counts "
+                                   f"({sorted(count)})")
+            (num,) = count
+            for e in range(num):
+                writer.add_expert(prefix, int(m.group(1)) if m else 0, e, num,
+                                  {proj: stacks[proj].expert(e) for proj in EXPERT_PROJECTIONS})
+                bar.advance(task)
     files = {
         "tokenizer.json": ckpt.tokenizer_json,
         "tokenizer_config.json": json.dumps(ckpt.tokenizer_config, indent=2, ensure_ascii=False),

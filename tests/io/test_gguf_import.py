@@ -142,7 +142,8 @@ def _embedding():
     return ("token_embd.weight", np.random.default_rng(0).standard_normal((258, 64)).astype(np.float32), None)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_0, T.Q6_K])
+# (the K-quants, IQ4_*, Q5_*, MXFP4 import as block schemes: tests/io/test_gguf_moe.py)
+@pytest.mark.parametrize("qtype", [T.IQ2_XXS, T.IQ3_S, T.TQ1_0])
 def test_unsupported_type_names_the_type(tmp_path, qtype):
     block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     raw = np.random.default_rng(1).integers(0, 255, size=(64, 256 // block * nbytes), dtype=np.uint8)
@@ -153,7 +154,7 @@ def test_unsupported_type_names_the_type(tmp_path, qtype):
 
 def test_every_supported_type_is_a_lossless_repack(tmp_path):
     rng = np.random.default_rng(2)
-    w = {n: rng.standard_normal((64, 128)).astype(np.float32) for n in ("q", "k", "v", "o")}
+    w = {n: rng.standard_normal((64, 64)).astype(np.float32) for n in ("q", "k", "v", "o")}  # [out, in=hidden]
     stored = [
         ("blk.0.attn_q.weight", gguf.quants.quantize(w["q"], T.Q4_0), T.Q4_0),
         ("blk.0.attn_k.weight", gguf.quants.quantize(w["k"], T.Q8_0), T.Q8_0),

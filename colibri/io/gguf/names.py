@@ -1,0 +1,46 @@
+"""llama.cpp's tensor names (gguf-py's TensorNameMap, per architecture) -> the Hugging Face names
+colibri's model code and container read. Routed experts are stacked per layer in GGUF
+(`blk.N.ffn_{gate,up,down}_exps`) and stay stacked (GGUFStack); DeepSeek's attn_k_b / attn_v_b
+are rejoined into kv_b_proj (checkpoint.py)."""
+from __future__ import annotations
+
+GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+EXPERT_STEMS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+MLA_SPLIT = ("attn_k_b", "attn_v_b")   # deepseek2: kv_b_proj split for the absorbed MLA form
+ROUTING_BIAS = "exp_probs_b"          # blk.N.exp_probs_b.bias -> mlp.gate.e_score_correction_bias
+
+_ATTN = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+         "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj"}
+_QK_NORM = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_DENSE_MLP = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_SHARED = {"ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
+           "ffn_down_shexp": "mlp.shared_experts.down_proj"}
+_NEXTN = {"nextn.eh_proj": "eh_proj", "nextn.enorm": "enorm", "nextn.hnorm": "hnorm",
+          "nextn.embed_tokens": "embed_tokens", "nextn.shared_head_head": "shared_head.head",
+          "nextn.shared_head_norm": "shared_head.norm"}
+_MLA = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_q_a": "self_attn.q_a_proj",
+        "attn_q_a_norm": "self_attn.q_a_layernorm", "attn_q_b": "self_attn.q_b_proj",
+        "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa", "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+        "attn_kv_b": "self_attn.kv_b_proj", "attn_output": "self_attn.o_proj"}
+
+# arch -> per-layer GGUF stem -> HF name under model.layers.N
+LAYER = {
+    "llama": {**_ATTN, "ffn_norm": "post_attention_layernorm", **_DENSE_MLP,
+              "ffn_gate_inp": "block_sparse_moe.gate"},
+    "qwen2moe": {**_ATTN, "ffn_norm": "post_attention_layernorm", **_DENSE_MLP, "ffn_gate_inp": "mlp.gate",
+                 "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+                 **{k: v.replace("shared_experts", "shared_expert") for k, v in _SHARED.items()}},
+    "qwen3moe": {**_ATTN, **_QK_NORM, "ffn_norm": "post_attention_layernorm", **_DENSE_MLP,
+                 "ffn_gate_inp": "mlp.gate"},
+    "olmoe": {**_ATTN, **_QK_NORM, "ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate"},
+    "glm4moe": {**_ATTN, **_QK_NORM, "post_attention_norm": "post_attention_layernorm", **_DENSE_MLP,
+                "ffn_gate_inp": "mlp.gate", **_SHARED, **_NEXTN},
+    "deepseek2": {**_MLA, "ffn_norm": "post_attention_layernorm", **_DENSE_MLP, "ffn_gate_inp": "mlp.gate",
+                  **_SHARED, **_NEXTN},
+}
+WITH_ROUTING_BIAS = ("glm4moe", "deepseek2")
+
+
+def expert_prefix(model_type: str, layer: int) -> str:
+    """The HF prefix of a layer's MoE block, as the container names it (ContainerWriter.add_expert)."""
+    return f"model.layers.{layer}.{'block_sparse_moe' if model_type == 'mixtral' else 'mlp'}"
