@@ -108,6 +108,7 @@ def write_gguf(path: Path, container_dir: Path) -> Path:
     from rich.progress import Progress
 
     c = Container(container_dir)
+    c.interleave_rows = False  # the bytes as stored: the encoders below read rows in order
     cfg = c.config
     arch = ARCH.get(cfg["model_type"])
     if arch is None:

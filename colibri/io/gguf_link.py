@@ -120,7 +120,7 @@ def link_gguf(path: str | os.PathLike, out: str | os.PathLike, progress: bool = 
 
     path, out = Path(path).resolve(), Path(out)
     ckpt = read_gguf(path)
-    files = [Path(f).resolve() for f in getattr(ckpt, "files", None) or [path]]
+    files = [Path(f).resolve() for f in ckpt.paths or [path]]
     index = {f: i for i, f in enumerate(files)}
     tensors, dense_bytes = {}, 0
     for name in ckpt.tensors:
@@ -132,7 +132,7 @@ def link_gguf(path: str | os.PathLike, out: str | os.PathLike, progress: bool = 
             tensors[name] = {"scheme": t.scheme, "shape": list(t.shape)}
             dense_bytes += t.nbytes
     experts = {}
-    for prefix, stacks in getattr(ckpt, "experts", {}).items():
+    for prefix, stacks in ckpt.experts.items():
         missing = [p for p in PROJECTIONS if p not in stacks]
         if missing:
             raise ColibriError(f"{path.name}: the experts of {prefix} lack {', '.join(missing)}")
