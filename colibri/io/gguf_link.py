@@ -116,7 +116,7 @@ def link_gguf(path: str | os.PathLike, out: str | os.PathLike, progress: bool = 
     `out`: config, tokenizer files, and the index with every expert's checksum. Written into a
     temporary sibling and renamed at the end, so an interrupted indexing leaves nothing that
     looks valid."""
-    from colibri.io.gguf_import import read_gguf
+    from colibri.io.gguf import read_gguf
 
     path, out = Path(path).resolve(), Path(out)
     ckpt = read_gguf(path)
@@ -125,11 +125,12 @@ def link_gguf(path: str | os.PathLike, out: str | os.PathLike, progress: bool = 
     tensors, dense_bytes = {}, 0
     for name in ckpt.tensors:
         t = ckpt.tensors[name]
+        where = ckpt.tensors.spec(name, files)
         if isinstance(t, np.ndarray):
-            tensors[name] = {"scheme": "f32", "shape": list(t.shape)}
+            tensors[name] = {"scheme": "f32", "shape": list(t.shape), "gguf": where}
             dense_bytes += t.size * 4
         else:
-            tensors[name] = {"scheme": t.scheme, "shape": list(t.shape)}
+            tensors[name] = {"scheme": t.scheme, "shape": list(t.shape), "gguf": where}
             dense_bytes += t.nbytes
     experts = {}
     for prefix, stacks in ckpt.experts.items():
@@ -224,7 +225,6 @@ class GGUFLink:
                 raise ColibriError(f"{f} has changed since it was indexed ({f.stat().st_size} bytes, indexed at "
                                    f"{entry.get('size')}); delete {model_dir} and open the GGUF again")
         self.dense_bytes = int(manifest.get("dense_bytes", 0))
-        self._checkpoint = None
         self._ranges: dict[str, list[tuple[Path, int, int, int, Callable | None]]] = {}
         for prefix, spec in manifest.get("experts", {}).items():
             ranges = []
@@ -237,17 +237,13 @@ class GGUFLink:
                     ranges.append((self.files[fi], offset, nbytes, proj["parts"]["q"][0], None))
             self._ranges[prefix] = ranges
 
-    def _tensors(self):
-        if self._checkpoint is None:
-            from colibri.io.gguf_import import read_gguf
-
-            self._checkpoint = read_gguf(self.files[0])
-        return self._checkpoint.tensors
-
     def tensor_parts(self, name: str, copy: Callable[[np.ndarray], np.ndarray]) -> dict[str, np.ndarray]:
         """A dense tensor's arrays (q, scales, mins; a 1-D tensor's values as q), copied into RAM
-        by `copy` from the mapped file."""
-        t = self._tensors()[name]
+        by `copy` from the mapped file, found by the index (no GGUF parse: a 150k-token
+        vocabulary alone takes gguf-py seconds)."""
+        from colibri.io.gguf import tensor_from_spec
+
+        t = tensor_from_spec(self.manifest["tensors"][name]["gguf"], self.files)
         if isinstance(t, np.ndarray):
             return {"q": copy(np.ascontiguousarray(t, dtype=np.float32))}
         return {part: copy(np.ascontiguousarray(a)) for part, a in t.parts().items()}

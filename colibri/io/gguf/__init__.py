@@ -11,10 +11,10 @@ read one GGUF identically.
 Modules: reader (files, split sets, tensor table, byte repacks), config (metadata -> config.json),
 names (tensor names), tokenizer, checkpoint (read_gguf, GGUFStack).
 """
-from colibri.io.gguf.checkpoint import GGUFCheckpoint, GGUFStack, GGUFTensors, read_gguf
+from colibri.io.gguf.checkpoint import GGUFCheckpoint, GGUFStack, GGUFTensors, read_gguf, tensor_from_spec
 from colibri.io.gguf.config import ARCHITECTURES
 from colibri.io.gguf.reader import SUPPORTED_TYPES
 from colibri.io.gguf.tokenizer import bytes_to_unicode
 
 __all__ = ["ARCHITECTURES", "GGUFCheckpoint", "GGUFStack", "GGUFTensors", "SUPPORTED_TYPES", "bytes_to_unicode",
-           "read_gguf"]
+           "read_gguf", "tensor_from_spec"]

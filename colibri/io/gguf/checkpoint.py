@@ -64,10 +64,24 @@ class GGUFCheckpoint:
     paths: list[Path] = field(default_factory=list)   # the file, or the parts of a split set
 
 
+def _ref_spec(ref: TensorRef, file_index: dict[Path, int]) -> dict:
+    return {"name": ref.name, "file": file_index[ref.path], "offset": ref.offset, "type": ref.type_name,
+            "ne": list(ref.ne), "nbytes": ref.nbytes}
+
+
+def _ref_of(spec: dict, paths: list[Path]) -> TensorRef:
+    return TensorRef(spec["name"], paths[spec["file"]], spec["offset"], spec["type"], tuple(spec["ne"]), spec["nbytes"])
+
+
 class _Dense:
-    def __init__(self, ref: TensorRef, rows_order: np.ndarray | None = None, as_matrix: bool = False):
-        self.ref, self.rows_order, self.as_matrix = ref, rows_order, as_matrix
+    def __init__(self, ref: TensorRef, rope_heads: int | None = None, as_matrix: bool = False):
+        self.ref, self.rope_heads, self.as_matrix = ref, rope_heads, as_matrix
         self.type_name = ref.type_name
+        rows = ref.ne[-1] if len(ref.ne) == 2 else ref.ne[0]
+        self.rows_order = None if rope_heads is None else _rope_unpermutation(rows, rope_heads)
+
+    def spec(self, file_index: dict[Path, int]) -> dict:
+        return {"ref": _ref_spec(self.ref, file_index), "rope_heads": self.rope_heads, "as_matrix": self.as_matrix}
 
     def load(self) -> QTensor | np.ndarray:
         ref = self.ref
@@ -90,6 +104,9 @@ class _JoinedKVB:
     def __init__(self, k: TensorRef, v: TensorRef):
         self.k, self.v = k, v
         self.type_name = k.type_name if k.type_name == v.type_name else f"{k.type_name}+{v.type_name}"
+
+    def spec(self, file_index: dict[Path, int]) -> dict:
+        return {"kvb": [_ref_spec(self.k, file_index), _ref_spec(self.v, file_index)]}
 
     def load(self) -> QTensor:
         k, v = self.k, self.v
@@ -122,10 +139,23 @@ class GGUFTensors(Mapping):
     def __len__(self) -> int:
         return len(self._entries)
 
+    def spec(self, name: str, paths: list[Path]) -> dict:
+        """Where tensor `name` lies in the files `paths` and how it is repacked, as JSON
+        (tensor_from_spec reads it again without parsing the GGUF: colibri/io/gguf_link.py
+        keeps it in its index)."""
+        return self._entries[name].spec({p: i for i, p in enumerate(paths)})
+
     def gguf_type(self, name: str) -> str:
         """The GGUF type name the tensor is stored as (e.g. "Q4_1"; "Q8_0+F16" for a tensor joined
         from two of different types)."""
         return self._entries[name].type_name
+
+
+def tensor_from_spec(spec: dict, paths: list[Path]) -> QTensor | np.ndarray:
+    """GGUFTensors.spec(name, paths) -> the tensor, read from the memory-mapped files."""
+    if "kvb" in spec:
+        return _JoinedKVB(*(_ref_of(r, paths) for r in spec["kvb"])).load()
+    return _Dense(_ref_of(spec["ref"], paths), spec.get("rope_heads"), bool(spec.get("as_matrix"))).load()
 
 
 def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
@@ -193,16 +223,16 @@ def _assemble(fname: str, arch: str, config: dict, refs: dict[str, TensorRef]):
             raise ColibriError(f"{fname}: tensor {name} has unexpected GGUF dims {list(ref.ne)}")
         if hf is None:
             continue
-        rows_order, as_matrix = None, False
+        rope_heads, as_matrix = None, False
         if arch == "llama" and role in ("attn_q", "attn_k"):
             n_head = config["num_attention_heads"] if role == "attn_q" else config["num_key_value_heads"]
             rows = ref.ne[-1] if len(ref.ne) == 2 else ref.ne[0]
             if rows % (2 * n_head):
                 raise ColibriError(f"{fname}: tensor {name} has {rows} rows, not a multiple of 2 x {n_head} heads")
-            rows_order = _rope_unpermutation(rows, n_head)
+            rope_heads = n_head
         if role == "ffn_gate_inp_shexp":
             as_matrix = len(ref.ne) == 1  # HF: [1, D]
-        entries[hf] = _Dense(ref, rows_order, as_matrix)
+        entries[hf] = _Dense(ref, rope_heads, as_matrix)
 
     experts = {}
     for i in sorted(stacks):
