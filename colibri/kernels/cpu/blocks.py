@@ -158,6 +158,89 @@ def lut_into(typingctx, codes, co, n, table):
     return types.void(codes, types.intp, types.intp, table), codegen
 
 
+# A K-quant block's sub-block scales (and mins) are bit fields of a few bytes; lane j's value is
+# sum_f ((src[p + at_f[j]] >> shift_f[j]) & mask_f[j]) << lsh_f[j], then (v ^ xor) + bias (xor
+# 128, bias -128: a signed byte). Decoded all lanes at once: one load of the bytes, a shuffle
+# per field, then d * float(v) (and -(dmin * float(m))), each the scalar code's one rounding.
+_V16F = ir.VectorType(ir.FloatType(), 16)
+
+
+def _scale_fields(nbytes: int, lanes: int, scale: tuple, mins: tuple | None):
+    """An intrinsic (src, p, d, dmin, scales, offs, g0) writing scales[g0 : g0 + 16] and
+    offs[g0 : g0 + 16] for a block at byte p of src: `lanes` values (16, or 8 each written
+    twice), their fields `scale` / `mins` = (fields, xor, bias), a field = per-lane lists
+    (at, shift, mask, lsh); offs -0.0 where mins is None."""
+    every = [f for spec in (scale, mins) if spec for f in spec[0]]
+    lo = min(min(f[0]) for f in every)
+    width = 32 if max(max(f[0]) for f in every) - lo >= 16 else 16
+    base = max(0, min(lo, nbytes - width))
+    vb = ir.VectorType(_I8, width)
+    vi = ir.VectorType(_I32, lanes)
+
+    def values(builder, raw, spec):
+        fields, xor, bias = spec
+        total = None
+        for at, shift, mask, lsh in fields:
+            v = builder.shuffle_vector(raw, raw, ir.Constant(ir.VectorType(_I32, lanes), [a - base for a in at]))
+            v = builder.zext(v, vi)
+            v = builder.shl(builder.and_(builder.lshr(v, ir.Constant(vi, list(shift))), ir.Constant(vi, list(mask))),
+                            ir.Constant(vi, list(lsh)))
+            total = v if total is None else builder.add(total, v)
+        total = builder.add(builder.xor(total, ir.Constant(vi, [xor] * lanes)), ir.Constant(vi, [bias] * lanes))
+        return builder.sitofp(total, ir.VectorType(ir.FloatType(), lanes))
+
+    def spread(builder, v):  # 8 lanes -> 16, each twice (a 32-weight sub-block's two groups of 16)
+        if lanes == 16:
+            return v
+        return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 16), [i // 2 for i in range(16)]))
+
+    def fields(typingctx, src, p, d, dmin, scales, offs, g0):
+        def codegen(context, builder, sig, args):
+            s_, p_, d_, dmin_, sc_, of_, g0_ = args
+            sp = _byte_ptr(context, builder, sig.args[0], s_, builder.add(p_, ir.Constant(_I64, base)))
+            raw = builder.load(builder.bitcast(sp, vb.as_pointer()), align=1)
+            f32p = ir.FloatType().as_pointer()
+            scp = builder.gep(builder.bitcast(context.make_array(sig.args[4])(context, builder, sc_).data, f32p), [g0_])
+            ofp = builder.gep(builder.bitcast(context.make_array(sig.args[5])(context, builder, of_).data, f32p), [g0_])
+            vty = ir.VectorType(ir.FloatType(), lanes)
+            dv = builder.fmul(_splat(builder, d_, vty), values(builder, raw, scale))
+            builder.store(spread(builder, dv), builder.bitcast(scp, _V16F.as_pointer()), align=4)
+            if mins is None:
+                mv = ir.Constant(_V16F, [-0.0] * 16)
+            else:
+                mv = spread(builder, builder.fneg(builder.fmul(_splat(builder, dmin_, vty), values(builder, raw, mins))))
+            builder.store(mv, builder.bitcast(ofp, _V16F.as_pointer()), align=4)
+            return context.get_dummy_value()
+        return types.void(src, types.intp, types.float32, types.float32, scales, offs, types.intp), codegen
+    return intrinsic(fields)
+
+
+def _lanes(fn, n):
+    return [fn(j) for j in range(n)]
+
+
+_q2k_scales = _scale_fields(84, 16, ([(_lanes(lambda j: j, 16), [0] * 16, [15] * 16, [0] * 16)], 0, 0),
+                            ([(_lanes(lambda j: j, 16), [4] * 16, [15] * 16, [0] * 16)], 0, 0))
+_q3k_scales = _scale_fields(110, 16, ([(_lanes(lambda j: 96 + (j & 7), 16), _lanes(lambda j: 4 * (j >> 3), 16),
+                                        [15] * 16, [0] * 16),
+                                       (_lanes(lambda j: 104 + (j & 3), 16), _lanes(lambda j: 2 * (j >> 2), 16),
+                                        [3] * 16, [4] * 16)], 0, -32), None)
+# Q4_K / Q5_K (get_scale_min_k4, the 12 bytes at 4): sc j<4 = s[j] & 63, j>=4 = (s[j+4] & 15)
+# | (s[j-4] >> 6) << 4; m j<4 = s[j+4] & 63, j>=4 = (s[j+4] >> 4) | (s[j] >> 6) << 4.
+_k4_scales = _scale_fields(144, 8, (
+    [(_lanes(lambda j: 4 + j if j < 4 else 8 + j, 8), [0] * 8, _lanes(lambda j: 63 if j < 4 else 15, 8), [0] * 8),
+     (_lanes(lambda j: 4 if j < 4 else j, 8), [2] * 8, _lanes(lambda j: 0 if j < 4 else 0x30, 8), [0] * 8)], 0, 0), (
+    [(_lanes(lambda j: 8 + j, 8), _lanes(lambda j: 0 if j < 4 else 4, 8), _lanes(lambda j: 63 if j < 4 else 15, 8),
+      [0] * 8),
+     (_lanes(lambda j: 4 if j < 4 else 4 + j, 8), [2] * 8, _lanes(lambda j: 0 if j < 4 else 0x30, 8), [0] * 8)], 0, 0))
+_q6k_scales = _scale_fields(210, 16, ([(_lanes(lambda j: 192 + j, 16), [0] * 16, [255] * 16, [0] * 16)], 128, -128),
+                            None)
+_iq4xs_scales = _scale_fields(136, 8, ([(_lanes(lambda j: 4 + (j >> 1), 8), _lanes(lambda j: 4 * (j & 1), 8),
+                                         [15] * 8, [0] * 8),
+                                        (_lanes(lambda j: 2 + (j >> 2), 8), _lanes(lambda j: 2 * (j & 3), 8),
+                                         [3] * 8, [4] * 8)], 0, -32), None)
+
+
 @intrinsic
 def _bits_f32(typingctx, v):
     """The low 32 bits of an int64 as a float32's bits."""
@@ -173,17 +256,6 @@ def _f16_at(src, o):
 
 
 @njit(cache=True)
-def _k_scale_min(src, o, j):
-    """Q4_K / Q5_K: the 6-bit scale and min of sub-block j from the 12 bytes at o
-    (ggml's get_scale_min_k4)."""
-    if j < 4:
-        return np.int64(src[o + j]) & 63, np.int64(src[o + 4 + j]) & 63
-    sc = (np.int64(src[o + 4 + j]) & 15) | ((np.int64(src[o + j - 4]) >> 2) & 0x30)
-    m = (np.int64(src[o + 4 + j]) >> 4) | ((np.int64(src[o + j]) >> 2) & 0x30)
-    return sc, m
-
-
-@njit(cache=True)
 def decode_blocks(tc, src, b0, nb, codes, scales, offs):
     """Blocks b0 .. b0+nb-1 of a row's bytes src (type tc) -> codes[0 : nb*E] (int8),
     scales[0 : nb*E/16], offs[0 : nb*E/16] (float32): weight e is scales[e//16] * codes[e] +
@@ -192,23 +264,14 @@ def decode_blocks(tc, src, b0, nb, codes, scales, offs):
     if tc == Q2_K:  # scales[16] qs[64] d dmin
         for b in range(nb):
             p, e0, g0 = (b0 + b) * nbytes, 256 * b, 16 * b
-            d, dmin = _f16_at(src, p + 80), _f16_at(src, p + 82)
-            for j in range(16):
-                sb = np.int64(src[p + j])
-                scales[g0 + j] = d * np.float32(sb & 15)
-                offs[g0 + j] = -(dmin * np.float32(sb >> 4))
+            _q2k_scales(src, p, _f16_at(src, p + 80), _f16_at(src, p + 82), scales, offs, g0)
             for h in range(2):
                 for s in range(4):
                     bits_into(src, p + 16 + 32 * h, 2 * s, 3, 0, codes, e0 + 128 * h + 32 * s, 32, False)
     elif tc == Q3_K:  # hmask[32] qs[64] scales[12] d
         for b in range(nb):
             p, e0, g0 = (b0 + b) * nbytes, 256 * b, 16 * b
-            d = _f16_at(src, p + 108)
-            for j in range(16):
-                lo = (np.int64(src[p + 96 + (j & 7)]) >> (4 * (j >> 3))) & 15
-                hi = (np.int64(src[p + 104 + (j & 3)]) >> (2 * (j >> 2))) & 3
-                scales[g0 + j] = d * np.float32((lo | (hi << 4)) - 32)
-                offs[g0 + j] = _NEG0
+            _q3k_scales(src, p, _f16_at(src, p + 108), _NEG0, scales, offs, g0)
             for h in range(2):
                 for s in range(4):  # ql + 4 * hmask bit - 4
                     o = e0 + 128 * h + 32 * s
@@ -220,15 +283,7 @@ def decode_blocks(tc, src, b0, nb, codes, scales, offs):
         qs = 48 if five else 16
         for b in range(nb):
             p, e0, g0 = (b0 + b) * nbytes, 256 * b, 16 * b
-            d, dmin = _f16_at(src, p), _f16_at(src, p + 2)
-            for j in range(8):
-                sc, m = _k_scale_min(src, p + 4, j)
-                dj = d * np.float32(sc)
-                mj = -(dmin * np.float32(m))
-                scales[g0 + 2 * j] = dj
-                scales[g0 + 2 * j + 1] = dj
-                offs[g0 + 2 * j] = mj
-                offs[g0 + 2 * j + 1] = mj
+            _k4_scales(src, p, _f16_at(src, p), _f16_at(src, p + 2), scales, offs, g0)
             for c in range(4):
                 o = e0 + 64 * c
                 bits_into(src, p + qs + 32 * c, 0, 15, 0, codes, o, 32, False)
@@ -239,11 +294,7 @@ def decode_blocks(tc, src, b0, nb, codes, scales, offs):
     elif tc == Q6_K:  # ql[128] qh[64] scales[16] (int8) d
         for b in range(nb):
             p, e0, g0 = (b0 + b) * nbytes, 256 * b, 16 * b
-            d = _f16_at(src, p + 208)
-            for j in range(16):
-                sc = np.int64(src[p + 192 + j])
-                scales[g0 + j] = d * np.float32(sc - 256 if sc >= 128 else sc)
-                offs[g0 + j] = _NEG0
+            _q6k_scales(src, p, _f16_at(src, p + 208), _NEG0, scales, offs, g0)
             for h in range(2):
                 for s in range(4):  # (ql | qh << 4) - 32
                     o = e0 + 128 * h + 32 * s
@@ -253,16 +304,7 @@ def decode_blocks(tc, src, b0, nb, codes, scales, offs):
     elif tc == IQ4_XS:  # d scales_h (u16) scales_l[4] qs[128]
         for b in range(nb):
             p, e0, g0 = (b0 + b) * nbytes, 256 * b, 16 * b
-            d = _f16_at(src, p)
-            sh = np.int64(src[p + 2]) | (np.int64(src[p + 3]) << 8)
-            for j in range(8):
-                lo = (np.int64(src[p + 4 + (j >> 1)]) >> (4 * (j & 1))) & 15
-                hi = (sh >> (2 * j)) & 3
-                dj = d * np.float32((lo | (hi << 4)) - 32)
-                scales[g0 + 2 * j] = dj
-                scales[g0 + 2 * j + 1] = dj
-                offs[g0 + 2 * j] = _NEG0
-                offs[g0 + 2 * j + 1] = _NEG0
+            _iq4xs_scales(src, p, _f16_at(src, p), _NEG0, scales, offs, g0)
             for j in range(8):
                 bits_into(src, p + 8 + 16 * j, 0, 15, 0, codes, e0 + 32 * j, 16, False)
                 bits_into(src, p + 8 + 16 * j, 4, 15, 0, codes, e0 + 32 * j + 16, 16, False)
