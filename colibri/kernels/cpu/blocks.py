@@ -30,6 +30,7 @@ the same float32 products (d * sc first, then by the code) and an offset-free ty
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
@@ -111,17 +112,21 @@ def bits_into(typingctx, src, so, shift, mask, lsh, codes, co, n, acc):
 
 
 @intrinsic
-def word_bits_into(typingctx, word, codes, co, lsh):
-    """codes[co + e] += ((word >> e) & 1) << lsh for e < 32 (Q5_0 / Q5_1's qh)."""
+def qh_bits_into(typingctx, src, so, codes, co, val):
+    """codes[co + e] += val where bit e of the little-endian 32-bit word at src[so] is set, for
+    e < 32 (Q5_0 / Q5_1's qh): each byte of the word spread over eight lanes, one bit each."""
     def codegen(context, builder, sig, args):
-        w, c, cofs, ls = args
-        cp = builder.bitcast(_byte_ptr(context, builder, sig.args[1], c, cofs), _V32B.as_pointer())
-        v = builder.lshr(_splat(builder, builder.trunc(w, _I32), _V32I), ir.Constant(_V32I, list(range(32))))
-        v = builder.trunc(builder.and_(v, ir.Constant(_V32I, [1] * 32)), _V32B)
-        v = builder.shl(v, _splat(builder, builder.trunc(ls, _I8), _V32B))
-        builder.store(builder.add(v, builder.load(cp, align=1)), cp, align=1)
+        s_, o, c, cofs, v = args
+        sp = builder.bitcast(_byte_ptr(context, builder, sig.args[0], s_, o), ir.VectorType(_I8, 4).as_pointer())
+        cp = builder.bitcast(_byte_ptr(context, builder, sig.args[2], c, cofs), _V32B.as_pointer())
+        w = builder.load(sp, align=1)
+        spread = builder.shuffle_vector(w, w, ir.Constant(_V32I, [i // 8 for i in range(32)]))
+        bits = builder.and_(spread, ir.Constant(_V32B, [1 << (i & 7) for i in range(32)]))
+        add = builder.select(builder.icmp_unsigned("!=", bits, ir.Constant(_V32B, [0] * 32)),
+                             _splat(builder, builder.trunc(v, _I8), _V32B), ir.Constant(_V32B, [0] * 32))
+        builder.store(builder.add(add, builder.load(cp, align=1)), cp, align=1)
         return context.get_dummy_value()
-    return types.void(types.int64, codes, types.intp, types.intp), codegen
+    return types.void(src, types.intp, codes, types.intp, types.int64), codegen
 
 
 @intrinsic
@@ -138,21 +143,35 @@ def add_into(typingctx, codes, co, n, c):
     return types.void(codes, types.intp, types.intp, types.int64), codegen
 
 
+# x86's byte shuffle (SSSE3 pshufb) looks 16 codes up in one instruction; elsewhere a chain of
+# compares and selects (generic IR). The same bytes either way.
+_PSHUFB = (llvm.get_process_triple().startswith(("x86_64", "i686"))
+           and bool(llvm.get_host_cpu_features().get("ssse3", False)))
+
+
 @intrinsic
 def lut_into(typingctx, codes, co, n, table):
     """codes[co + i] = table[codes[co + i]] for i < n (a multiple of 16; codes 0..15, table
-    int8 [16]): a chain of compares and selects, generic vector IR (no byte shuffle)."""
+    int8 [16])."""
     def codegen(context, builder, sig, args):
         a, cofs, cnt, tab = args
         cp = _byte_ptr(context, builder, sig.args[0], a, cofs)
         tp = _byte_ptr(context, builder, sig.args[3], tab, ir.Constant(_I64, 0))
-        vals = [_splat(builder, builder.load(builder.gep(tp, [ir.Constant(_I64, k)])), _V16B) for k in range(16)]
+        tv = builder.load(builder.bitcast(tp, _V16B.as_pointer()), align=1)
+        if _PSHUFB:
+            shuf = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16B, [_V16B, _V16B]),
+                                                  "llvm.x86.ssse3.pshuf.b.128")
+        else:
+            vals = [_splat(builder, builder.extract_element(tv, ir.Constant(_I32, k)), _V16B) for k in range(16)]
         with cgutils.for_range(builder, builder.lshr(cnt, ir.Constant(_I64, 4))) as loop:
             dp = builder.bitcast(builder.gep(cp, [builder.shl(loop.index, ir.Constant(_I64, 4))]), _V16B.as_pointer())
             v = builder.load(dp, align=1)
-            r = vals[0]
-            for k in range(1, 16):
-                r = builder.select(builder.icmp_unsigned("==", v, ir.Constant(_V16B, [k] * 16)), vals[k], r)
+            if _PSHUFB:
+                r = builder.call(shuf, [tv, v])
+            else:
+                r = vals[0]
+                for k in range(1, 16):
+                    r = builder.select(builder.icmp_unsigned("==", v, ir.Constant(_V16B, [k] * 16)), vals[k], r)
             builder.store(r, dp, align=1)
         return context.get_dummy_value()
     return types.void(codes, types.intp, types.intp, table), codegen
@@ -256,6 +275,18 @@ def _f16_at(src, o):
 
 
 @njit(cache=True)
+def _nibbles32(src, q0, d, m, codes, scales, offs, b):
+    """A 32-weight block b: codes from the 16 bytes at q0 (low nibbles, then high ones), scale d
+    and offset m for both its groups of 16."""
+    bits_into(src, q0, 0, 15, 0, codes, 32 * b, 16, False)
+    bits_into(src, q0, 4, 15, 0, codes, 32 * b + 16, 16, False)
+    scales[2 * b] = d
+    scales[2 * b + 1] = d
+    offs[2 * b] = m
+    offs[2 * b + 1] = m
+
+
+@njit(cache=True)
 def decode_blocks(tc, src, b0, nb, codes, scales, offs):
     """Blocks b0 .. b0+nb-1 of a row's bytes src (type tc) -> codes[0 : nb*E] (int8),
     scales[0 : nb*E/16], offs[0 : nb*E/16] (float32): weight e is scales[e//16] * codes[e] +
@@ -309,42 +340,29 @@ def decode_blocks(tc, src, b0, nb, codes, scales, offs):
                 bits_into(src, p + 8 + 16 * j, 0, 15, 0, codes, e0 + 32 * j, 16, False)
                 bits_into(src, p + 8 + 16 * j, 4, 15, 0, codes, e0 + 32 * j + 16, 16, False)
         lut_into(codes, 0, 256 * nb, _KV_IQ4)
-    elif tc == IQ4_NL or tc == MXFP4:  # d qs[16] / e qs[16]
-        mx = tc == MXFP4
+    elif tc == MXFP4:  # e (E8M0) qs[16]
         for b in range(nb):
-            p, e0, g0 = (b0 + b) * nbytes, 32 * b, 2 * b
-            if mx:  # ggml_e8m0_to_fp32_half
-                e = np.int64(src[p])
-                d = _bits_f32(np.int64(0x00200000) << e if e < 2 else (e - 1) << 23)
-                q0 = p + 1
-            else:
-                d = _f16_at(src, p)
-                q0 = p + 2
-            bits_into(src, q0, 0, 15, 0, codes, e0, 16, False)
-            bits_into(src, q0, 4, 15, 0, codes, e0 + 16, 16, False)
-            scales[g0] = d
-            scales[g0 + 1] = d
-            offs[g0] = _NEG0
-            offs[g0 + 1] = _NEG0
-        lut_into(codes, 0, 32 * nb, _KV_MXFP4 if mx else _KV_IQ4)
-    else:  # Q5_0: d qh[4] qs[16]; Q5_1: d m qh[4] qs[16]
-        one = tc == Q5_1
-        h0 = 4 if one else 2
+            p = (b0 + b) * nbytes
+            e = np.int64(src[p])  # ggml_e8m0_to_fp32_half
+            d = _bits_f32(np.int64(0x00200000) << e if e < 2 else (e - 1) << 23)
+            _nibbles32(src, p + 1, d, _NEG0, codes, scales, offs, b)
+        lut_into(codes, 0, 32 * nb, _KV_MXFP4)
+    elif tc == IQ4_NL:  # d qs[16]
         for b in range(nb):
-            p, e0, g0 = (b0 + b) * nbytes, 32 * b, 2 * b
-            d = _f16_at(src, p)
-            m = _f16_at(src, p + 2) if one else _NEG0
-            qh = (np.int64(src[p + h0]) | (np.int64(src[p + h0 + 1]) << 8) | (np.int64(src[p + h0 + 2]) << 16)
-                  | (np.int64(src[p + h0 + 3]) << 24))
-            bits_into(src, p + h0 + 4, 0, 15, 0, codes, e0, 16, False)
-            bits_into(src, p + h0 + 4, 4, 15, 0, codes, e0 + 16, 16, False)
-            word_bits_into(qh, codes, e0, 4)
-            scales[g0] = d
-            scales[g0 + 1] = d
-            offs[g0] = m
-            offs[g0 + 1] = m
-        if not one:
-            add_into(codes, 0, 32 * nb, -16)
+            p = (b0 + b) * nbytes
+            _nibbles32(src, p + 2, _f16_at(src, p), _NEG0, codes, scales, offs, b)
+        lut_into(codes, 0, 32 * nb, _KV_IQ4)
+    elif tc == Q5_0:  # d qh[4] qs[16]
+        for b in range(nb):
+            p = (b0 + b) * nbytes
+            _nibbles32(src, p + 6, _f16_at(src, p), _NEG0, codes, scales, offs, b)
+            qh_bits_into(src, p + 2, codes, 32 * b, 16)
+        add_into(codes, 0, 32 * nb, -16)
+    else:  # Q5_1: d m qh[4] qs[16]
+        for b in range(nb):
+            p = (b0 + b) * nbytes
+            _nibbles32(src, p + 8, _f16_at(src, p), _f16_at(src, p + 2), codes, scales, offs, b)
+            qh_bits_into(src, p + 4, codes, 32 * b, 16)
 
 
 # --- the exact dequantizer (embedding, prefill) ---------------------------------------------
