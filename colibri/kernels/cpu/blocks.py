@@ -7,10 +7,10 @@ per 16 weights: w = scale * code + offset, the code a small integer (Q4_K's nibb
 -dmin * min (Q2_K, Q4_K, Q5_K) or Q5_1's m. So a row is read in two steps:
 
 1. decode_blocks: a row's blocks -> int8 codes [n] and float32 scales and offsets [n / 16]
-   (a 32-weight sub-block's scale written twice), with integer operations (no float but the
-   scales'), numba code that LLVM vectorizes freely (integer arithmetic has one result
-   whatever the order). One function for every type, the type a runtime code (TYPE_CODE),
-   so each entry point compiles once.
+   (a 32-weight sub-block's scale written twice): bit fields moved with 16-byte vector IR
+   (bits_into & co.; integer work, one result whatever the order), the sub-block scales all
+   lanes at once (_scale_fields), IQ4 / MXFP4 table lookups by byte shuffle. One function for
+   every type, the type a runtime code (TYPE_CODE), so each entry point compiles once.
 2. The dot products of q8_0 (codegen.py's int8 row tiles, group 16) over those codes, eight
    rows (or TILE_W rows x TILE_A tokens) at a time, plus the offset term
    sum_g offset_g * sum(x_g) with x's 16-wide sums taken once per call (with_offsets8).
