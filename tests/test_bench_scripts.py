@@ -47,6 +47,9 @@ SMOKE: dict[str, tuple] = {
         lambda c: ["--gguf", c["gguf"], "--tokens", "160", "--ctx", "64", "--stride", "32",
                    "--peer-python", "/nonexistent/python", "--json", c["json"]], True, {}),
     # kernels
+    "bench.kernels.block_matvec": (
+        "256x256, int4_g64 and q4_k, 1 MiB", lambda c: ["--shapes", "256x256", "--schemes", "int4_g64,q4_k",
+                                                        "--repeats", "1", "--mib", "1"], False, {}),
     "bench.kernels.decode_attention": (
         "64-token context, 2 layers", lambda c: ["--contexts", "64", "--layers", "2", "--repeats", "1"], False, {}),
     "bench.kernels.int4_tiles": (

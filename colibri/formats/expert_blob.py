@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from colibri.formats.ggml_blocks import BLOCK_SCHEMES
 from colibri.formats.qtensor import GROUP_SIZE, chunk_shift, interleave_width_of
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -19,15 +20,25 @@ class FusedExperts:
     inside an expert blob."""
 
     layout: np.ndarray   # int64 [3 projections, 5]: q offset, scales offset, rows, cols, interleave
-    half: int            # bytes per int4 group (group / 2)
+    half: int            # bytes per int4 group (group / 2); 0 for block experts
     cshift: int
+    # GGUF block experts (formats/ggml_blocks.py): int64 [3], each projection's block type as
+    # its index in BLOCK_SCHEMES (the kernels' type code: kernels/cpu/blocks.py, TYPE_CODE);
+    # their layout rows have no scales (offset 0) and are never interleaved. None: int4.
+    blocks: np.ndarray | None = None
 
     @classmethod
     def of(cls, projections: dict, interleaved: bool = False) -> "FusedExperts | None":
         """The kernel for a layer whose blob layout is `projections` (ExpertLayout.projections),
         its q arrays interleaved (ExpertLayout.interleave) or as stored; None unless all three
-        are symmetric int4 with one group size (the only format it takes)."""
+        are symmetric int4 with one group size, or all three GGUF block schemes (of any types:
+        GGUF mixes Q4_K gate/up with a Q6_K down), the formats it takes."""
         schemes = {projections[p]["scheme"] for p in PROJECTIONS}
+        if schemes <= set(BLOCK_SCHEMES):
+            layout = np.array([[projections[p]["parts"]["q"][0], 0, *projections[p]["shape"], 1]
+                               for p in PROJECTIONS], dtype=np.int64)
+            codes = np.array([BLOCK_SCHEMES.index(projections[p]["scheme"]) for p in PROJECTIONS], np.int64)
+            return cls(layout, 0, 0, codes)
         if len(schemes) != 1 or not schemes <= {"int4_g64", "q4_0"}:
             return None
         if any("mins" in projections[p]["parts"] or projections[p]["shape"][0] % 8 for p in PROJECTIONS):

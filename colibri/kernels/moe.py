@@ -16,14 +16,14 @@ array, the ExpertStore's slot pool: `StackedExperts`) or over one blob anywhere 
 buffer, a mapped file), so nothing is copied.
 
 Placement must change speed, never tokens. Every int4 routed expert of a decode step goes
-through this one compiled function, however its blob is held: a row's value depends only on
-its data (rows are computed 8 at a time by the same code whatever the thread split), and the
-experts' contributions are added in ascending expert id with plain float32 adds, so K experts
-in one call equal the same experts one call each, summed in that order, bit for bit
-(tests/kernels/test_moe.py). The row code is vector IR with a written order plus fixed-order
-small sums (cpu/codegen.py), so it rounds the same in every caller; when it was fastmath numba, LLVM
-reassociated it differently per caller, and CI once saw 1-ulp differences between this kernel
-and the matvec kernel.
+through this one compiled function (GGUF block experts through routed_block_experts, below),
+however its blob is held: a row's value depends only on its data (rows are computed 8 at a
+time by the same code whatever the thread split), and the experts' contributions are added in
+ascending expert id with plain float32 adds, so K experts in one call equal the same experts
+one call each, summed in that order, bit for bit (tests/kernels/test_moe.py). The row code is
+vector IR with a written order plus fixed-order small sums (cpu/codegen.py), so it rounds the
+same in every caller; when it was fastmath numba, LLVM reassociated it differently per caller,
+and CI once saw 1-ulp differences between this kernel and the matvec kernel.
 
 `act` (colibri.kernels.idot.marker) picks the row code by its type: the exact rows above, or
 int4 x int8 integer dots (`--activations int8`), x quantized once for all K experts' gate and
@@ -37,6 +37,7 @@ from numba import njit, prange
 
 from colibri.formats.expert_blob import FusedExperts, StackedExperts
 
+from .cpu.blocks import ELEMENTS, GROUP, HAS_OFFSET, NBYTES, block_rows8, block_scratch, sums16, x_sums
 from .idot import marker, prepare, prepare_rows, row_of, rows8_into
 from .ops import silu_gate_into
 
@@ -48,6 +49,8 @@ def fused_experts(kernel: FusedExperts, x: np.ndarray, memory: np.ndarray, slots
     """sum_k weights[k] * expert_{slots[k]}(x) for one token x [D] float32, the experts' blobs
     in `memory` [n, stride] uint8 laid out as `kernel` says; `slots` in ascending expert-id
     order (the order contributions are added in); `activations`: "f32" (exact) or "int8"."""
+    if kernel.blocks is not None:  # GGUF block experts: exact in either mode, as linear() runs them
+        return routed_block_experts(x, memory, kernel.layout, kernel.blocks, slots, weights, nthreads)
     return routed_experts(x, memory, kernel.layout, slots, weights, kernel.half, kernel.cshift, nthreads,
                           marker(activations))
 
@@ -62,8 +65,8 @@ def one_expert(kernel: FusedExperts, x: np.ndarray, blob: np.ndarray, weight: fl
                activations: str = "f32") -> np.ndarray:
     """weight * expert(x) for the expert whose blob (uint8, C-contiguous) is `blob`: the same
     compiled call, so summing these in expert-id order equals one call over all."""
-    return routed_experts(x, blob.reshape(1, -1), kernel.layout, _ONE_SLOT, np.full(1, weight, np.float32),
-                          kernel.half, kernel.cshift, nthreads, marker(activations))
+    return fused_experts(kernel, x, blob.reshape(1, -1), _ONE_SLOT, np.full(1, weight, np.float32), nthreads,
+                         activations)
 
 
 @njit(cache=True)
@@ -125,5 +128,68 @@ def routed_experts(x, memory, layout, slots, weights, half, cshift, nthreads, ac
                 r = 8 * blk
                 rows8_into(dq, ds, ds, coef, half, cshift, layout[2, 4], a[k], apk, r, d, act)
                 for j in range(8):
+                    out[r + j] += d[j] * w
+    return out
+
+
+# --- GGUF block experts (kernels/cpu/blocks.py) --------------------------------------------
+# The same two regions, each projection of its own block type (layout row p, type tcs[p]), rows
+# through blocks.block_rows8: the decode and IR tiles matvec uses, so a row's bits depend on
+# its data only, and the experts' down contributions are added in ascending expert id.
+
+
+@njit(cache=True)
+def _block_weight(memory, s, layout, tcs, p):
+    """Projection p of the expert in slot s: its rows of GGUF blocks, uint8 [rows, row bytes]
+    (C-contiguous 2-D, the array type matvec's kernels take)."""
+    off, rows, cols = layout[p, 0], layout[p, 2], layout[p, 3]
+    rb = cols // ELEMENTS[tcs[p]] * NBYTES[tcs[p]]
+    return memory[s, off: off + rows * rb].reshape((rows, rb))
+
+
+@njit(parallel=True, cache=True)
+def routed_block_experts(x, memory, layout, tcs, slots, weights, nthreads):
+    K = slots.shape[0]
+    I = layout[0, 2]
+    D = layout[2, 2]
+    xs_g = x_sums(tcs[0], x)
+    xs_u = x_sums(tcs[1], x)
+    g = np.empty((K, I), np.float32)
+    u = np.empty((K, I), np.float32)
+    nblk = (I + 7) // 8
+    items = K * nblk
+    per = (items + nthreads - 1) // nthreads
+    for t in prange(nthreads):
+        codes, sc, of = block_scratch(x.shape[0])
+        d = np.empty(8, np.float32)
+        for it in range(t * per, min(items, (t + 1) * per)):
+            k = it // nblk
+            r = 8 * (it - k * nblk)
+            gq = _block_weight(memory, slots[k], layout, tcs, 0)
+            block_rows8(tcs[0], gq, r, x, xs_g, codes, sc, of, d)
+            for j in range(min(8, I - r)):
+                g[k, r + j] = d[j]
+            uq = _block_weight(memory, slots[k], layout, tcs, 1)
+            block_rows8(tcs[1], uq, r, x, xs_u, codes, sc, of, d)
+            for j in range(min(8, I - r)):
+                u[k, r + j] = d[j]
+    a = np.empty((K, I), np.float32)
+    xs_d = np.empty((K, I // GROUP if HAS_OFFSET[tcs[2]] else 0), np.float32)  # as x_sums(tcs[2], a[k])
+    for k in range(K):
+        silu_gate_into(g[k], u[k], a[k])
+        sums16(a[k], xs_d[k])
+    out = np.zeros(D, np.float32)
+    nblk = (D + 7) // 8
+    per = (nblk + nthreads - 1) // nthreads
+    for t in prange(nthreads):
+        codes, sc, of = block_scratch(I)
+        d = np.empty(8, np.float32)
+        for k in range(K):
+            dq = _block_weight(memory, slots[k], layout, tcs, 2)
+            w = weights[k]
+            for blk in range(t * per, min(nblk, (t + 1) * per)):
+                r = 8 * blk
+                block_rows8(tcs[2], dq, r, a[k], xs_d[k], codes, sc, of, d)
+                for j in range(min(8, D - r)):
                     out[r + j] += d[j] * w
     return out

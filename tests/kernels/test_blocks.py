@@ -115,3 +115,55 @@ def test_paths_without_block_kernels_say_so():
         idot.matvec_q(t, np.ones(256, np.float32))
     with pytest.raises(ValueError, match="no CUDA kernel for GGUF Q4_K"):
         cuda.upload(t)
+
+
+# --- the fused MoE kernel over block experts (kernels/moe.py, routed_block_experts) -------
+
+MOE_CASES = [  # (gate, up, down types), D, I, E, K
+    (("q4_k", "q4_k", "q6_k"), 512, 256, 6, 3),   # GGUF's usual mix
+    (("q2_k", "q3_k", "q5_1"), 256, 96, 4, 4),
+    (("q5_0", "mxfp4", "iq4_nl"), 96, 64, 5, 2),
+    (("iq4_xs", "q5_k", "q5_k"), 256, 256, 3, 1),
+]
+
+
+def _block_layer(types, D, I, E, seed):
+    from colibri.io.container import pack_expert
+
+    experts = [{p: make(s, shape, seed + 3 * e + i) for i, (p, s, shape) in
+                enumerate(zip(("gate_proj", "up_proj", "down_proj"), types, ((I, D), (I, D), (D, I))))}
+               for e in range(E)]
+    blobs = [pack_expert(e) for e in experts]
+    return experts, np.stack([b for b, _ in blobs]), blobs[0][1]
+
+
+def _swiglu64(e, x):
+    g, u, d = (reference(e[p]).astype(np.float64) for p in ("gate_proj", "up_proj", "down_proj"))
+    gx = g @ x
+    return d @ (gx / (1 + np.exp(-gx)) * (u @ x))
+
+
+@pytest.mark.parametrize("types, D, I, E, K", MOE_CASES, ids=lambda c: "-".join(c) if isinstance(c, tuple) else None)
+def test_fused_block_experts(types, D, I, E, K):
+    from colibri.formats.expert_blob import FusedExperts, StackedExperts
+    from colibri.kernels.moe import one_expert, routed_block_experts, stacked_experts
+
+    experts, memory, layout = _block_layer(types, D, I, E, 7)
+    stacked = StackedExperts.view(memory, memory.shape[1], E, layout)
+    assert stacked is not None and stacked.kernel.blocks is not None
+    rng = np.random.default_rng(8)
+    x = (rng.standard_normal(D) * 0.1).astype(np.float32)
+    for _ in range(2):
+        ids = np.sort(rng.choice(E, size=K, replace=False)).astype(np.int64)
+        w = rng.random(K).astype(np.float32)
+        got = stacked_experts(stacked, x, ids, w, 2)
+        for nthreads in (1, 2):
+            one = np.zeros(D, np.float32)
+            for e, wk in zip(ids, w):  # one call per expert on its own blob, summed in id order
+                one += one_expert(stacked.kernel, x, memory[e].copy(), wk, nthreads)
+            np.testing.assert_array_equal(got, one)
+        assert np.array_equal(got, stacked_experts(stacked, x, ids, w, 1))
+        ref = sum(float(wk) * _swiglu64(experts[e], x) for e, wk in zip(ids, w))
+        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4 * np.abs(ref).max())
+    assert len(routed_block_experts.nopython_signatures) == 1  # one compiled kernel for every call
+    assert FusedExperts.of({**layout, "down_proj": {**layout["down_proj"], "scheme": "int4_g64"}}) is None

@@ -7,10 +7,10 @@ per 16 weights: w = scale * code + offset, the code a small integer (Q4_K's nibb
 -dmin * min (Q2_K, Q4_K, Q5_K) or Q5_1's m. So a row is read in two steps:
 
 1. decode_blocks: a row's blocks -> int8 codes [n] and float32 scales and offsets [n / 16]
-   (a 32-weight sub-block's scale written twice), with integer operations (no float but the
-   scales'), numba code that LLVM vectorizes freely (integer arithmetic has one result
-   whatever the order). One function for every type, the type a runtime code (TYPE_CODE),
-   so each entry point compiles once.
+   (a 32-weight sub-block's scale written twice): bit fields moved with 16-byte vector IR
+   (bits_into & co.; integer work, one result whatever the order), the sub-block scales all
+   lanes at once (_scale_fields), IQ4 / MXFP4 table lookups by byte shuffle. One function for
+   every type, the type a runtime code (TYPE_CODE), so each entry point compiles once.
 2. The dot products of q8_0 (codegen.py's int8 row tiles, group 16) over those codes, eight
    rows (or TILE_W rows x TILE_A tokens) at a time, plus the offset term
    sum_g offset_g * sum(x_g) with x's 16-wide sums taken once per call (with_offsets8).
@@ -30,6 +30,7 @@ the same float32 products (d * sc first, then by the code) and an offset-free ty
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
@@ -111,17 +112,21 @@ def bits_into(typingctx, src, so, shift, mask, lsh, codes, co, n, acc):
 
 
 @intrinsic
-def word_bits_into(typingctx, word, codes, co, lsh):
-    """codes[co + e] += ((word >> e) & 1) << lsh for e < 32 (Q5_0 / Q5_1's qh)."""
+def qh_bits_into(typingctx, src, so, codes, co, val):
+    """codes[co + e] += val where bit e of the little-endian 32-bit word at src[so] is set, for
+    e < 32 (Q5_0 / Q5_1's qh): each byte of the word spread over eight lanes, one bit each."""
     def codegen(context, builder, sig, args):
-        w, c, cofs, ls = args
-        cp = builder.bitcast(_byte_ptr(context, builder, sig.args[1], c, cofs), _V32B.as_pointer())
-        v = builder.lshr(_splat(builder, builder.trunc(w, _I32), _V32I), ir.Constant(_V32I, list(range(32))))
-        v = builder.trunc(builder.and_(v, ir.Constant(_V32I, [1] * 32)), _V32B)
-        v = builder.shl(v, _splat(builder, builder.trunc(ls, _I8), _V32B))
-        builder.store(builder.add(v, builder.load(cp, align=1)), cp, align=1)
+        s_, o, c, cofs, v = args
+        sp = builder.bitcast(_byte_ptr(context, builder, sig.args[0], s_, o), ir.VectorType(_I8, 4).as_pointer())
+        cp = builder.bitcast(_byte_ptr(context, builder, sig.args[2], c, cofs), _V32B.as_pointer())
+        w = builder.load(sp, align=1)
+        spread = builder.shuffle_vector(w, w, ir.Constant(_V32I, [i // 8 for i in range(32)]))
+        bits = builder.and_(spread, ir.Constant(_V32B, [1 << (i & 7) for i in range(32)]))
+        add = builder.select(builder.icmp_unsigned("!=", bits, ir.Constant(_V32B, [0] * 32)),
+                             _splat(builder, builder.trunc(v, _I8), _V32B), ir.Constant(_V32B, [0] * 32))
+        builder.store(builder.add(add, builder.load(cp, align=1)), cp, align=1)
         return context.get_dummy_value()
-    return types.void(types.int64, codes, types.intp, types.intp), codegen
+    return types.void(src, types.intp, codes, types.intp, types.int64), codegen
 
 
 @intrinsic
@@ -138,24 +143,121 @@ def add_into(typingctx, codes, co, n, c):
     return types.void(codes, types.intp, types.intp, types.int64), codegen
 
 
+# x86's byte shuffle (SSSE3 pshufb) looks 16 codes up in one instruction; elsewhere a chain of
+# compares and selects (generic IR). The same bytes either way.
+_PSHUFB = (llvm.get_process_triple().startswith(("x86_64", "i686"))
+           and bool(llvm.get_host_cpu_features().get("ssse3", False)))
+
+
 @intrinsic
 def lut_into(typingctx, codes, co, n, table):
     """codes[co + i] = table[codes[co + i]] for i < n (a multiple of 16; codes 0..15, table
-    int8 [16]): a chain of compares and selects, generic vector IR (no byte shuffle)."""
+    int8 [16])."""
     def codegen(context, builder, sig, args):
         a, cofs, cnt, tab = args
         cp = _byte_ptr(context, builder, sig.args[0], a, cofs)
         tp = _byte_ptr(context, builder, sig.args[3], tab, ir.Constant(_I64, 0))
-        vals = [_splat(builder, builder.load(builder.gep(tp, [ir.Constant(_I64, k)])), _V16B) for k in range(16)]
+        tv = builder.load(builder.bitcast(tp, _V16B.as_pointer()), align=1)
+        if _PSHUFB:
+            shuf = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16B, [_V16B, _V16B]),
+                                                  "llvm.x86.ssse3.pshuf.b.128")
+        else:
+            vals = [_splat(builder, builder.extract_element(tv, ir.Constant(_I32, k)), _V16B) for k in range(16)]
         with cgutils.for_range(builder, builder.lshr(cnt, ir.Constant(_I64, 4))) as loop:
             dp = builder.bitcast(builder.gep(cp, [builder.shl(loop.index, ir.Constant(_I64, 4))]), _V16B.as_pointer())
             v = builder.load(dp, align=1)
-            r = vals[0]
-            for k in range(1, 16):
-                r = builder.select(builder.icmp_unsigned("==", v, ir.Constant(_V16B, [k] * 16)), vals[k], r)
+            if _PSHUFB:
+                r = builder.call(shuf, [tv, v])
+            else:
+                r = vals[0]
+                for k in range(1, 16):
+                    r = builder.select(builder.icmp_unsigned("==", v, ir.Constant(_V16B, [k] * 16)), vals[k], r)
             builder.store(r, dp, align=1)
         return context.get_dummy_value()
     return types.void(codes, types.intp, types.intp, table), codegen
+
+
+# A K-quant block's sub-block scales (and mins) are bit fields of a few bytes; lane j's value is
+# sum_f ((src[p + at_f[j]] >> shift_f[j]) & mask_f[j]) << lsh_f[j], then (v ^ xor) + bias (xor
+# 128, bias -128: a signed byte). Decoded all lanes at once: one load of the bytes, a shuffle
+# per field, then d * float(v) (and -(dmin * float(m))), each the scalar code's one rounding.
+_V16F = ir.VectorType(ir.FloatType(), 16)
+
+
+def _scale_fields(nbytes: int, lanes: int, scale: tuple, mins: tuple | None):
+    """An intrinsic (src, p, d, dmin, scales, offs, g0) writing scales[g0 : g0 + 16] and
+    offs[g0 : g0 + 16] for a block at byte p of src: `lanes` values (16, or 8 each written
+    twice), their fields `scale` / `mins` = (fields, xor, bias), a field = per-lane lists
+    (at, shift, mask, lsh); offs -0.0 where mins is None."""
+    every = [f for spec in (scale, mins) if spec for f in spec[0]]
+    lo = min(min(f[0]) for f in every)
+    width = 32 if max(max(f[0]) for f in every) - lo >= 16 else 16
+    base = max(0, min(lo, nbytes - width))
+    vb = ir.VectorType(_I8, width)
+    vi = ir.VectorType(_I32, lanes)
+
+    def values(builder, raw, spec):
+        fields, xor, bias = spec
+        total = None
+        for at, shift, mask, lsh in fields:
+            v = builder.shuffle_vector(raw, raw, ir.Constant(ir.VectorType(_I32, lanes), [a - base for a in at]))
+            v = builder.zext(v, vi)
+            v = builder.shl(builder.and_(builder.lshr(v, ir.Constant(vi, list(shift))), ir.Constant(vi, list(mask))),
+                            ir.Constant(vi, list(lsh)))
+            total = v if total is None else builder.add(total, v)
+        total = builder.add(builder.xor(total, ir.Constant(vi, [xor] * lanes)), ir.Constant(vi, [bias] * lanes))
+        return builder.sitofp(total, ir.VectorType(ir.FloatType(), lanes))
+
+    def spread(builder, v):  # 8 lanes -> 16, each twice (a 32-weight sub-block's two groups of 16)
+        if lanes == 16:
+            return v
+        return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 16), [i // 2 for i in range(16)]))
+
+    def fields(typingctx, src, p, d, dmin, scales, offs, g0):
+        def codegen(context, builder, sig, args):
+            s_, p_, d_, dmin_, sc_, of_, g0_ = args
+            sp = _byte_ptr(context, builder, sig.args[0], s_, builder.add(p_, ir.Constant(_I64, base)))
+            raw = builder.load(builder.bitcast(sp, vb.as_pointer()), align=1)
+            f32p = ir.FloatType().as_pointer()
+            scp = builder.gep(builder.bitcast(context.make_array(sig.args[4])(context, builder, sc_).data, f32p), [g0_])
+            ofp = builder.gep(builder.bitcast(context.make_array(sig.args[5])(context, builder, of_).data, f32p), [g0_])
+            vty = ir.VectorType(ir.FloatType(), lanes)
+            dv = builder.fmul(_splat(builder, d_, vty), values(builder, raw, scale))
+            builder.store(spread(builder, dv), builder.bitcast(scp, _V16F.as_pointer()), align=4)
+            if mins is None:
+                mv = ir.Constant(_V16F, [-0.0] * 16)
+            else:
+                mv = spread(builder, builder.fneg(builder.fmul(_splat(builder, dmin_, vty), values(builder, raw, mins))))
+            builder.store(mv, builder.bitcast(ofp, _V16F.as_pointer()), align=4)
+            return context.get_dummy_value()
+        return types.void(src, types.intp, types.float32, types.float32, scales, offs, types.intp), codegen
+    return intrinsic(fields)
+
+
+def _lanes(fn, n):
+    return [fn(j) for j in range(n)]
+
+
+_q2k_scales = _scale_fields(84, 16, ([(_lanes(lambda j: j, 16), [0] * 16, [15] * 16, [0] * 16)], 0, 0),
+                            ([(_lanes(lambda j: j, 16), [4] * 16, [15] * 16, [0] * 16)], 0, 0))
+_q3k_scales = _scale_fields(110, 16, ([(_lanes(lambda j: 96 + (j & 7), 16), _lanes(lambda j: 4 * (j >> 3), 16),
+                                        [15] * 16, [0] * 16),
+                                       (_lanes(lambda j: 104 + (j & 3), 16), _lanes(lambda j: 2 * (j >> 2), 16),
+                                        [3] * 16, [4] * 16)], 0, -32), None)
+# Q4_K / Q5_K (get_scale_min_k4, the 12 bytes at 4): sc j<4 = s[j] & 63, j>=4 = (s[j+4] & 15)
+# | (s[j-4] >> 6) << 4; m j<4 = s[j+4] & 63, j>=4 = (s[j+4] >> 4) | (s[j] >> 6) << 4.
+_k4_scales = _scale_fields(144, 8, (
+    [(_lanes(lambda j: 4 + j if j < 4 else 8 + j, 8), [0] * 8, _lanes(lambda j: 63 if j < 4 else 15, 8), [0] * 8),
+     (_lanes(lambda j: 4 if j < 4 else j, 8), [2] * 8, _lanes(lambda j: 0 if j < 4 else 0x30, 8), [0] * 8)], 0, 0), (
+    [(_lanes(lambda j: 8 + j, 8), _lanes(lambda j: 0 if j < 4 else 4, 8), _lanes(lambda j: 63 if j < 4 else 15, 8),
+      [0] * 8),
+     (_lanes(lambda j: 4 if j < 4 else 4 + j, 8), [2] * 8, _lanes(lambda j: 0 if j < 4 else 0x30, 8), [0] * 8)], 0, 0))
+_q6k_scales = _scale_fields(210, 16, ([(_lanes(lambda j: 192 + j, 16), [0] * 16, [255] * 16, [0] * 16)], 128, -128),
+                            None)
+_iq4xs_scales = _scale_fields(136, 8, ([(_lanes(lambda j: 4 + (j >> 1), 8), _lanes(lambda j: 4 * (j & 1), 8),
+                                         [15] * 8, [0] * 8),
+                                        (_lanes(lambda j: 2 + (j >> 2), 8), _lanes(lambda j: 2 * (j & 3), 8),
+                                         [3] * 8, [4] * 8)], 0, -32), None)
 
 
 @intrinsic
@@ -173,14 +275,15 @@ def _f16_at(src, o):
 
 
 @njit(cache=True)
-def _k_scale_min(src, o, j):
-    """Q4_K / Q5_K: the 6-bit scale and min of sub-block j from the 12 bytes at o
-    (ggml's get_scale_min_k4)."""
-    if j < 4:
-        return np.int64(src[o + j]) & 63, np.int64(src[o + 4 + j]) & 63
-    sc = (np.int64(src[o + 4 + j]) & 15) | ((np.int64(src[o + j - 4]) >> 2) & 0x30)
-    m = (np.int64(src[o + 4 + j]) >> 4) | ((np.int64(src[o + j]) >> 2) & 0x30)
-    return sc, m
+def _nibbles32(src, q0, d, m, codes, scales, offs, b):
+    """A 32-weight block b: codes from the 16 bytes at q0 (low nibbles, then high ones), scale d
+    and offset m for both its groups of 16."""
+    bits_into(src, q0, 0, 15, 0, codes, 32 * b, 16, False)
+    bits_into(src, q0, 4, 15, 0, codes, 32 * b + 16, 16, False)
+    scales[2 * b] = d
+    scales[2 * b + 1] = d
+    offs[2 * b] = m
+    offs[2 * b + 1] = m
 
 
 @njit(cache=True)
@@ -192,23 +295,14 @@ def decode_blocks(tc, src, b0, nb, codes, scales, offs):
     if tc == Q2_K:  # scales[16] qs[64] d dmin
         for b in range(nb):
             p, e0, g0 = (b0 + b) * nbytes, 256 * b, 16 * b
-            d, dmin = _f16_at(src, p + 80), _f16_at(src, p + 82)
-            for j in range(16):
-                sb = np.int64(src[p + j])
-                scales[g0 + j] = d * np.float32(sb & 15)
-                offs[g0 + j] = -(dmin * np.float32(sb >> 4))
+            _q2k_scales(src, p, _f16_at(src, p + 80), _f16_at(src, p + 82), scales, offs, g0)
             for h in range(2):
                 for s in range(4):
                     bits_into(src, p + 16 + 32 * h, 2 * s, 3, 0, codes, e0 + 128 * h + 32 * s, 32, False)
     elif tc == Q3_K:  # hmask[32] qs[64] scales[12] d
         for b in range(nb):
             p, e0, g0 = (b0 + b) * nbytes, 256 * b, 16 * b
-            d = _f16_at(src, p + 108)
-            for j in range(16):
-                lo = (np.int64(src[p + 96 + (j & 7)]) >> (4 * (j >> 3))) & 15
-                hi = (np.int64(src[p + 104 + (j & 3)]) >> (2 * (j >> 2))) & 3
-                scales[g0 + j] = d * np.float32((lo | (hi << 4)) - 32)
-                offs[g0 + j] = _NEG0
+            _q3k_scales(src, p, _f16_at(src, p + 108), _NEG0, scales, offs, g0)
             for h in range(2):
                 for s in range(4):  # ql + 4 * hmask bit - 4
                     o = e0 + 128 * h + 32 * s
@@ -220,15 +314,7 @@ def decode_blocks(tc, src, b0, nb, codes, scales, offs):
         qs = 48 if five else 16
         for b in range(nb):
             p, e0, g0 = (b0 + b) * nbytes, 256 * b, 16 * b
-            d, dmin = _f16_at(src, p), _f16_at(src, p + 2)
-            for j in range(8):
-                sc, m = _k_scale_min(src, p + 4, j)
-                dj = d * np.float32(sc)
-                mj = -(dmin * np.float32(m))
-                scales[g0 + 2 * j] = dj
-                scales[g0 + 2 * j + 1] = dj
-                offs[g0 + 2 * j] = mj
-                offs[g0 + 2 * j + 1] = mj
+            _k4_scales(src, p, _f16_at(src, p), _f16_at(src, p + 2), scales, offs, g0)
             for c in range(4):
                 o = e0 + 64 * c
                 bits_into(src, p + qs + 32 * c, 0, 15, 0, codes, o, 32, False)
@@ -239,11 +325,7 @@ def decode_blocks(tc, src, b0, nb, codes, scales, offs):
     elif tc == Q6_K:  # ql[128] qh[64] scales[16] (int8) d
         for b in range(nb):
             p, e0, g0 = (b0 + b) * nbytes, 256 * b, 16 * b
-            d = _f16_at(src, p + 208)
-            for j in range(16):
-                sc = np.int64(src[p + 192 + j])
-                scales[g0 + j] = d * np.float32(sc - 256 if sc >= 128 else sc)
-                offs[g0 + j] = _NEG0
+            _q6k_scales(src, p, _f16_at(src, p + 208), _NEG0, scales, offs, g0)
             for h in range(2):
                 for s in range(4):  # (ql | qh << 4) - 32
                     o = e0 + 128 * h + 32 * s
@@ -253,56 +335,34 @@ def decode_blocks(tc, src, b0, nb, codes, scales, offs):
     elif tc == IQ4_XS:  # d scales_h (u16) scales_l[4] qs[128]
         for b in range(nb):
             p, e0, g0 = (b0 + b) * nbytes, 256 * b, 16 * b
-            d = _f16_at(src, p)
-            sh = np.int64(src[p + 2]) | (np.int64(src[p + 3]) << 8)
-            for j in range(8):
-                lo = (np.int64(src[p + 4 + (j >> 1)]) >> (4 * (j & 1))) & 15
-                hi = (sh >> (2 * j)) & 3
-                dj = d * np.float32((lo | (hi << 4)) - 32)
-                scales[g0 + 2 * j] = dj
-                scales[g0 + 2 * j + 1] = dj
-                offs[g0 + 2 * j] = _NEG0
-                offs[g0 + 2 * j + 1] = _NEG0
+            _iq4xs_scales(src, p, _f16_at(src, p), _NEG0, scales, offs, g0)
             for j in range(8):
                 bits_into(src, p + 8 + 16 * j, 0, 15, 0, codes, e0 + 32 * j, 16, False)
                 bits_into(src, p + 8 + 16 * j, 4, 15, 0, codes, e0 + 32 * j + 16, 16, False)
         lut_into(codes, 0, 256 * nb, _KV_IQ4)
-    elif tc == IQ4_NL or tc == MXFP4:  # d qs[16] / e qs[16]
-        mx = tc == MXFP4
+    elif tc == MXFP4:  # e (E8M0) qs[16]
         for b in range(nb):
-            p, e0, g0 = (b0 + b) * nbytes, 32 * b, 2 * b
-            if mx:  # ggml_e8m0_to_fp32_half
-                e = np.int64(src[p])
-                d = _bits_f32(np.int64(0x00200000) << e if e < 2 else (e - 1) << 23)
-                q0 = p + 1
-            else:
-                d = _f16_at(src, p)
-                q0 = p + 2
-            bits_into(src, q0, 0, 15, 0, codes, e0, 16, False)
-            bits_into(src, q0, 4, 15, 0, codes, e0 + 16, 16, False)
-            scales[g0] = d
-            scales[g0 + 1] = d
-            offs[g0] = _NEG0
-            offs[g0 + 1] = _NEG0
-        lut_into(codes, 0, 32 * nb, _KV_MXFP4 if mx else _KV_IQ4)
-    else:  # Q5_0: d qh[4] qs[16]; Q5_1: d m qh[4] qs[16]
-        one = tc == Q5_1
-        h0 = 4 if one else 2
+            p = (b0 + b) * nbytes
+            e = np.int64(src[p])  # ggml_e8m0_to_fp32_half
+            d = _bits_f32(np.int64(0x00200000) << e if e < 2 else (e - 1) << 23)
+            _nibbles32(src, p + 1, d, _NEG0, codes, scales, offs, b)
+        lut_into(codes, 0, 32 * nb, _KV_MXFP4)
+    elif tc == IQ4_NL:  # d qs[16]
         for b in range(nb):
-            p, e0, g0 = (b0 + b) * nbytes, 32 * b, 2 * b
-            d = _f16_at(src, p)
-            m = _f16_at(src, p + 2) if one else _NEG0
-            qh = (np.int64(src[p + h0]) | (np.int64(src[p + h0 + 1]) << 8) | (np.int64(src[p + h0 + 2]) << 16)
-                  | (np.int64(src[p + h0 + 3]) << 24))
-            bits_into(src, p + h0 + 4, 0, 15, 0, codes, e0, 16, False)
-            bits_into(src, p + h0 + 4, 4, 15, 0, codes, e0 + 16, 16, False)
-            word_bits_into(qh, codes, e0, 4)
-            scales[g0] = d
-            scales[g0 + 1] = d
-            offs[g0] = m
-            offs[g0 + 1] = m
-        if not one:
-            add_into(codes, 0, 32 * nb, -16)
+            p = (b0 + b) * nbytes
+            _nibbles32(src, p + 2, _f16_at(src, p), _NEG0, codes, scales, offs, b)
+        lut_into(codes, 0, 32 * nb, _KV_IQ4)
+    elif tc == Q5_0:  # d qh[4] qs[16]
+        for b in range(nb):
+            p = (b0 + b) * nbytes
+            _nibbles32(src, p + 6, _f16_at(src, p), _NEG0, codes, scales, offs, b)
+            qh_bits_into(src, p + 2, codes, 32 * b, 16)
+        add_into(codes, 0, 32 * nb, -16)
+    else:  # Q5_1: d m qh[4] qs[16]
+        for b in range(nb):
+            p = (b0 + b) * nbytes
+            _nibbles32(src, p + 8, _f16_at(src, p), _f16_at(src, p + 2), codes, scales, offs, b)
+            qh_bits_into(src, p + 4, codes, 32 * b, 16)
 
 
 # --- the exact dequantizer (embedding, prefill) ---------------------------------------------
