@@ -214,6 +214,6 @@ def _rope_parameters(m: _Meta, rope_theta: float) -> dict:
         # convert_hf_to_gguf writes 0.1 * mscale_all_dim; llama.cpp divides by 0.1f (in float32).
         # The file has no mscale: DeepSeek's checkpoints set it equal to mscale_all_dim (no net
         # attention factor), which is what llama.cpp computes.
-        mscale = float(repr(np.float32(np.float32(log_mul) / np.float32(0.1))))
+        mscale = float(str(np.float32(np.float32(log_mul) / np.float32(0.1))))  # shortest repr
         p.update(mscale=mscale, mscale_all_dim=mscale)
     return p
