@@ -25,7 +25,7 @@ import numpy as np
 
 from bench.common import add_json_arg, machine_line, write_json
 
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
         "mscale": 0.7, "mscale_all_dim": 0.7, "beta_fast": 32.0, "beta_slow": 1.0}
 # arch -> (HF class, config class, config kwargs, routing bias, MTP layer)
 MODELS = {

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from harness import add_mtp_layer, make_hf_model, prompts_for  # noqa: E402
 
 VOCAB = 320
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
         "mscale": 0.7, "mscale_all_dim": 0.7, "beta_fast": 32.0, "beta_slow": 1.0}
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, max_position_embeddings=256)
 
