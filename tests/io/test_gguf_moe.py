@@ -441,3 +441,67 @@ def test_quantized_mla_halves_join_as_their_values(models, tmp_path):
     np.testing.assert_array_equal(kv_b.q, want)
     hf_kv_b = load_file(str(hf / "model.safetensors"))["model.layers.1.self_attn.kv_b_proj.weight"].numpy()
     np.testing.assert_allclose(kv_b.q, hf_kv_b, atol=np.abs(hf_kv_b).max() / 100)
+
+
+# ---------------------------------------------------------------- file types, tokenizers
+
+@pytest.mark.parametrize("qtype,scheme", [("q8_0", "q8_0"), ("f16", "f16"), ("q4_0", "q4_0"), ("bf16", "bf16")])
+def test_quantized_file_repacks_losslessly(models, tmp_path, qtype, scheme):
+    """Every tensor and expert of a --type file holds exactly gguf-py's dequantized values; routers,
+    norms and biases stay F32 (llama.cpp's rule)."""
+    hf, _ = models("qwen2moe")
+    (path,) = write_gguf(hf, tmp_path / f"{qtype}.gguf", qtype=qtype)
+    ckpt = read_gguf(path)
+    raw = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+           for t in gguf.GGUFReader(path).tensors}
+    q = ckpt.tensors["model.layers.0.self_attn.q_proj.weight"]
+    assert q.scheme == scheme
+    np.testing.assert_array_equal(dequantize(q), raw["blk.0.attn_q.weight"])
+    for name in ("model.layers.0.mlp.gate.weight", "model.layers.1.mlp.shared_expert_gate.weight"):
+        assert ckpt.tensors[name].scheme == "f32", name
+    stack = ckpt.experts["model.layers.1.mlp"]["down_proj"]
+    assert stack.scheme == scheme
+    for e in range(stack.num_experts):
+        np.testing.assert_array_equal(dequantize(stack.expert(e)), raw["blk.1.ffn_down_exps.weight"][e])
+
+
+@pytest.mark.parametrize("pre,pieces", [
+    ("deepseek-v3", ["123", "45", " hello", "世界", "!!"]),
+    ("glm4", ["123", "45", " hello世界", "!!"]),  # llama3's regex: letters of any script are one run
+    ("deepseek-coder", ["1", "2", "3", "4", "5", " hello", "世界", "!!"]),
+    ("deepseek-llm", ["12345", " hello", "世界", "!!"]),
+    ("qwen2", ["1", "2", "3", "4", "5", " hello世界", "!!"]),
+])
+def test_pre_tokenizers(models, tmp_path, pre, pieces):
+    from tokenizers import Tokenizer
+
+    hf, _ = models("qwen2moe")
+    (path,) = write_gguf(hf, tmp_path / "t.gguf", pre=pre)
+    ckpt = read_gguf(path)
+    tok = Tokenizer.from_str(ckpt.tokenizer_json)
+    got = [p for p, _ in tok.pre_tokenizer.pre_tokenize_str("12345 hello世界!!")]
+    decode = {v: k for k, v in __import__("colibri.io.gguf", fromlist=["x"]).bytes_to_unicode().items()}
+    assert [bytes(decode[c] for c in p).decode() for p in got] == pieces
+    assert ckpt.tokenizer_config["chat_template"].startswith("{% for m in messages %}<|im_start|>")
+    assert ckpt.tokenizer_config["eos_token"] == "<|im_end|>"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2", "mixtral"])
+def test_q8_0_gguf_decodes_like_transformers_on_its_values(models, arch, tmp_path):
+    """A --type q8_0 file through colibri's q8_0 kernels: transformers on the same (dequantized)
+    weights gives the same greedy tokens (the harness's --bits 4 comparison)."""
+    from colibri import Engine
+    from colibri.io.convert import convert
+    from harness import dequantized_reference, hf_greedy
+
+    hf, _ = models(arch)
+    (path,) = write_gguf(hf, tmp_path / "q8.gguf", qtype="q8_0")
+    container = convert(path, tmp_path / "c", progress=False)
+    ref_dir = dequantized_reference(hf, container, tmp_path / "deq")
+    ref = getattr(transformers, CASES[arch][0]).from_pretrained(ref_dir, attn_implementation="eager",
+                                                                dtype=torch.float32).eval()
+    engine = Engine.load(container)
+    for prompt in prompts_for(VOCAB, 11, lengths=(3, 10)):
+        want, _ = hf_greedy(ref, prompt, 12)
+        assert engine.generate(prompt, max_tokens=12, stop_at_eos=False).token_ids == want, prompt
