@@ -15,7 +15,6 @@ compare against). Exit status 1 when any architecture differs.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
@@ -138,13 +137,13 @@ def compare(theirs: Path, ours: Path, arch: str) -> dict:
             tensors.append(f"{name}: bytes differ")
     mt, mo = _meta(rt), _meta(ro)
     read = lambda k: k.startswith(arch + ".") or (k.startswith("tokenizer.ggml.") and k != "tokenizer.ggml.pre") \
-        or k == "general.architecture"  # noqa: E731
+        or k == "general.architecture"
     meta = []
     for key in sorted({k for k in mt if read(k)} | {k for k in mo if read(k)}):
         a, b = mt.get(key), mo.get(key)
         same = (np.float32(a) == np.float32(b)) if isinstance(a, float) and isinstance(b, float) else a == b
         if not same:
-            short = lambda v: (repr(v)[:60] + "...") if len(repr(v)) > 60 else repr(v)  # noqa: E731
+            short = lambda v: (repr(v)[:60] + "...") if len(repr(v)) > 60 else repr(v)
             meta.append(f"{key}: llama.cpp {short(a)}, ours {short(b)}")
     config = []
     try:

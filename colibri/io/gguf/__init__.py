@@ -16,5 +16,12 @@ from colibri.io.gguf.config import ARCHITECTURES
 from colibri.io.gguf.reader import SUPPORTED_TYPES
 from colibri.io.gguf.tokenizer import bytes_to_unicode
 
-__all__ = ["ARCHITECTURES", "GGUFCheckpoint", "GGUFStack", "GGUFTensors", "SUPPORTED_TYPES", "bytes_to_unicode",
-           "read_gguf"]
+__all__ = [
+           "ARCHITECTURES",
+           "SUPPORTED_TYPES",
+           "GGUFCheckpoint",
+           "GGUFStack",
+           "GGUFTensors",
+           "bytes_to_unicode",
+           "read_gguf",
+]

@@ -57,9 +57,9 @@ def f32(value) -> float:
 
 def build_config(path: Path, meta: dict, arch: str, names: set[str]) -> dict:
     m = _Meta(path, meta, arch)
-    layers_with = lambda stem: sorted(int(n.split(".")[1]) for n in names  # noqa: E731
+    layers_with = lambda stem: sorted(int(n.split(".")[1]) for n in names
                                       if n.startswith("blk.") and n.split(".")[2] == stem)
-    has = lambda suffix: any(n.endswith(suffix) for n in names)  # noqa: E731
+    has = lambda suffix: any(n.endswith(suffix) for n in names)
     if any(n.startswith("rope_freqs.") for n in names):
         raise ColibriError(f"{path.name}: RoPE frequency factors (tensor rope_freqs, e.g. Llama 3.1's rope "
                            "scaling) are not supported yet for GGUF import")
