@@ -106,6 +106,11 @@ SMOKE: dict[str, tuple] = {
         "hash speeds, and the tiny MoE streamed, 4 tokens",
         lambda c: ["--model", c["tiny"], "--ram-gb", "0.2", "--tokens", "4", "--repeats", "1", "--json", c["json"]],
         False, {}),
+    "bench.io.gguf_layout_oracle": (
+        "without llama.cpp (the script says there is nothing to compare against); with LLAMA_CPP_DIR set, "
+        "qwen3moe against its convert_hf_to_gguf.py",
+        lambda c: (["--llama-cpp", os.environ["LLAMA_CPP_DIR"], "--arch", "qwen3moe"] if os.environ.get("LLAMA_CPP_DIR")
+                   else []) + ["--json", c["json"]], False, {}),
     # scale
     "bench.scale.cluster": (
         "a local Ray cluster, 1 worker, the tiny MoE",

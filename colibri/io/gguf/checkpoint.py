@@ -15,8 +15,15 @@ from colibri.errors import ColibriError
 from colibri.formats.qtensor import QTensor
 from colibri.io.gguf import names as N
 from colibri.io.gguf.config import ARCHITECTURES, build_config
-from colibri.io.gguf.reader import (SCHEME_OF_TYPE, TensorRef, dequantized, matrix, open_gguf, raw_bytes,
-                                    type_row_bytes)
+from colibri.io.gguf.reader import (
+    SCHEME_OF_TYPE,
+    TensorRef,
+    dequantized,
+    matrix,
+    open_gguf,
+    raw_bytes,
+    type_row_bytes,
+)
 from colibri.io.gguf.tokenizer import tokenizer_files
 
 TYPE_OF_SCHEME = {scheme: type_name for type_name, scheme in SCHEME_OF_TYPE.items()}
@@ -54,7 +61,7 @@ class GGUFStack:
 @dataclass
 class GGUFCheckpoint:
     config: dict                 # HF config.json of the family (colibri/model_types.py)
-    tensors: "GGUFTensors"       # HF name -> QTensor [out, in] (2-D) or float32 array (1-D); lazy
+    tensors: GGUFTensors       # HF name -> QTensor [out, in] (2-D) or float32 array (1-D); lazy
     tokenizer_json: str          # a `tokenizers` serialization (tokenizer.json)
     tokenizer_config: dict       # tokenizer_config.json
     generation_config: dict      # generation_config.json

@@ -57,9 +57,9 @@ def f32(value) -> float:
 
 def build_config(path: Path, meta: dict, arch: str, names: set[str]) -> dict:
     m = _Meta(path, meta, arch)
-    layers_with = lambda stem: sorted(int(n.split(".")[1]) for n in names  # noqa: E731
+    layers_with = lambda stem: sorted(int(n.split(".")[1]) for n in names
                                       if n.startswith("blk.") and n.split(".")[2] == stem)
-    has = lambda suffix: any(n.endswith(suffix) for n in names)  # noqa: E731
+    has = lambda suffix: any(n.endswith(suffix) for n in names)
     if any(n.startswith("rope_freqs.") for n in names):
         raise ColibriError(f"{path.name}: RoPE frequency factors (tensor rope_freqs, e.g. Llama 3.1's rope "
                            "scaling) are not supported yet for GGUF import")
@@ -214,6 +214,6 @@ def _rope_parameters(m: _Meta, rope_theta: float) -> dict:
         # convert_hf_to_gguf writes 0.1 * mscale_all_dim; llama.cpp divides by 0.1f (in float32).
         # The file has no mscale: DeepSeek's checkpoints set it equal to mscale_all_dim (no net
         # attention factor), which is what llama.cpp computes.
-        mscale = float(repr(np.float32(np.float32(log_mul) / np.float32(0.1))))
+        mscale = float(str(np.float32(np.float32(log_mul) / np.float32(0.1))))  # shortest repr
         p.update(mscale=mscale, mscale_all_dim=mscale)
     return p

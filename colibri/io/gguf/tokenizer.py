@@ -148,7 +148,14 @@ def bytes_to_unicode() -> dict[int, str]:
 def _byte_level_bpe(tokens, token_types, merges, pre, special, add_bos, add_eos):
     """transformers' `byte_level_tokenizer` + `add_gguf_special_tokens` + `set_split_regex` +
     the special tokens and post-processor its TokenizersBackend adds."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        pre_tokenizers,
+        processors,
+    )
     from tokenizers.models import BPE
 
     spelling = bytes_to_unicode()
