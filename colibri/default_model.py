@@ -68,9 +68,9 @@ def linked_model(gguf: Path, out: Path, progress: bool) -> Path:
     """`out`, indexed from `gguf` unless it already holds its index (written into a temporary
     directory and renamed, so an interrupted indexing leaves nothing half-done). A directory
     from an older colibri that converted the GGUF into a full container is used as it is."""
-    from colibri.io.gguf_link import link_gguf
+    from colibri.io.gguf_link import is_current, is_linked, link_gguf
 
-    if not _linked(out):
+    if not _linked(out) or (is_linked(out) and not is_current(out)):  # (a part of a split set changed)
         link_gguf(gguf, out, progress=progress)
     return out
 

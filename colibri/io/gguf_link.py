@@ -262,3 +262,18 @@ def is_linked(model_dir: Path) -> bool:
         return json.loads((Path(model_dir) / MANIFEST).read_text()).get("kind") == LINK_KIND
     except (OSError, ValueError, AttributeError):
         return False
+
+
+def is_current(model_dir: Path) -> bool:
+    """Whether `model_dir`'s index still describes its GGUF files: every part (of a split set
+    too, though the cache key follows only the part named) has the size and modification
+    time it was indexed at."""
+    try:
+        entries = json.loads((Path(model_dir) / MANIFEST).read_text())["gguf_files"]
+        for f in entries:
+            st = os.stat(f["path"])
+            if (st.st_size, st.st_mtime_ns) != (f["size"], f["mtime_ns"]):
+                return False
+        return True
+    except (OSError, ValueError, KeyError, TypeError):
+        return False

@@ -4,6 +4,7 @@ import pytest
 
 from colibri.kernels.cpu import embedding, matvec
 from colibri.kernels.gemm import matmul
+from colibri.formats.ggml_blocks import BLOCK_TYPES
 from colibri.formats.qtensor import SCHEMES, QTensor, dequantize, quantize
 
 # (out, in): single row, row counts that are not a multiple of 8-row blocks or 2 threads, a very
@@ -13,6 +14,8 @@ SHAPES = [(1, 64), (7, 128), (13, 192), (37, 128), (3, 16384), (4096, 256), (21,
 
 
 def make(scheme, shape, seed):
+    if scheme in BLOCK_TYPES and shape[1] % BLOCK_TYPES[scheme].elements:
+        pytest.skip(f"{scheme} rows hold whole blocks of {BLOCK_TYPES[scheme].elements} inputs, not {shape[1]}")
     rng = np.random.default_rng(seed)
     w = rng.standard_normal(shape).astype(np.float32)
     w[0, : min(64, shape[1])] *= 50.0  # groups of very different scale
