@@ -12,6 +12,9 @@ the measured read bandwidth (bench/membw.py).
         --gguf /work/models/qwen3-30b-a3b.gguf
     python -m bench.peers.moe_resident --model /work/models/qwen3-30b-a3b --gguf /work/models/qwen3-30b-a3b.gguf \
         --llama-python /work/peer-venv/bin/python
+
+--model may be the .gguf itself (read in place by colibri, colibri/io/gguf_link.py): then both
+engines run the same file, whatever its types (e.g. Q4_K_M from llama-quantize).
 """
 from __future__ import annotations
 
@@ -83,7 +86,10 @@ def active_bytes(model: Path) -> tuple[int, int]:
 
     c = Container(model)
     top_k = int(c.config.get("num_experts_per_tok", 8))
-    dense = sum(t.nbytes for n, t in c.dense.tensors.items() if not n.startswith("model.embed_tokens"))
+    if c.gguf:  # a GGUF read in place: the dense sizes from its index
+        dense = c.dense_bytes - c.tensor_bytes("model.embed_tokens.weight")
+    else:
+        dense = sum(t.nbytes for n, t in c.dense.tensors.items() if not n.startswith("model.embed_tokens"))
     experts = sum(l.blob_bytes * top_k for l in c.expert_layouts.values())
     return dense + experts, experts
 
@@ -101,6 +107,11 @@ def main() -> None:
                     help=f"comma-separated, from {', '.join(ENGINES)} (llama needs --gguf and --llama-python)")
     add_json_arg(ap)
     a = ap.parse_args()
+    if a.model.suffix == ".gguf":  # colibri reads the file in place (its index in the cache)
+        from colibri.default_model import gguf_model_dir
+
+        a.gguf = a.gguf or a.model
+        a.model = gguf_model_dir(a.model, progress=not a.child)
     if a.child:
         out = (child_llama(a) if a.child == "llama" else
                child_colibri(a, fused=a.child != "colibri-per-expert",

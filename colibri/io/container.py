@@ -215,6 +215,16 @@ class Container:
     def expert_bytes(self) -> int:
         return sum(l.blob_bytes * l.num_experts for l in self.expert_layouts.values())
 
+    def tensor_bytes(self, name: str) -> int:
+        """Bytes dense tensor `name` takes in RAM once loaded (0 when there is none)."""
+        spec = self.manifest["tensors"].get(name)
+        if spec is None:
+            return 0
+        if self.gguf:
+            return self.gguf.tensor_bytes(name)
+        return sum(self.dense.tensors[f"{name}.{p}"].nbytes for p in ("q", "scales", "mins")
+                   if f"{name}.{p}" in self.dense.tensors)
+
     def has(self, name: str) -> bool:
         return name in self.manifest["tensors"]
 

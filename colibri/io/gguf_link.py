@@ -127,11 +127,12 @@ def link_gguf(path: str | os.PathLike, out: str | os.PathLike, progress: bool = 
         t = ckpt.tensors[name]
         where = ckpt.tensors.spec(name, files)
         if isinstance(t, np.ndarray):
-            tensors[name] = {"scheme": "f32", "shape": list(t.shape), "gguf": where}
-            dense_bytes += t.size * 4
+            nbytes = t.size * 4
+            tensors[name] = {"scheme": "f32", "shape": list(t.shape), "gguf": where, "nbytes": nbytes}
         else:
-            tensors[name] = {"scheme": t.scheme, "shape": list(t.shape), "gguf": where}
-            dense_bytes += t.nbytes
+            nbytes = t.nbytes
+            tensors[name] = {"scheme": t.scheme, "shape": list(t.shape), "gguf": where, "nbytes": nbytes}
+        dense_bytes += nbytes
     experts = {}
     for prefix, stacks in ckpt.experts.items():
         missing = [p for p in PROJECTIONS if p not in stacks]
@@ -247,6 +248,9 @@ class GGUFLink:
         if isinstance(t, np.ndarray):
             return {"q": copy(np.ascontiguousarray(t, dtype=np.float32))}
         return {part: copy(np.ascontiguousarray(a)) for part, a in t.parts().items()}
+
+    def tensor_bytes(self, name: str) -> int:
+        return int(self.manifest["tensors"][name].get("nbytes", 0))
 
     def expert_ranges(self, prefix: str, e: int) -> list[ExpertRange]:
         return [ExpertRange(path, offset + e * nbytes, nbytes, blob_offset, repack)
