@@ -32,7 +32,10 @@ ARCH_OF = {"llama": "llama", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3
            "olmoe": "olmoe", "glm4_moe": "glm4moe", "deepseek_v3": "deepseek2"}
 PRE_OF = {"llama": "llama-bpe", "qwen2moe": "qwen2", "qwen3moe": "qwen2", "olmoe": "olmo",
           "glm4moe": "glm4", "deepseek2": "deepseek-v3"}
-TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4")
+# gguf-py quantizes the first ones; the K and IQ4 types go through colibri's own numpy
+# quantizers (formats/ggml_blocks.py, ports of ggml's reference ones).
+TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4",
+         "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs")
 _MOE_EXPERTS = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _EXPERT = re.compile(r"^.+\.experts\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$")
 _FUSED = re.compile(r"^.+\.experts\.(?P<proj>gate_up_proj|down_proj)(\.weight)?$")
@@ -265,7 +268,8 @@ def _metadata(w, arch: str, cfg: dict, qtype_name: str) -> None:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     w.add_file_type({"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2, "q4_1": 3, "q5_0": 8, "q5_1": 9,
-                     "mxfp4": 38}[qtype_name])
+                     "mxfp4": 38, "q2_k": 10, "q3_k": 12, "q4_k": 15, "q5_k": 17, "q6_k": 18, "iq4_nl": 25,
+                     "iq4_xs": 30}[qtype_name])
 
     if arch == "llama":
         w.add_vocab_size(cfg["vocab_size"])
@@ -351,7 +355,7 @@ def write_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None, qty
         raise ColibriError(f"no GGUF layout for model_type {cfg.get('model_type')!r} / arch {arch!r} "
                            f"(supported: {', '.join(sorted(set(ARCH_OF.values())))})")
     if qtype not in TYPES:
-        raise ColibriError(f"--type {qtype!r} is not one gguf-py can quantize; choose one of {', '.join(TYPES)}")
+        raise ColibriError(f"--type {qtype!r} is not one this writer quantizes; choose one of {', '.join(TYPES)}")
     Q = gguf.GGMLQuantizationType
     base_type = Q[qtype.upper()]
     model_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
@@ -373,17 +377,30 @@ def write_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None, qty
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for new, data in pairs:
         t = _qtype(new, data.ndim, base_type)
-        try:
-            q = gguf.quants.quantize(data.astype(np.float32), t)
-        except gguf.QuantError:
-            t = Q.F16  # a row that is not whole blocks, as llama.cpp falls back
-            q = gguf.quants.quantize(data.astype(np.float32), t)
+        block = gguf.GGML_QUANT_SIZES[t][0]
+        if data.shape[-1] % block:  # a row that is not whole blocks: a fallback, as llama.cpp's
+            t = Q.Q8_0 if data.shape[-1] % 32 == 0 and t != Q.F32 and data.ndim > 1 else Q.F16 if t != Q.F32 else t
+        q = _quantize(data.astype(np.float32), t)
         w.add_tensor(new, q, raw_dtype=t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return w.format_shard_names(out) if split > 1 else [out]
+
+
+def _quantize(data: np.ndarray, t) -> np.ndarray:
+    """gguf-py's quantizer where it has one, else colibri's (ggml_blocks.quantize_blocks, over
+    the rows of any stacked tensor)."""
+    import gguf
+
+    from colibri.formats.ggml_blocks import SCHEME_OF_GGUF, quantize_blocks
+
+    try:
+        return gguf.quants.quantize(data, t)
+    except NotImplementedError:
+        rows = data.reshape(-1, data.shape[-1])
+        return quantize_blocks(rows, SCHEME_OF_GGUF[t.name]).reshape(*data.shape[:-1], -1)
 
 
 def main() -> None:

@@ -484,18 +484,25 @@ def test_pre_tokenizers(models, tmp_path, pre, pieces):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2", "mixtral"])
-def test_q8_0_gguf_decodes_like_transformers_on_its_values(models, arch, tmp_path):
-    """A --type q8_0 file through colibri's q8_0 kernels: transformers on the same (dequantized)
-    weights gives the same greedy tokens (the harness's --bits 4 comparison)."""
+@pytest.mark.parametrize("arch,qtype", [("qwen3moe", "q8_0"), ("deepseek2", "q8_0"), ("mixtral", "q8_0"),
+                                        ("qwen3moe", "q4_k"), ("qwen3moe", "q6_k"), ("qwen3moe", "q2_k"),
+                                        ("olmoe", "mxfp4"), ("olmoe", "iq4_nl"), ("qwen2moe", "q5_0")])
+def test_quantized_gguf_decodes_like_transformers_on_its_values(models, arch, qtype, tmp_path):
+    """A --type file through colibri's kernels for that type (the K-quants where rows hold whole
+    256-blocks, here qwen3moe's expert down rows, q8_0 elsewhere: a per-tensor mix): transformers on
+    the same (dequantized) weights gives the same greedy tokens (the harness's --bits 4
+    comparison), and the file read in place gives the same tokens as its repacked container."""
+    from colibri.io.gguf_link import link_gguf
+
     from harness import dequantized_reference, hf_greedy
 
     from colibri import Engine
     from colibri.io.convert import convert
 
     hf, _ = models(arch)
-    (path,) = write_gguf(hf, tmp_path / "q8.gguf", qtype="q8_0")
+    (path,) = write_gguf(hf, tmp_path / f"{qtype}.gguf", qtype=qtype)
     container = convert(path, tmp_path / "c", progress=False)
+    linked = Engine.load(link_gguf(path, tmp_path / "linked", progress=False))
     ref_dir = dequantized_reference(hf, container, tmp_path / "deq")
     ref = getattr(transformers, CASES[arch][0]).from_pretrained(ref_dir, attn_implementation="eager",
                                                                 dtype=torch.float32).eval()
@@ -503,3 +510,4 @@ def test_q8_0_gguf_decodes_like_transformers_on_its_values(models, arch, tmp_pat
     for prompt in prompts_for(VOCAB, 11, lengths=(3, 10)):
         want, _ = hf_greedy(ref, prompt, 12)
         assert engine.generate(prompt, max_tokens=12, stop_at_eos=False).token_ids == want, prompt
+        assert linked.generate(prompt, max_tokens=12, stop_at_eos=False).token_ids == want, prompt
