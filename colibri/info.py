@@ -31,6 +31,17 @@ def tensor_class(name: str, shape: list[int]) -> str:
     return "other"
 
 
+def _disk(c: Container, files: dict[str, int]) -> dict:
+    """What the model takes on disk: a container's files, or for a GGUF read in place its parts
+    (the directory holds only the index, `index_bytes`)."""
+    if c.gguf:
+        parts = {str(f): f.stat().st_size for f in c.gguf.files}
+        return {"total_bytes": sum(parts.values()), "dense_bytes": c.dense_bytes, "expert_bytes": c.expert_bytes,
+                "index_bytes": sum(files.values()), "files": parts}
+    return {"total_bytes": sum(files.values()), "dense_bytes": files.get(c.manifest["dense_file"], 0),
+            "expert_bytes": sum(n for f, n in files.items() if f.startswith("experts-")), "files": files}
+
+
 def describe(model_dir: str | Path | Container) -> dict:
     c = model_dir if isinstance(model_dir, Container) else Container(model_dir)
     cfg = c.config
@@ -38,8 +49,7 @@ def describe(model_dir: str | Path | Container) -> dict:
     dense_params = 0
     for name, spec in c.manifest["tensors"].items():
         params = prod(spec["shape"])
-        nbytes = sum(c.dense.tensors[f"{name}.{p}"].nbytes for p in ("q", "scales", "mins")
-                     if f"{name}.{p}" in c.dense.tensors)
+        nbytes = c.tensor_bytes(name)
         entry = classes[tensor_class(name, spec["shape"])]
         entry["tensors"] += 1
         entry["params"] += params
@@ -90,10 +100,7 @@ def describe(model_dir: str | Path | Container) -> dict:
                     "total": sum(e["experts"] for e in expert_layers), "top_k": top_k if expert_layers else 0,
                     "expert_bytes": max((e["expert_bytes"] for e in expert_layers), default=0)},
         "quantization": {k: v for k, v in sorted(classes.items(), key=lambda kv: -kv[1]["bytes"])},
-        "disk": {"total_bytes": sum(files.values()),
-                 "dense_bytes": files.get(c.manifest["dense_file"], 0),
-                 "expert_bytes": sum(n for f, n in files.items() if f.startswith("experts-")),
-                 "files": files},
+        "disk": _disk(c, files),
         "chat_template": has_template,
         "tokenizer": (c.dir / "tokenizer.json").is_file(),
     }

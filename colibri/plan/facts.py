@@ -31,7 +31,7 @@ class ExpertLayer:
 @dataclass
 class ModelFacts:
     dir: str
-    kind: str                      # "container", "hf" or "config" (the last two: sizes estimated for --bits 4)
+    kind: str                      # "container", "gguf" (read in place), "hf" or "config" (the last two: sizes estimated for --bits 4)
     model_type: str
     num_layers: int
     dense_bytes: int
@@ -206,15 +206,16 @@ def _analyze_container(d: Path, project_slice: bool) -> ModelFacts:
 
     c = Container(d)
     sizes = _Sizes(int(c.config.get("num_hidden_layers") or 0))
-    for part, t in c.dense.tensors.items():  # a quantized tensor NAME is stored as NAME.q, NAME.scales, ...
-        sizes.add_dense(part, t.nbytes)
+    for name in c.manifest["tensors"]:
+        sizes.add_dense(name, c.tensor_bytes(name))
     embed = [n for n in c.manifest["tensors"] if _EMBED.search(n)]
     if embed and c.has("lm_head.weight"):
         name = embed[0]
-        table = sum(c.dense.tensors[f"{name}.{p}"].nbytes for p in ("q", "scales", "mins")
-                    if f"{name}.{p}" in c.dense.tensors)
-        sizes.untied_embedding = (table, c.manifest["tensors"][name]["shape"][0] or 1)
+        sizes.untied_embedding = (c.tensor_bytes(name), c.manifest["tensors"][name]["shape"][0] or 1)
     sizes.experts = [ExpertLayer(prefix, lay.num_experts, lay.blob_bytes) for prefix, lay in c.expert_layouts.items()]
+    if c.gguf:  # a GGUF read in place: its files are the model on disk
+        files = [str(f) for f in c.gguf.files]
+        return _facts(d, "gguf", c.config, sizes, sum(f.stat().st_size for f in c.gguf.files), files, project_slice)
     files = [str(d / lay.file) for lay in c.expert_layouts.values()] or [str(c.dense.path)]
     return _facts(d, "container", c.config, sizes, _dir_bytes(d), files, project_slice)
 
