@@ -37,13 +37,7 @@ from colibri.formats.expert_blob import PROJECTIONS
 from colibri.formats.ggml_blocks import BLOCK_TYPES
 from colibri.formats.qtensor import GROUP_SIZE
 from colibri.progress import ByteProgress
-from colibri.io.container import (
-    CHECKSUM,
-    FORMAT_VERSION,
-    MANIFEST,
-    Digest,
-    ExpertRange,
-)
+from colibri.io.manifest import CHECKSUM, FORMAT_VERSION, MANIFEST, Digest, ExpertRange
 
 LINK_KIND = "gguf-link"
 _PART_ALIGN = 64      # each projection's arrays inside a blob start on a cache line
@@ -119,6 +113,8 @@ def link_gguf(path: str | os.PathLike, out: str | os.PathLike, progress: bool = 
     from colibri.io.gguf import read_gguf
 
     path, out = Path(path).resolve(), Path(out)
+    if out.exists() and any(out.iterdir()) and not is_linked(out):
+        raise ColibriError(f"{out} already exists and is not a GGUF index; choose a new directory")
     ckpt = read_gguf(path)
     files = [Path(f).resolve() for f in ckpt.paths or [path]]
     index = {f: i for i, f in enumerate(files)}
