@@ -42,8 +42,7 @@ def reusable_prefix(slot: KVSlot, ids: list[int]) -> int:
 def reuse_prefix(kv: KVSlot, ids: list[int], keep: bool = True) -> int:
     """Keep the cached tokens shared with `ids` (at least one token is left to prefill, since
     its logits are needed; none unless `keep`); returns how many were reused."""
-    n = reusable_prefix(kv, ids) if keep else 0
-    kv.cache.truncate(n)
+    n = kv.cache.rewind(reusable_prefix(kv, ids) if keep else 0)  # a recurrent state: back to a snapshot
     kv.ids = kv.ids[:n]
     return n
 

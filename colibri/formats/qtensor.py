@@ -121,8 +121,10 @@ def interleave_width_of(scheme: str, shape) -> int:
     """The block of rows the decode kernels read a [rows, inputs] matrix of `scheme` in: 2 for
     rows of PAIR_ROW_BYTES or more, else 8; 1 (leave row-major) for other schemes and for row
     counts the kernels' blocks of eight do not cover (their last rows are read one at a time)."""
+    if scheme not in INTERLEAVED_SCHEMES or len(shape) != 2:  # (a 1-D or 3-D float tensor: as stored)
+        return 1
     rows, inputs = shape
-    if scheme not in INTERLEAVED_SCHEMES or rows % 8 or rows == 0:
+    if rows % 8 or rows == 0:
         return 1
     row_bytes = inputs if scheme == "q8_0" else inputs // 2
     return 2 if row_bytes >= PAIR_ROW_BYTES else 8
@@ -300,10 +302,10 @@ def quantize(w: np.ndarray, scheme: str) -> QTensor:
 
 def dequantize(t: QTensor) -> np.ndarray:
     """QTensor -> float32 [out, in]. The reference every kernel is tested against."""
+    if t.scheme == "f32":  # (any shape: a 3-D float tensor, such as a convolution's, is kept as stored)
+        return np.asarray(row_major(t).q, dtype=np.float32)
     t = row_major(t)
     out, n = t.shape
-    if t.scheme == "f32":
-        return np.asarray(t.q, dtype=np.float32)
     if t.scheme == "f16":
         return t.q.astype(np.float32)
     if t.scheme == "bf16":

@@ -27,6 +27,8 @@ def save_kv(path: str | os.PathLike, ids: list[int], cache, model_id: str) -> No
     for i, (k, v) in enumerate(zip(cache.k, cache.v)):
         arrays[f"k{i}"] = k[:, :n]
         arrays[f"v{i}"] = v[:, :n]
+    for name, a in cache.saved_state().items():  # a recurrent state (models/recurrent.py)
+        arrays[f"state_{name}"] = a
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     with os.fdopen(_create_private(tmp), "wb") as f:
@@ -86,6 +88,7 @@ def load_kv(path: str | os.PathLike, cache, model_id: str) -> list[int]:
             for i in range(len(cache.k)):
                 cache.k[i][:, : len(ids)] = z[f"k{i}"]
                 cache.v[i][:, : len(ids)] = z[f"v{i}"]
+            cache.restore_state({name: z[f"state_{name}"] for name in cache.saved_state()})
     except ColibriError:
         raise
     except Exception as e:  # truncated zip, missing arrays, wrong shapes

@@ -84,8 +84,21 @@ class KVCache:
         return a.view(np.float16).astype(np.float32) if self.dtype == "f16" else a
 
     def truncate(self, n: int) -> None:
-        """Keep the first n positions (prefix reuse)."""
+        """Keep the first n positions (prefix reuse, rejected drafts)."""
         self.length = min(self.length, n)
+
+    def rewind(self, n: int) -> int:
+        """Keep as many of the first n positions as this cache can (a KV cache: all of them; a
+        recurrent state only back to a kept snapshot, models/recurrent.py); returns how many."""
+        self.truncate(n)
+        return self.length
+
+    def saved_state(self) -> dict[str, np.ndarray]:
+        """Arrays besides K and V that a saved slot must hold (io/kv_store.py): none here."""
+        return {}
+
+    def restore_state(self, arrays) -> None:
+        """Put back what saved_state gave (`arrays`: a mapping with those names)."""
 
     @property
     def bytes_per_token(self) -> int:

@@ -1,0 +1,209 @@
+"""Gated DeltaNet's recurrent kernels (Qwen3-Next / Qwen3.5 linear attention): the short causal
+convolution over q/k/v, the gated delta rule one token at a time (decode) and its chunked
+form (prefill), after transformers' torch_recurrent_gated_delta_rule and
+torch_chunk_gated_delta_rule (Yang et al. 2024, "Gated Delta Networks").
+
+Per value head h the state S [Dk, Dv] maps keys to values. For each token, with q and k
+L2-normalized (and q scaled by Dk^-1/2):
+
+    S <- exp(g) S;   S <- S + k (beta (v - S^T k))^T;   o = S^T q
+
+The chunked form computes the same outputs C tokens at a time: within a chunk the delta
+updates are one unit-lower-triangular solve (the UT transform), and the state is read and
+written once per chunk, not once per token. The two forms are equal up to float32 rounding;
+each is deterministic, and each head is one thread's work (prange over heads), so the thread
+count changes no bit. References in numpy: tests/kernels/test_delta_rule.py.
+
+Shape letters: L tokens, C channels (the convolution's, q|k|v), K kernel width, Hk key heads,
+Hv value heads (each key head serves Hv/Hk consecutive value heads), Dk / Dv head dims,
+n tokens in a chunk.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from .ops import expf
+
+CHUNK = 64  # tokens per chunk of the chunked form (transformers' and FLA's chunk size)
+L2_EPS = 1e-6  # the L2 norm's epsilon (FLA's, which transformers follows)
+
+
+@njit(cache=True, inline="always")
+def _silu(x):
+    return x / (np.float32(1.0) + expf(-x))
+
+
+@njit(cache=True)
+def causal_conv(x, state, w):
+    """Depthwise causal convolution with SiLU: x [L, C], state [K-1, C] (the K-1 inputs before
+    x[0]; updated in place to the last K-1 inputs), w [C, K] -> [L, C]."""
+    L, C = x.shape
+    K = w.shape[1]
+    window = np.empty((K - 1 + L, C), np.float32)
+    window[: K - 1] = state
+    window[K - 1:] = x
+    out = np.zeros((L, C), np.float32)
+    for t in range(L):
+        for j in range(K):
+            row = window[t + j]
+            for c in range(C):
+                out[t, c] += w[c, j] * row[c]
+        for c in range(C):
+            out[t, c] = _silu(out[t, c])
+    state[:] = window[L:]
+    return out
+
+
+@njit(cache=True, inline="always")
+def _unit(x, eps):
+    """1 / |x|_2 (with the L2 norm's epsilon)."""
+    s = 0.0
+    for i in range(x.shape[0]):
+        s += x[i] * x[i]
+    return np.float32(1.0 / math.sqrt(s + eps))
+
+
+@njit(cache=True, parallel=True)
+def delta_step(state, q, k, v, g, beta):
+    """One token: state [Hv, Dk, Dv] updated in place; q, k [Hk, Dk] as projected (normalized
+    here), v [Hv, Dv], g [Hv] (log decay, <= 0), beta [Hv] -> o [Hv, Dv]."""
+    Hv, Dk, Dv = state.shape
+    group = Hv // q.shape[0]
+    out = np.empty((Hv, Dv), np.float32)
+    qscale = np.float32(Dk ** -0.5)
+    for h in prange(Hv):
+        kh = h // group
+        qn = _unit(q[kh], L2_EPS) * qscale
+        kn = _unit(k[kh], L2_EPS)
+        decay = expf(g[h])
+        S = state[h]
+        mem = np.zeros(Dv, np.float32)
+        for i in range(Dk):
+            ki = k[kh, i] * kn
+            for j in range(Dv):
+                S[i, j] *= decay
+                mem[j] += S[i, j] * ki
+        delta = np.empty(Dv, np.float32)
+        for j in range(Dv):
+            delta[j] = (v[h, j] - mem[j]) * beta[h]
+        o = np.zeros(Dv, np.float32)
+        for i in range(Dk):
+            ki = k[kh, i] * kn
+            qi = q[kh, i] * qn
+            for j in range(Dv):
+                S[i, j] += ki * delta[j]
+                o[j] += S[i, j] * qi
+        out[h] = o
+    return out
+
+
+@njit(cache=True, parallel=True)
+def delta_chunked(state, q, k, v, g, beta):
+    """L tokens, CHUNK at a time: state [Hv, Dk, Dv] in place; q, k [L, Hk, Dk], v [L, Hv, Dv],
+    g, beta [L, Hv] -> o [L, Hv, Dv]. Per chunk of n tokens and head, with cumulative log
+    decay c (c_i = g_0 + ... + g_i within the chunk):
+
+        T = I + strictly_lower(beta_i k_i.k_j e^(c_i - c_j))      (the UT system)
+        U = T^-1 (beta v),   W = T^-1 (beta e^c k)                 (forward substitution)
+        V' = U - W S                                                (the delta corrections)
+        o  = e^c q S + lower(q_i.k_j e^(c_i - c_j)) V'
+        S <- e^(c_last) S + (e^(c_last - c) k)^T V'
+    """
+    L, Hk, Dk = k.shape
+    Hv, Dv = v.shape[1], v.shape[2]
+    group = Hv // Hk
+    out = np.empty((L, Hv, Dv), np.float32)
+    qscale = np.float32(Dk ** -0.5)
+    for h in prange(Hv):
+        kh = h // group
+        S = state[h]
+        for t0 in range(0, L, CHUNK):
+            n = min(CHUNK, L - t0)
+            Q = np.empty((n, Dk), np.float32)
+            Kn = np.empty((n, Dk), np.float32)
+            c = np.empty(n, np.float32)
+            b = np.empty(n, np.float32)
+            acc = np.float32(0.0)
+            for i in range(n):
+                t = t0 + i
+                qs = _unit(q[t, kh], L2_EPS) * qscale
+                ks = _unit(k[t, kh], L2_EPS)
+                for d in range(Dk):
+                    Q[i, d] = q[t, kh, d] * qs
+                    Kn[i, d] = k[t, kh, d] * ks
+                acc += g[t, h]
+                c[i] = acc
+                b[i] = beta[t, h]
+            # U = T^-1 (beta v) and W = T^-1 (beta e^c k), row by row (forward substitution).
+            U = np.empty((n, Dv), np.float32)
+            W = np.empty((n, Dk), np.float32)
+            A = np.zeros((n, n), np.float32)  # intra-chunk q.k with decay, lower triangle incl. diagonal
+            for i in range(n):
+                ec = expf(c[i])
+                for j in range(Dv):
+                    U[i, j] = v[t0 + i, h, j] * b[i]
+                for d in range(Dk):
+                    W[i, d] = Kn[i, d] * b[i] * ec
+                for m in range(i):
+                    kk = np.float32(0.0)
+                    for d in range(Dk):
+                        kk += Kn[i, d] * Kn[m, d]
+                    tim = b[i] * kk * expf(c[i] - c[m])
+                    for j in range(Dv):
+                        U[i, j] -= tim * U[m, j]
+                    for d in range(Dk):
+                        W[i, d] -= tim * W[m, d]
+                for m in range(i + 1):
+                    qk = np.float32(0.0)
+                    for d in range(Dk):
+                        qk += Q[i, d] * Kn[m, d]
+                    A[i, m] = qk * expf(c[i] - c[m])
+            # V' = U - W S; o = e^c Q S + A V'
+            last = c[n - 1]
+            for i in range(n):
+                ec = expf(c[i])
+                vi = U[i]
+                oi = np.zeros(Dv, np.float32)
+                for d in range(Dk):
+                    w_d = W[i, d]
+                    q_d = Q[i, d] * ec
+                    Sd = S[d]
+                    for j in range(Dv):
+                        vi[j] -= w_d * Sd[j]
+                        oi[j] += q_d * Sd[j]
+                out[t0 + i, h] = oi
+            for i in range(n):
+                for m in range(i + 1):
+                    a = A[i, m]
+                    for j in range(Dv):
+                        out[t0 + i, h, j] += a * U[m, j]
+            # S <- e^(c_last) S + (e^(c_last - c) k)^T V'
+            el = expf(last)
+            for d in range(Dk):
+                Sd = S[d]
+                for j in range(Dv):
+                    Sd[j] *= el
+                for i in range(n):
+                    kd = Kn[i, d] * expf(last - c[i])
+                    for j in range(Dv):
+                        Sd[j] += kd * U[i, j]
+    return out
+
+
+@njit(cache=True)
+def gated_rms_norm(x, gate, w, eps):
+    """x, gate [N, Dv] -> w * x / rms(x) * silu(gate) (Qwen3-Next's RMSNormGated: norm first,
+    then the gate)."""
+    N, D = x.shape
+    out = np.empty((N, D), np.float32)
+    for r in range(N):
+        s = 0.0
+        for i in range(D):
+            s += x[r, i] * x[r, i]
+        inv = np.float32(1.0 / math.sqrt(s / D + eps))
+        for i in range(D):
+            out[r, i] = w[i] * (x[r, i] * inv) * _silu(gate[r, i])
+    return out
