@@ -11,8 +11,13 @@ import re
 from colibri.errors import ColibriError
 
 SUPPORTED = ("llama", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "glm_moe_dsa",
-             "qwen3_next")
-ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
+             "qwen3_next", "qwen3_5_moe")
+ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3", "qwen3_5_moe_text": "qwen3_5_moe"}
+
+# Multimodal checkpoints whose language model colibri runs: family -> the tensor names of the
+# parts it does not (a vision tower, its projector). Their config.json holds the language
+# model's config as `text_config`; io/convert.py converts that and skips these tensors.
+MULTIMODAL: dict[str, str] = {"qwen3_5_moe": r"^model\.visual\.|^mtp\."}
 
 # Per family (module name): (pattern, replacement) rules, re.sub'd over a checkpoint tensor's
 # name in order, giving the shared decoder's name. A family without an entry keeps its names.
@@ -20,6 +25,8 @@ CHECKPOINT_NAMES: dict[str, tuple[tuple[str, str], ...]] = {
     # Mixtral's routed experts: w1 (gate), w3 (up), w2 (down).
     "mixtral": tuple((rf"(\.experts\.\d+)\.{old}\.weight$", rf"\1.{new}.weight")
                      for old, new in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))),
+    # Qwen3.5 / 3.6 MoE: the language model of the multimodal checkpoint.
+    "qwen3_5_moe": ((r"^model\.language_model\.", "model."),),
 }
 _COMPILED = {family: tuple((re.compile(p), r) for p, r in rules) for family, rules in CHECKPOINT_NAMES.items()}
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
@@ -29,7 +30,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from colibri.errors import ColibriError
 from colibri.io import fp8
-from colibri.model_types import checkpoint_name, module_name
+from colibri.model_types import MULTIMODAL, checkpoint_name, module_name
 from colibri.io.container import EXPERT_PROJECTIONS, ContainerWriter
 from colibri.io.safetensors_io import SafetensorsFile
 from colibri.formats.qtensor import QTensor, quantize
@@ -119,6 +120,7 @@ def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
                            "is it a Hugging Face checkpoint directory?")
     model_type = config.get("model_type")
     module_name(model_type)  # unknown model_type: fail before reading any weights
+    config, skipped = _text_model(config)
     block = fp8.block_size(config)     # unsupported quantization_config: fail early too
     shards = sorted(src.glob("*.safetensors"))
     if not shards:
@@ -126,6 +128,13 @@ def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
     files = [SafetensorsFile(p) for p in shards]
     reader = fp8.CheckpointReader(files, block)
     names = [(f, n) for f in files for n in f.keys() if not _SKIP.search(n) and not reader.is_scale(n)]
+    if skipped is not None:
+        kept = [(f, n) for f, n in names if not skipped.search(n)]
+        if len(kept) < len(names):  # said even without a progress bar: what is left out
+            print(f"{src.name}: a multimodal {model_type} checkpoint: converting its language model, skipping "
+                  f"{len(names) - len(kept)} tensors of the parts colibri does not run (vision tower, MTP)",
+                  file=sys.stderr)
+        names = kept
     n_experts = _num_experts(config)
     writer = ContainerWriter(out, bits, source=str(src))
     pending: dict[str, dict[int, dict[str, QTensor]]] = defaultdict(lambda: defaultdict(dict))
@@ -145,14 +154,15 @@ def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
 
     with _progress(progress) as bar:
         task = bar.add_task(f"converting {src.name} (--bits {bits})", total=len(names))
-        for f, name in names:
-            shape = f.tensors[name].shape
-            if m := _EXPERT.match(checkpoint_name(model_type, name)):
+        for f, stored in names:
+            shape = f.tensors[stored].shape
+            name = checkpoint_name(model_type, stored)  # the shared decoder's name
+            if m := _EXPERT.match(name):
                 proj = m["proj"]
                 add_expert(m["prefix"], int(m["e"]), proj,
-                           _quantized(reader, f, name, scheme_for(f"{m['prefix']}.{proj}", shape, bits)))
+                           _quantized(reader, f, stored, scheme_for(f"{m['prefix']}.{proj}", shape, bits)))
             elif m := _FUSED_EXPERTS.match(name):  # transformers v5 layout: [E, 2I, D] / [E, D, I]
-                w = reader.float32(f, name)  # the whole layer's experts at once (one pread)
+                w = reader.float32(f, stored)  # the whole layer's experts at once (one pread)
                 for e in range(w.shape[0]):
                     if m["proj"] == "down_proj":
                         add_expert(m["prefix"], e, "down_proj", w[e])
@@ -162,15 +172,29 @@ def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
                         add_expert(m["prefix"], e, "up_proj", up)
                 del w
             elif len(shape) == 2:
-                writer.add_dense(name, _quantized(reader, f, name, scheme_for(name, shape, bits)))
+                writer.add_dense(name, _quantized(reader, f, stored, scheme_for(name, shape, bits)))
             else:
-                writer.add_dense(name, reader.float32(f, name))
+                writer.add_dense(name, reader.float32(f, stored))
             bar.advance(task)
     incomplete = {p: sorted(layer) for p, layer in pending.items() if layer}
     if incomplete:
         prefix, ids = next(iter(incomplete.items()))
         raise ColibriError(f"{prefix}: experts {ids[:5]} are missing gate, up or down matrices in the checkpoint")
     writer.finish(fp8.dequantized_config(config), _tokenizer_files(src))
+
+
+def _text_model(config: dict) -> tuple[dict, re.Pattern | None]:
+    """(the config to convert, the tensor names to skip): a multimodal checkpoint of a family
+    colibri runs the language model of (model_types.MULTIMODAL) gives its text_config, under the
+    family's model_type, and the names of its other parts; any other config is kept as it is."""
+    family = module_name(config.get("model_type"))
+    if family not in MULTIMODAL or not isinstance(config.get("text_config"), dict):
+        return config, re.compile(MULTIMODAL[family]) if family in MULTIMODAL else None
+    text = dict(config["text_config"], model_type=config["model_type"])
+    for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id", "quantization_config"):  # where the text config has none
+        if text.get(key) is None and config.get(key) is not None:
+            text[key] = config[key]
+    return text, re.compile(MULTIMODAL[family])
 
 
 def _quantized(reader: fp8.CheckpointReader, f: SafetensorsFile, name: str, scheme: str) -> QTensor:

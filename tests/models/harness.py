@@ -8,6 +8,7 @@ compared is the kernels and the model code, not the quantizer's rounding.
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from colibri import Engine
 from colibri.io.container import Container
 from colibri.io.convert import convert
 from colibri.kernels import attention
+from colibri.model_types import checkpoint_name
 from colibri.formats.qtensor import dequantize
 
 NEW_TOKENS = 32
@@ -54,14 +56,16 @@ def dequantized_reference(hf_dir: Path, container_dir: Path, out_dir: Path) -> P
         experts[prefix] = [layout.unpack(np.array(f.raw(f"{prefix}.experts.{e}")))
                            for e in range(layout.num_experts)]
     state = load_file(str(hf_dir / "model.safetensors"))
-    for name in list(state):
+    model_type = json.loads((hf_dir / "config.json").read_text())["model_type"]
+    for stored in list(state):
+        name = checkpoint_name(model_type, stored)  # the container's name for it
         if m := _EXPERT.match(name):
             t = experts[m["prefix"]][int(m["e"])][_MIXTRAL.get(m["proj"], m["proj"])]
-            state[name] = torch.from_numpy(dequantize(t).copy())
+            state[stored] = torch.from_numpy(dequantize(t).copy())
         elif c.has(name):
             t = c.tensor(name)
             value = t if isinstance(t, np.ndarray) else dequantize(t)
-            state[name] = torch.from_numpy(np.array(value, dtype=np.float32).reshape(state[name].shape))
+            state[stored] = torch.from_numpy(np.array(value, dtype=np.float32).reshape(state[stored].shape))
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text((hf_dir / "config.json").read_text())
