@@ -13,6 +13,9 @@ F32 = 4
 # whatever its length.
 SCORE_BLOCK_BYTES = 4 << 20
 MIN_BLOCK, MAX_BLOCK = 64, 2048
+# Snapshots of a recurrent state kept per sequence (the newest prefill-chunk ends: prefix reuse,
+# models/recurrent.py), each the size of the live state: the planner counts 1 + this many.
+STATE_SNAPSHOTS = 4
 
 
 def key_block(rows: int, score_bytes: int = SCORE_BLOCK_BYTES, min_block: int = MIN_BLOCK,

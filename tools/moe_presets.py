@@ -27,6 +27,18 @@ _YARN_DEEPSEEK = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
                   "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
                   "mscale": 1.0, "mscale_all_dim": 1.0}
 
+# Qwen3.5-35B-A3B's text model (transformers' Qwen3_5MoeTextConfig defaults are its shapes); the
+# published checkpoint wraps it with a vision tower, whose weights colibri does not run.
+_QWEN3_5_MOE = {"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForCausalLM"], "vocab_size": 248320,
+                "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16, "num_key_value_heads": 2,
+                "head_dim": 256, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+                "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+                "full_attention_interval": 4, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+                "num_experts": 256, "num_experts_per_tok": 8, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+                "max_position_embeddings": 262144, "tie_word_embeddings": False, "bos_token_id": None,
+                "eos_token_id": 248044}
+
 # Real models: config.json fields as published (Hugging Face hub), MTP layers left out.
 REAL = {
     "qwen3-30b-a3b": dict(_QWEN3_MOE, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
@@ -74,6 +86,18 @@ REAL = {
         "rope_theta": 1000000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
         "hidden_act": "silu", "num_nextn_predict_layers": 0, "bos_token_id": None,
         "eos_token_id": [151329, 151336, 151338]},
+    # The Gated DeltaNet hybrids: three linear-attention layers (a recurrent state per sequence) to
+    # one gated full-attention layer, a shared expert beside the routed ones.
+    "qwen3.6-35b-a3b": dict(_QWEN3_5_MOE),  # Qwen/Qwen3.6-35B-A3B: Qwen3.5-35B-A3B's architecture and shapes
+    "qwen3.5-397b-a17b": dict(_QWEN3_5_MOE, hidden_size=4096, num_hidden_layers=60, num_attention_heads=32,
+                              linear_num_value_heads=64, moe_intermediate_size=1024,
+                              shared_expert_intermediate_size=1024, num_experts=512, num_experts_per_tok=10),
+    "qwen3-next-80b-a3b": {  # Qwen/Qwen3-Next-80B-A3B-Instruct (transformers' Qwen3NextConfig shapes)
+        **{k: v for k, v in _QWEN3_5_MOE.items() if k not in ("model_type", "architectures")},
+        "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"], "vocab_size": 151936,
+        "num_hidden_layers": 48, "intermediate_size": 5120, "num_experts": 512, "num_experts_per_tok": 10,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "rope_theta": 10000000.0,
+        "max_position_embeddings": 262144, "bos_token_id": 151643, "eos_token_id": 151645},
 }
 
 # OLMoE-shaped presets (the streaming tests and the earlier benchmarks): SmolLM2's vocabulary.
@@ -130,6 +154,7 @@ class Spec:
     name: str
     shape: tuple[int, ...]
     kind: str  # "matrix" | "embedding" | "norm" | "bias" | "router" | "router_bias" | "layer_norm_bias"
+    #            | "log_decay" (Gated DeltaNet's A_log) | "conv" (its short convolution)
 
 
 def _kind(name: str, shape: tuple[int, ...]) -> str:
@@ -141,8 +166,12 @@ def _kind(name: str, shape: tuple[int, ...]) -> str:
         return "router_bias"
     if name.endswith(".k_norm.bias"):
         return "layer_norm_bias"
-    if name.endswith(".bias"):
+    if name.endswith(".bias") or name.endswith(".dt_bias"):
         return "bias"
+    if name.endswith(".A_log"):
+        return "log_decay"
+    if name.endswith(".conv1d.weight"):
+        return "conv"
     return "norm" if len(shape) == 1 else "matrix"
 
 
@@ -187,7 +216,8 @@ def slice_config(cfg: dict, preset: str, layers: int | None, skew: float, seed: 
 
 
 _WIDTHS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "q_lora_rank", "kv_lora_rank",
-           "qk_nope_head_dim", "v_head_dim", "index_head_dim", "head_dim")
+           "qk_nope_head_dim", "v_head_dim", "index_head_dim", "head_dim", "shared_expert_intermediate_size",
+           "linear_key_head_dim", "linear_value_head_dim")
 
 
 def shrink(cfg: dict, divisor: int, max_experts: int = 16) -> dict:
@@ -200,9 +230,11 @@ def shrink(cfg: dict, divisor: int, max_experts: int = 16) -> dict:
     for k in _WIDTHS:
         if out.get(k):
             out[k] = max(64, out[k] // divisor // 64 * 64)
-    for k in ("num_attention_heads", "index_n_heads"):
+    for k in ("num_attention_heads", "index_n_heads", "linear_num_key_heads", "linear_num_value_heads"):
         if out.get(k):
             out[k] = max(2, out[k] // divisor)
+    if out.get("linear_num_value_heads") and out["linear_num_value_heads"] % out["linear_num_key_heads"]:
+        out["linear_num_value_heads"] = out["linear_num_key_heads"]
     if out.get("num_key_value_heads"):
         kv = max(1, out["num_key_value_heads"] // divisor)
         out["num_key_value_heads"] = kv if out["num_attention_heads"] % kv == 0 else 1

@@ -46,6 +46,8 @@ from colibri.errors import ColibriError
 from colibri.io.container import ContainerWriter
 from colibri.io.convert import scheme_for
 from colibri.formats.qtensor import GROUP_SIZE, QTensor
+from colibri.models.linear_attention import UnitOffsetNorms
+from colibri.plan import shapes
 
 DEFAULT_SKEW = 1.0
 GAIN = 0.5            # each matrix maps an input of rms 1 to an output of rms ~GAIN ...
@@ -145,8 +147,13 @@ def dense_tensor(spec: Spec, cfg: dict, seed: int, skew: float):
     rng = _rng(seed, spec.name)
     if spec.kind == "embedding":
         return embedding(seed, *spec.shape)
-    if spec.kind == "norm":
-        return np.ones(spec.shape, np.float32)
+    if spec.kind == "norm":  # (the hybrids store their norms as offsets from 1: models/linear_attention.py)
+        offset = shapes.is_hybrid(cfg) and UnitOffsetNorms.OFFSET.search(spec.name)
+        return np.zeros(spec.shape, np.float32) if offset else np.ones(spec.shape, np.float32)
+    if spec.kind == "log_decay":  # A_log: log of per-head decay rates in (1, 16), as the models initialize it
+        return np.log(rng.uniform(1.0, 16.0, spec.shape)).astype(np.float32)
+    if spec.kind == "conv":
+        return (rng.standard_normal(spec.shape) / np.sqrt(spec.shape[-1])).astype(np.float32)
     if spec.kind in ("bias", "layer_norm_bias"):
         return (0.02 * rng.standard_normal(spec.shape)).astype(np.float32)
     if spec.kind == "router_bias":  # e_score_correction_bias: small, the skew lives in the router

@@ -347,6 +347,7 @@ class Engine:
             if turn.drafts is not None:
                 turn.drafts.finish(kv.cache, len(kv.ids))
             kv.cache.truncate(len(kv.ids))
+            kv.ids = kv.ids[: kv.cache.length]  # (a recurrent state that failed mid-pass went back further)
         self.last = Generation(turn.out, "".join(turn.text), turn.finish, len(ids), reused, turn.ttft, prefill_s,
                                time.perf_counter() - t_decode0, slot, turn_stats(stats0, self._store_stats()),
                                turn.scored, constraint.mask_seconds if constraint is not None else 0.0,

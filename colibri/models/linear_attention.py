@@ -257,19 +257,27 @@ class HybridModel(DecoderModel):
                               max_tokens, conv, state, dtype=self.kv_cache, max_snapshots=self.max_snapshots)
 
     def forward(self, ids, cache: RecurrentCache, all_logits: bool = False) -> np.ndarray:
-        logits = super().forward(ids, cache, all_logits)
+        try:
+            logits = super().forward(ids, cache, all_logits)
+        except BaseException:  # the layers before the failure consumed the tokens: back to a kept state
+            cache.recover()
+            raise
         if len(ids) > 1:
             cache.snapshot()
         return logits
 
     def forward_rows(self, ids, caches: list) -> np.ndarray:
-        shared = {id(c): c for c in caches if caches.count(c) > 1}.values()
-        for c in shared:
+        several = {id(c): c for c in caches if sum(c is d for d in caches) > 1}.values()
+        for c in several:
             c.rows(True)
         try:
             return super().forward_rows(ids, caches)
+        except BaseException:
+            for c in {id(c): c for c in caches}.values():
+                c.recover()
+            raise
         finally:
-            for c in shared:
+            for c in several:
                 c.rows(False)
 
     def _kv_lists(self, caches: list) -> list:

@@ -29,8 +29,9 @@ import numpy as np
 
 from colibri.errors import ColibriError
 from colibri.models.cache import KVCache
+from colibri.workspace import STATE_SNAPSHOTS
 
-MAX_SNAPSHOTS = 4  # prefill-chunk snapshots kept per sequence (the newest): --state-snapshots
+MAX_SNAPSHOTS = STATE_SNAPSHOTS  # prefill-chunk snapshots kept per sequence (the newest)
 
 
 class RecurrentCache(KVCache):
@@ -104,8 +105,18 @@ class RecurrentCache(KVCache):
         prefix of at most n tokens; 0 when there is none) and return how many that is."""
         if n >= self.length:
             return self.length
+        return self._cut(self._newest_kept(n))
+
+    def _newest_kept(self, n: int) -> int:
+        """The longest kept state of at most n tokens (0: none, start from zeros)."""
         kept = [p for p in (*self.snapshots, *(self._rows or ())) if p <= n and self._kept(p) is not None]
-        return self._cut(max(kept, default=0))
+        return max(kept, default=0)
+
+    def recover(self) -> int:
+        """After a pass failed part way (a damaged expert, a cancelled batch): some linear layers
+        may have consumed its tokens and others not, so go back to the newest kept state at or
+        before the cache's length (which the failed pass did not advance); returns the length."""
+        return self._cut(self._newest_kept(self.length))
 
     def truncate(self, n: int) -> None:
         """Keep exactly the first n positions: n must be the current length, 0 or a kept state."""

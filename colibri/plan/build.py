@@ -61,7 +61,8 @@ def build_plan(model: ModelFacts, machine: Machine, ram_gb: float | None = None,
 
     context = max_context or min(model.model_max_context, DEFAULT_MAX_CONTEXT)
     layers = model.expert_layers
-    kv_bytes = model.kv_bytes_per_token * context * p.kv_slots
+    state_bytes = model.state_bytes_per_slot * p.kv_slots  # a hybrid's recurrent state: per slot, not per token
+    kv_bytes = model.kv_bytes_per_token * context * p.kv_slots + state_bytes
     max_blob = max((layer.expert_bytes for layer in layers), default=0)
     staging = 2 * min(model.top_k, max((layer.num_experts for layer in layers), default=0)) * max_blob
 
@@ -206,7 +207,8 @@ def build_plan(model: ModelFacts, machine: Machine, ram_gb: float | None = None,
         },
         "cache_slots_per_layer": {"vram": vram_slots, "ram": ram_slots, "total": vram_slots + ram_slots},
         "dense_tier": "vram" if dense_in_vram else "ram",
-        "kv_cache": {"bytes": kv_bytes, "tokens": context, "tier": "vram" if dense_in_vram else "ram"},
+        "kv_cache": {"bytes": kv_bytes, "tokens": context, "tier": "vram" if dense_in_vram else "ram",
+                     "state_bytes": state_bytes},
         "fits": fits,
         "bottleneck": bottleneck,
         "bottleneck_reason": why,

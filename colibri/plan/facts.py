@@ -19,6 +19,7 @@ from colibri.errors import ColibriError
 from colibri.io import fp8
 from colibri.plan import shapes
 from colibri.plan.policy import ALIGN, DEFAULT_MAX_CONTEXT, round_up
+from colibri.workspace import STATE_SNAPSHOTS
 
 
 @dataclass
@@ -38,12 +39,13 @@ class ModelFacts:
     dense_bytes_per_token: int     # dense bytes one decode step reads (an untied embedding: one row)
     expert_layers: list[ExpertLayer]
     top_k: int
-    kv_bytes_per_token: int        # float32 KV cache, all layers
+    kv_bytes_per_token: int        # float32 KV cache, all layers (a hybrid's: its full-attention layers)
     model_max_context: int
     disk_bytes: int                # every file of the model directory (projected: of the full model)
     probe_files: list[str] = field(default_factory=list)  # where the disk probe reads
     config: dict = field(default_factory=dict)             # config.json (shapes for the prefill workspace)
     slice_layers: int = 0          # > 0: the directory holds only this many layers; sizes are of all num_layers
+    state_bytes_per_slot: int = 0  # a hybrid's recurrent state per conversation, with its kept snapshots
 
     @property
     def expert_count(self) -> int:
@@ -70,8 +72,26 @@ def experts_per_token(config: dict) -> int:
     return 0
 
 
+def _hybrid_layers(config: dict, layers: int) -> tuple[int, int]:
+    """(full attention, linear attention) layers of a Gated DeltaNet hybrid over `layers` layers."""
+    types = shapes.layer_types(dict(config, num_hidden_layers=layers))
+    return types.count("full_attention"), types.count("linear_attention")
+
+
+def _state_bytes_per_slot(config: dict, layers: int) -> int:
+    """A hybrid's float32 recurrent state for one sequence, the live one and its snapshots
+    (models/recurrent.py): fixed, whatever the context length. 0 for other models."""
+    if not shapes.is_hybrid(config):
+        return 0
+    (k1, c), (hv, dk, dv) = shapes.linear_state_shapes(config)
+    return _hybrid_layers(config, layers)[1] * 4 * (k1 * c + hv * dk * dv) * (1 + STATE_SNAPSHOTS)
+
+
 def _kv_bytes_per_token(config: dict, layers: int) -> int:
-    """float32 cache bytes per token over `layers` decoder layers."""
+    """float32 cache bytes per token over `layers` decoder layers (a hybrid's linear layers keep
+    a fixed-size state instead: _state_bytes_per_slot)."""
+    if shapes.is_hybrid(config):
+        layers = _hybrid_layers(config, layers)[0]
     if config.get("kv_lora_rank"):  # MLA caches the compressed latent plus the rope dims (models/cache.py, MLACache)
         per_layer = int(config["kv_lora_rank"]) + int(config.get("qk_rope_head_dim") or 0)
         if config.get("index_topk"):  # and GLM-5's indexer keys
@@ -161,7 +181,7 @@ def _facts(d: Path, kind: str, config: dict, sizes: _Sizes, disk_bytes: int, pro
     return ModelFacts(str(d), kind, config.get("model_type", "?"), layers, sizes.dense, per_token, sizes.experts,
                       experts_per_token(config), _kv_bytes_per_token(config, layers),
                       int(config.get("max_position_embeddings") or DEFAULT_MAX_CONTEXT), disk_bytes,
-                      probe_files, config, held if sliced else 0)
+                      probe_files, config, held if sliced else 0, _state_bytes_per_slot(config, layers))
 
 
 def _project_full_model(d: Path, config: dict, sizes: _Sizes, full: int) -> _Sizes:

@@ -78,7 +78,8 @@ def _column(plan: dict) -> dict[str, str]:
         "memory read": f"{pr['mem_gbs']:.0f} GB/s" + ("" if mach.get("mem_read_gbs") else " (assumed)"),
         "RAM limit": size_text(t["ram"]["limit_bytes"]),
         "dense weights": f"{size_text(dense)} in {plan['dense_tier'].upper()}",
-        "KV cache": f"{size_text(kv['bytes'])} in {kv['tier'].upper()}",
+        "KV cache": f"{size_text(kv['bytes'])} in {kv['tier'].upper()}"
+                    + (f" (recurrent state {size_text(kv['state_bytes'])})" if kv.get("state_bytes") else ""),
         "VRAM slots/layer": _slots(t["vram"]),
         "RAM slots/layer": _slots(t["ram"]),
         "experts on disk only": f"{t['disk']['experts_disk_only']} of {t['disk']['experts']}",

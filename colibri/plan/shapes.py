@@ -101,14 +101,63 @@ def _gqa_attention(config: dict, p: str) -> list[Tensor]:
     return out
 
 
+def is_hybrid(config: dict) -> bool:
+    """A Gated DeltaNet hybrid (Qwen3-Next, Qwen3.5 / 3.6 MoE): linear attention layers with a
+    recurrent state between full attention ones (models/linear_attention.py)."""
+    return bool(config.get("linear_num_value_heads"))
+
+
+def layer_types(config: dict) -> list[str]:
+    """'linear_attention' or 'full_attention' per decoder layer of a hybrid (its layer_types, else
+    one full attention layer in every full_attention_interval, as the configs derive it)."""
+    n = _need(config, "num_hidden_layers")
+    types = config.get("layer_types")
+    if types and len(types) >= n:
+        return list(types[:n])
+    interval = int(config.get("full_attention_interval") or 4)
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+
+
+def linear_state_shapes(config: dict) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """One sequence's state in one linear layer: (conv [K-1, C], delta rule [Hv, Dk, Dv])."""
+    Hk, Hv = int(config.get("linear_num_key_heads") or 16), int(config["linear_num_value_heads"])
+    Dk, Dv = int(config.get("linear_key_head_dim") or 128), int(config.get("linear_value_head_dim") or 128)
+    return (int(config.get("linear_conv_kernel_dim") or 4) - 1, 2 * Hk * Dk + Hv * Dv), (Hv, Dk, Dv)
+
+
+def _linear_attention(config: dict, p: str) -> list[Tensor]:
+    """Gated DeltaNet: Qwen3-Next's grouped in_proj_qkvz / in_proj_ba, Qwen3.5's four projections."""
+    D = _need(config, "hidden_size")
+    (K1, C), (Hv, Dk, Dv) = linear_state_shapes(config)
+    if config.get("model_type") == "qwen3_next":
+        proj = [(f"{p}.in_proj_qkvz.weight", (C + Hv * Dv, D)), (f"{p}.in_proj_ba.weight", (2 * Hv, D))]
+    else:
+        proj = [(f"{p}.in_proj_qkv.weight", (C, D)), (f"{p}.in_proj_z.weight", (Hv * Dv, D)),
+                (f"{p}.in_proj_b.weight", (Hv, D)), (f"{p}.in_proj_a.weight", (Hv, D))]
+    return proj + [(f"{p}.conv1d.weight", (C, 1, K1 + 1)), (f"{p}.A_log", (Hv,)), (f"{p}.dt_bias", (Hv,)),
+                   (f"{p}.norm.weight", (Dv,)), (f"{p}.out_proj.weight", (D, Hv * Dv))]
+
+
+def _gated_attention(config: dict, p: str) -> list[Tensor]:
+    """The hybrids' full attention: q_proj also yields the output gate (2 H Dh rows); per-head q/k norm."""
+    D, H = _need(config, "hidden_size"), _need(config, "num_attention_heads")
+    KV, Dh = int(config.get("num_key_value_heads") or H), int(config.get("head_dim") or 256)
+    return [(f"{p}.q_proj.weight", (2 * H * Dh, D)), (f"{p}.k_proj.weight", (KV * Dh, D)),
+            (f"{p}.v_proj.weight", (KV * Dh, D)), (f"{p}.o_proj.weight", (D, H * Dh)),
+            (f"{p}.q_norm.weight", (Dh,)), (f"{p}.k_norm.weight", (Dh,))]
+
+
 def layer_tensors(config: dict, i: int, kind: str) -> list[Tensor]:
     """The resident (dense) tensors of decoder layer i of `kind` ('dense' or 'moe'): attention,
     norms and the dense MLP, or the router and shared experts; routed experts: expert_tensors."""
     D = _need(config, "hidden_size")
     p = f"model.layers.{i}"
-    attention = _mla_attention if config.get("kv_lora_rank") else _gqa_attention
-    out = attention(config, f"{p}.self_attn") + [(f"{p}.input_layernorm.weight", (D,)),
-                                                 (f"{p}.post_attention_layernorm.weight", (D,))]
+    if is_hybrid(config):
+        linear = layer_types(config)[i] == "linear_attention"
+        attention = _linear_attention(config, f"{p}.linear_attn") if linear else _gated_attention(config, f"{p}.self_attn")
+    else:
+        attention = (_mla_attention if config.get("kv_lora_rank") else _gqa_attention)(config, f"{p}.self_attn")
+    out = attention + [(f"{p}.input_layernorm.weight", (D,)), (f"{p}.post_attention_layernorm.weight", (D,))]
     if kind == "dense":
         return out + _swiglu(f"{p}.mlp", D, _need(config, "intermediate_size"))
     E = num_experts(config)
