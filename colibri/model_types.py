@@ -10,7 +10,8 @@ import re
 
 from colibri.errors import ColibriError
 
-SUPPORTED = ("llama", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "glm_moe_dsa")
+SUPPORTED = ("llama", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "glm_moe_dsa",
+             "gpt_oss")
 ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
 
 # Per family (module name): (pattern, replacement) rules, re.sub'd over a checkpoint tensor's
