@@ -28,7 +28,8 @@ from colibri.models.moe import RoutedMoE, layer_index
 from colibri.models.rope import apply_rope
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
-QUERY_BLOCK = 256  # queries whose scores are held at once: [G, 256, N] per key head
+QUERY_BLOCK = 256  # queries whose scores are held at once, at most
+SCORE_ELEMENTS = 1 << 22  # ... and at most this many scores [KV, G, queries, keys] (16 MiB of float32)
 
 
 @dataclass
@@ -78,8 +79,10 @@ def sink_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale
     G = H // KV
     out = np.empty((L, H, Dh), np.float32)
     sink = sinks.astype(np.float32).reshape(KV, G, 1, 1)
-    for a in range(0, L, QUERY_BLOCK):
-        b = min(L, a + QUERY_BLOCK)
+    keys = pos0 + L if window is None else min(pos0 + L, window + QUERY_BLOCK)
+    step = max(1, min(QUERY_BLOCK, SCORE_ELEMENTS // (H * keys)))
+    for a in range(0, L, step):
+        b = min(L, a + step)
         qpos = np.arange(pos0 + a, pos0 + b)                           # [l]
         first = 0 if window is None else max(0, pos0 + a - window + 1)  # first key any of them sees
         kpos = np.arange(first, pos0 + b)                               # [n]
@@ -151,6 +154,9 @@ class GptOssMoE(RoutedMoE):
     kernels: the fused MoE kernels compute silu(gate) * up without biases."""
 
     def __init__(self, args: ModelArgs, w, experts, prefix: str):
+        if getattr(experts, "compute", None) is not None:
+            raise ColibriError("gpt_oss: experts computed on other machines (colibri/cluster) run the plain "
+                               "SwiGLU; gpt-oss's biased, clamped experts are not implemented there yet")
         self.router = w.tensor(f"{prefix}.router.weight")           # [E, D] float32
         self.router_bias = w.tensor(f"{prefix}.router.bias")        # [E]
         self.biases = {p: dequantize(w.tensor(f"{prefix}.experts.{p}.bias"))  # [E, I] / [E, D] float32

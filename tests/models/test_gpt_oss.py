@@ -140,3 +140,40 @@ def test_mxfp4_rows_repack_is_lossless():
     theirs = convert_moe_packed_tensors(torch.from_numpy(blocks[None]), torch.from_numpy(scales[None]),
                                         dtype=torch.float32)[0].T.numpy()
     assert np.array_equal(ours, theirs)
+
+
+class _Sinks(torch.nn.Module):
+    """What transformers' eager_attention_forward reads off its attention module."""
+
+    def __init__(self, sinks: torch.Tensor, groups: int):
+        super().__init__()
+        self.sinks, self.num_key_value_groups = torch.nn.Parameter(sinks), groups
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("pos0, L", [(0, 19), (11, 6), (17, 1)])
+def test_sink_attention_matches_transformers_in_query_blocks(monkeypatch, window, pos0, L):
+    """sink_attention against transformers' eager_attention_forward (sinks, the sliding mask),
+    with the score budget that holds all queries at once and one that cuts them into blocks."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from colibri.models import gpt_oss
+
+    rng = np.random.default_rng(L + pos0)
+    H, KV, Dh, N = 4, 2, 8, pos0 + L
+    q = rng.standard_normal((L, H, Dh), dtype=np.float32)
+    k, v = (rng.standard_normal((KV, N, Dh), dtype=np.float32) for _ in range(2))
+    sinks = rng.standard_normal(H, dtype=np.float32)
+    qpos, kpos = np.arange(pos0, N)[:, None], np.arange(N)[None, :]
+    visible = (kpos <= qpos) & (True if window is None else kpos > qpos - window)
+    mask = torch.from_numpy(np.where(visible, 0.0, np.finfo(np.float32).min).astype(np.float32))[None, None]
+    scale = np.float32(Dh ** -0.5)
+    ref, _ = eager_attention_forward(_Sinks(torch.from_numpy(sinks), H // KV),
+                                     torch.from_numpy(q).transpose(0, 1)[None], torch.from_numpy(k)[None],
+                                     torch.from_numpy(v)[None], mask, float(scale))
+    ref = ref[0].reshape(L, H * Dh).detach().numpy()
+    whole = gpt_oss.sink_attention(q, k, v, pos0, scale, sinks, window)
+    monkeypatch.setattr(gpt_oss, "SCORE_ELEMENTS", H * N * 2)  # two queries a block
+    blocked = gpt_oss.sink_attention(q, k, v, pos0, scale, sinks, window)
+    np.testing.assert_allclose(whole, ref, rtol=0, atol=2e-6)
+    np.testing.assert_allclose(blocked, whole, rtol=0, atol=1e-6)
