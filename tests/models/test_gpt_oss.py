@@ -13,11 +13,14 @@ from harness import check_against_transformers, prompts_for
 from safetensors.torch import load_file, save_file
 from transformers import GptOssConfig, GptOssForCausalLM
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
+from colibri.errors import ColibriError
 from colibri.formats.qtensor import QTensor, dequantize, quantize
 from colibri.io.container import Container
 from colibri.io.convert import convert
 from colibri.io.gpt_oss_experts import mxfp4_rows
+from colibri.models import gpt_oss
 
 CASES = {
     # the released checkpoints' rope (yarn x32, truncate=False) and GptOssConfig's layer order
@@ -155,10 +158,6 @@ class _Sinks(torch.nn.Module):
 def test_sink_attention_matches_transformers_in_query_blocks(monkeypatch, window, pos0, L):
     """sink_attention against transformers' eager_attention_forward (sinks, the sliding mask),
     with the score budget that holds all queries at once and one that cuts them into blocks."""
-    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
-
-    from colibri.models import gpt_oss
-
     rng = np.random.default_rng(L + pos0)
     H, KV, Dh, N = 4, 2, 8, pos0 + L
     q = rng.standard_normal((L, H, Dh), dtype=np.float32)
@@ -177,3 +176,19 @@ def test_sink_attention_matches_transformers_in_query_blocks(monkeypatch, window
     blocked = gpt_oss.sink_attention(q, k, v, pos0, scale, sinks, window)
     np.testing.assert_allclose(whole, ref, rtol=0, atol=2e-6)
     np.testing.assert_allclose(blocked, whole, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("field,value", [("layer_types", ["chunked_attention", "full_attention"]),
+                                         ("layer_types", ["full_attention"]), ("sliding_window", 0),
+                                         ("num_experts_per_tok", 9), ("hidden_act", "gelu")])
+def test_unimplemented_config_fields_are_rejected(field, value):
+    cfg = {**config("yarn_sliding_first").to_dict(), field: value}
+    with pytest.raises(ColibriError, match=field):
+        gpt_oss.ModelArgs.from_dict(cfg)
+
+
+def test_mxfp4_is_refused_for_other_families(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe",
+                                                      "quantization_config": {"quant_method": "mxfp4"}}))
+    with pytest.raises(ColibriError, match="quant_method='mxfp4'"):
+        convert(tmp_path, tmp_path / "c", bits=4, progress=False)
