@@ -11,7 +11,7 @@ import re
 from colibri.errors import ColibriError
 
 SUPPORTED = ("llama", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "glm_moe_dsa",
-             "qwen3_next", "qwen3_5_moe")
+             "qwen3_next", "qwen3_5_moe", "gpt_oss")
 ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3", "qwen3_5_moe_text": "qwen3_5_moe"}
 
 # Multimodal checkpoints whose language model colibri runs: family -> the tensor names of the

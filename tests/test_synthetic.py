@@ -39,7 +39,15 @@ def _transformers_shapes(cfg: dict) -> dict[str, tuple]:
     tensors = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if "rotary_emb" not in n]
     for name, p in tensors:
         shape = tuple(p.shape)
-        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, D]
+        if model_type == "gpt_oss" and ".mlp.experts." in name:  # [E, D, 2I] gate/up interleaved, [E, I, D]
+            prefix, proj = name.rsplit(".", 1)
+            E, a, b = (*shape, 0)[:3]
+            shapes.update({"gate_up_proj": {f"{prefix}.*.gate_proj": (b // 2, a), f"{prefix}.*.up_proj": (b // 2, a)},
+                           "down_proj": {f"{prefix}.*.down_proj": (b, a)},
+                           "gate_up_proj_bias": {f"{prefix}.gate_proj.bias": (E, a // 2),
+                                                 f"{prefix}.up_proj.bias": (E, a // 2)},
+                           "down_proj_bias": {f"{prefix}.down_proj.bias": (E, a)}}[proj])
+        elif name.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, D]
             prefix = name[: -len(".gate_up_proj")]
             shapes[f"{prefix}.*.gate_proj"] = shapes[f"{prefix}.*.up_proj"] = (shape[1] // 2, shape[2])
         elif name.endswith("mlp.experts.down_proj"):
@@ -82,7 +90,8 @@ def test_full_preset_sizes():
 
 # ----------------------------------------------------------------------------- slices decode
 
-SLICES = {"qwen3-30b-a3b": 2, "qwen3-235b-a22b": 2, "deepseek-v3": 4, "kimi-k2": 2, "glm-5": 4, "glm-4.5-air": 2}
+SLICES = {"qwen3-30b-a3b": 2, "qwen3-235b-a22b": 2, "deepseek-v3": 4, "kimi-k2": 2, "glm-5": 4, "glm-4.5-air": 2,
+          "gpt-oss-20b": 2}
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +134,7 @@ def test_slice_records_what_it_kept_and_decodes(slices, preset):
 
 
 @pytest.mark.parametrize("preset, activations", [("deepseek-v3", "f32"), ("qwen3-30b-a3b", "f32"),
-                                                 ("qwen3-30b-a3b", "int8")])
+                                                 ("qwen3-30b-a3b", "int8"), ("gpt-oss-20b", "f32")])
 def test_placement_never_changes_tokens(slices, preset, activations):
     """Resident experts, a RAM cache holding a few experts, and no cache at all (every expert
     read from disk, pread and mmap): the same greedy tokens and the same final logits, with

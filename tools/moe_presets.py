@@ -26,6 +26,21 @@ _QWEN3_MOE = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"
 _YARN_DEEPSEEK = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
                   "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
                   "mscale": 1.0, "mscale_all_dim": 1.0}
+# What the gpt-oss sizes share (their config.json without quantization_config: the experts'
+# MXFP4 is a checkpoint format, the shapes are these).
+_GPT_OSS = {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "vocab_size": 201088,
+            "hidden_size": 2880, "intermediate_size": 2880, "head_dim": 64, "num_attention_heads": 64,
+            "num_key_value_heads": 8, "num_experts_per_tok": 4, "sliding_window": 128, "attention_bias": True,
+            "swiglu_limit": 7.0, "rms_norm_eps": 1e-5, "rope_theta": 150000,
+            "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "truncate": False, "original_max_position_embeddings": 4096},
+            "max_position_embeddings": 131072, "tie_word_embeddings": False, "hidden_act": "silu",
+            "pad_token_id": 199999, "eos_token_id": 200002}
+
+
+def _gpt_oss_layers(n: int) -> list[str]:
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+
 
 # Qwen3.5-35B-A3B's text model (transformers' Qwen3_5MoeTextConfig defaults are its shapes); the
 # published checkpoint wraps it with a vision tower, whose weights colibri does not run.
@@ -98,6 +113,10 @@ REAL = {
         "num_hidden_layers": 48, "intermediate_size": 5120, "num_experts": 512, "num_experts_per_tok": 10,
         "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "rope_theta": 10000000.0,
         "max_position_embeddings": 262144, "bos_token_id": 151643, "eos_token_id": 151645},
+    "gpt-oss-20b": dict(_GPT_OSS, num_hidden_layers=24, num_local_experts=32,
+                        layer_types=_gpt_oss_layers(24)),                       # openai/gpt-oss-20b
+    "gpt-oss-120b": dict(_GPT_OSS, num_hidden_layers=36, num_local_experts=128,
+                         layer_types=_gpt_oss_layers(36)),                      # openai/gpt-oss-120b
 }
 
 # OLMoE-shaped presets (the streaming tests and the earlier benchmarks): SmolLM2's vocabulary.
@@ -160,7 +179,7 @@ class Spec:
 def _kind(name: str, shape: tuple[int, ...]) -> str:
     if name == "model.embed_tokens.weight":
         return "embedding"
-    if name.endswith(".mlp.gate.weight"):
+    if name.endswith((".mlp.gate.weight", ".mlp.router.weight")):
         return "router"
     if name.endswith(".gate.e_score_correction_bias"):
         return "router_bias"
@@ -208,8 +227,9 @@ def slice_config(cfg: dict, preset: str, layers: int | None, skew: float, seed: 
             raise ColibriError(f"--layers {layers} keeps no MoE layer of {preset} (its first {first_moe} "
                                f"layers are dense): use --layers {first_moe + 1} or more")
         cfg = dict(cfg, num_hidden_layers=layers)
-        if cfg.get("mlp_layer_types"):
-            cfg["mlp_layer_types"] = cfg["mlp_layer_types"][:layers]
+        for per_layer in ("mlp_layer_types", "layer_types"):
+            if cfg.get(per_layer):
+                cfg[per_layer] = cfg[per_layer][:layers]
     cfg["colibri_synthetic"] = {"preset": preset, "seed": seed, "skew": skew,
                                 "layers_kept": cfg["num_hidden_layers"], "full_num_hidden_layers": full}
     return cfg
@@ -242,7 +262,7 @@ def shrink(cfg: dict, divisor: int, max_experts: int = 16) -> dict:
         out["num_key_value_heads"] = out["num_attention_heads"]
     if out.get("head_dim") is None and out["hidden_size"] % out["num_attention_heads"]:
         out["head_dim"] = 64
-    key = "n_routed_experts" if "n_routed_experts" in out else "num_experts"
+    key = next(k for k in ("n_routed_experts", "num_local_experts", "num_experts") if k in out)
     out[key] = min(out[key], max_experts)
     out["num_experts_per_tok"] = min(out["num_experts_per_tok"], out[key] // 2)
     groups = out.get("n_group") or 1

@@ -3,7 +3,7 @@ colibri containers (container.py).
 
 Quantization rule at --bits 4 (one rule, so a conversion is reproducible anywhere):
 embeddings and lm_head (and an MTP layer's shared_head.head) int8 g32 (q8_0); routers and gates
-(`mlp.gate`, `shared_expert_gate`), the sparse-attention indexer (`indexer.*`), norms, biases
+(`mlp.gate`, `shared_expert_gate`, gpt-oss's `mlp.router`), the sparse-attention indexer (`indexer.*`), norms, biases
 and routing biases (`e_score_correction_bias`) f32; every other matrix int4 g64 along its input
 dimension when that is a multiple of 64, else f32. --bits 8: matrices q8_0. --bits 32:
 everything f32 (the exact path).
@@ -29,7 +29,7 @@ import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from colibri.errors import ColibriError
-from colibri.io import fp8
+from colibri.io import fp8, gpt_oss_experts
 from colibri.model_types import MULTIMODAL, checkpoint_name, module_name
 from colibri.io.container import EXPERT_PROJECTIONS, ContainerWriter
 from colibri.io.safetensors_io import SafetensorsFile
@@ -42,7 +42,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
 # names, such as Mixtral's w1/w3/w2, are renamed first; colibri/model_types.py).
 _EXPERT = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 _FUSED_EXPERTS = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<proj>gate_up_proj|down_proj)$")
-_ROUTER = re.compile(r"\.(gate|shared_expert_gate)\.weight$")
+_ROUTER = re.compile(r"\.(gate|shared_expert_gate|router)\.weight$")
 _EMBEDDING = re.compile(r"(embed_tokens|lm_head|shared_head\.head)\.weight$")
 _INDEXER = re.compile(r"\.indexer\.")  # DSA lightning indexer: selects tokens, kept exact like routers
 _LAYER = re.compile(r"layers\.(\d+)\.")
@@ -121,7 +121,9 @@ def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
     model_type = config.get("model_type")
     module_name(model_type)  # unknown model_type: fail before reading any weights
     config, skipped = _text_model(config)
-    block = fp8.block_size(config)     # unsupported quantization_config: fail early too
+    # unsupported quantization_config: fail early too (gpt-oss's MXFP4 experts are repacked as
+    # they are, io/gpt_oss_experts.py; its other weights are bf16)
+    block = None if gpt_oss_experts.is_mxfp4(config) else fp8.block_size(config)
     shards = sorted(src.glob("*.safetensors"))
     if not shards:
         raise ColibriError(f"{src} holds no .safetensors files")
@@ -135,6 +137,7 @@ def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
                   f"{len(names) - len(kept)} tensors of the parts colibri does not run (vision tower, MTP)",
                   file=sys.stderr)
         names = kept
+    shard_of = {n: f for f, n in names}
     n_experts = _num_experts(config)
     writer = ContainerWriter(out, bits, source=str(src))
     pending: dict[str, dict[int, dict[str, QTensor]]] = defaultdict(lambda: defaultdict(dict))
@@ -161,6 +164,21 @@ def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
                 proj = m["proj"]
                 add_expert(m["prefix"], int(m["e"]), proj,
                            _quantized(reader, f, stored, scheme_for(f"{m['prefix']}.{proj}", shape, bits)))
+            elif model_type == "gpt_oss" and (m := gpt_oss_experts.EXPERT_TENSOR.match(name)):
+                prefix, proj, part = m["prefix"], m["proj"], m["part"]
+                if part == "_bias":
+                    for bias_name, b in gpt_oss_experts.split_bias(prefix, proj, reader.float32(f, stored)).items():
+                        writer.add_dense(bias_name, b)
+                elif part == "_blocks":  # MXFP4, kept as MXFP4 whatever --bits says (lossless)
+                    scales_name = f"{prefix}.experts.{proj}_scales"
+                    if scales_name not in shard_of:
+                        raise ColibriError(f"{name} has no {scales_name} in any shard")
+                    for e, p, w in gpt_oss_experts.split_mxfp4(proj, f.read(stored), shard_of[scales_name].read(scales_name)):
+                        add_expert(prefix, e, p, w)
+                elif part == "":  # float experts [E, D, 2I] / [E, I, D], gate/up interleaved
+                    for e, p, w in gpt_oss_experts.split_float(proj, reader.float32(f, stored)):
+                        add_expert(prefix, e, p, w)
+                # (part "_scales" is read with its blocks)
             elif m := _FUSED_EXPERTS.match(name):  # transformers v5 layout: [E, 2I, D] / [E, D, I]
                 w = reader.float32(f, stored)  # the whole layer's experts at once (one pread)
                 for e in range(w.shape[0]):

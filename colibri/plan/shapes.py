@@ -98,6 +98,8 @@ def _gqa_attention(config: dict, p: str) -> list[Tensor]:
         out += [(f"{p}.q_norm.weight", (Dh,)), (f"{p}.k_norm.weight", (Dh,))]
     if config.get("attention_bias") or model_type == "qwen2_moe":  # Qwen2 has q/k/v biases by design
         out += [(f"{p}.{n}_proj.bias", (rows,)) for n, rows in (("q", H * Dh), ("k", KV * Dh), ("v", KV * Dh))]
+    if model_type == "gpt_oss":  # an o_proj bias too, and one sink logit per head
+        out += [(f"{p}.o_proj.bias", (D,)), (f"{p}.sinks", (H,))]
     return out
 
 
@@ -161,6 +163,11 @@ def layer_tensors(config: dict, i: int, kind: str) -> list[Tensor]:
     if kind == "dense":
         return out + _swiglu(f"{p}.mlp", D, _need(config, "intermediate_size"))
     E = num_experts(config)
+    if config.get("model_type") == "gpt_oss":  # a router with a bias; the experts' biases stay resident
+        inner = expert_width(config)
+        return out + [(f"{p}.mlp.router.weight", (E, D)), (f"{p}.mlp.router.bias", (E,)),
+                      (f"{p}.mlp.experts.gate_proj.bias", (E, inner)), (f"{p}.mlp.experts.up_proj.bias", (E, inner)),
+                      (f"{p}.mlp.experts.down_proj.bias", (E, D))]
     out.append((f"{p}.mlp.gate.weight", (E, D)))
     if config.get("n_routed_experts"):  # grouped routing (DeepSeek, Kimi, GLM): a routing bias, shared experts
         out.append((f"{p}.mlp.gate.e_score_correction_bias", (E,)))

@@ -22,6 +22,7 @@ from colibri.generate import Penalties
 from colibri.serve import schemas
 from colibri.serve.errors import ApiError, bad_request, error_body
 from colibri.serve.metrics import ServeMetrics
+from colibri.serve.harmony import HarmonySplitter, is_harmony
 from colibri.serve.reasoning import ReasoningSplitter, has_thinking_switch, prompt_opens_thinking
 from colibri.serve.scheduler import Failed, Finished, Job, Rejected, Scheduler, Started
 from colibri.serve.security import MAX_BODY_BYTES
@@ -53,6 +54,7 @@ class ServerState:
         self.created = int(time.time())
         self.tokenizer = engine.tokenizer
         self.thinking_switch = has_thinking_switch(self.tokenizer.chat_template if self.tokenizer else None)
+        self.harmony = is_harmony(self.tokenizer.chat_template if self.tokenizer else None)  # gpt-oss
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
         self._tool_support: tuple[bool, str] | None = None
         self.special_tokens = frozenset(t.content for t in self.tokenizer.backend.get_added_tokens_decoder().values()
@@ -111,7 +113,13 @@ class ServerState:
 
     def thinking(self, enable: bool | None, param: str) -> tuple[dict, bool]:
         """-> (chat-template variables, whether to split reasoning from the answer).
-        A template without a thinking switch cannot think: asking it to is a 400, not ignored."""
+        A template without a thinking switch cannot think: asking it to is a 400, not ignored.
+        A harmony model (gpt-oss) always reasons first, on its analysis channel."""
+        if self.harmony:
+            if enable is False:
+                raise bad_request(f"'{param}': this model always reasons before it answers (harmony's analysis "
+                                  "channel); leave the field out", param=param)
+            return {}, True
         if enable is None:
             return {}, self.thinking_switch  # the template's default; it may think
         if not self.thinking_switch:
@@ -188,7 +196,9 @@ class ServerState:
         except ColibriError as e:
             raise bad_request(str(e), param="prompt") from None
 
-    def splitter(self, split: bool, prompt_text: str) -> ReasoningSplitter | None:
+    def splitter(self, split: bool, prompt_text: str) -> ReasoningSplitter | HarmonySplitter | None:
+        if self.harmony:  # the channels split the answer, and carry its tool calls (colibri/serve/harmony.py)
+            return HarmonySplitter()
         return ReasoningSplitter(prompt_opens_thinking(prompt_text)) if split else None
 
 

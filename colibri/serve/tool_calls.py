@@ -8,7 +8,9 @@ Formats (the ids vLLM's --tool-call-parser uses, where it has one):
   `<|python_tag|>`, several calls joined by `;`;
 - deepseek_v3 (DeepSeek-V3/R1, and V3.1's form without `function` and the ```json fence);
 - glm45 (GLM-4.5 and later): `<tool_call>NAME\\n<arg_key>k</arg_key>\\n<arg_value>v</arg_value>\\n</tool_call>`;
-- kimi_k2: `<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{...}<|tool_call_end|>` in a section.
+- kimi_k2: `<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{...}<|tool_call_end|>` in a section;
+- harmony (gpt-oss): `<|channel|>commentary to=functions.NAME<|message|>{...}<|call|>`, the spelling
+  colibri.serve.harmony.HarmonySplitter gives every call the model writes.
 
 A call is reported once it is complete and valid: its CallStart, ArgsDelta and CallEnd come
 together. Streaming arguments as they arrive would announce calls to a client that might still
@@ -27,7 +29,9 @@ import secrets
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-FORMATS = ("hermes", "llama3_json", "deepseek_v3", "glm45", "kimi_k2")
+from colibri.serve.harmony import CALL, CALL_PREFIX, CHANNEL, CONSTRAIN, MESSAGE
+
+FORMATS = ("hermes", "llama3_json", "deepseek_v3", "glm45", "kimi_k2", "harmony")
 
 TOOL_CALL, TOOL_CALL_END = "<tool_call>", "</tool_call>"  # hermes and glm45
 ARG_KEY, ARG_KEY_END, ARG_VALUE, ARG_VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
@@ -171,6 +175,8 @@ class ToolCallParser:
 
     @property
     def _opener(self) -> str:
+        if self.fmt == "harmony":
+            return CALL_PREFIX
         return _SECTIONS[self.fmt][0] if self.fmt in _SECTIONS else TOOL_CALL
 
     def _text(self, events: list[Event], final: bool) -> bool:
@@ -200,9 +206,12 @@ class ToolCallParser:
         return False
 
     def _call(self, events: list[Event], final: bool) -> bool:
-        """hermes and glm45: one `<tool_call>` block."""
+        """hermes and glm45: one `<tool_call>` block; harmony: one call message."""
         try:
-            parsed = self._hermes_call() if self.fmt == "hermes" else self._glm_call(final)
+            if self.fmt == "harmony":
+                parsed = self._harmony_call()
+            else:
+                parsed = self._hermes_call() if self.fmt == "hermes" else self._glm_call(final)
         except _More:
             return self._wait(events, final)
         except _Bad:
@@ -274,6 +283,23 @@ class ToolCallParser:
         start, end = self._json(len(TOOL_CALL), "{")
         stop = _expect(self._buf, _skip_ws(self._buf, end), TOOL_CALL_END)
         return *_json_call(self._buf[start:end]), None, stop
+
+    def _harmony_call(self) -> tuple[str, str, None, int]:
+        # "NAME<|message|>" as HarmonySplitter spells it, or the model's own "NAME <|constrain|>json<|message|>"
+        buf = self._buf
+        m = _HARMONY_NAME.match(buf, len(CALL_PREFIX))
+        name, i = m[1], _skip_ws(buf, m.end())
+        if i == len(buf) or _partial(buf, i, CONSTRAIN):
+            raise _More
+        if not name:
+            raise _Bad
+        if buf.startswith(CONSTRAIN, i):
+            i = _skip_ws(buf, i + len(CONSTRAIN))
+            if _partial(buf, i, "json"):
+                raise _More
+            i = _skip_ws(buf, i + 4) if buf.startswith("json", i) else i
+        start, end = self._json(_expect(buf, i, MESSAGE), "{")
+        return name, _arguments(buf[start:end]), None, _expect(buf, _skip_ws(buf, end), CALL)
 
     def _glm_call(self, final: bool) -> tuple[str, str, None, int]:
         buf = self._buf
@@ -392,6 +418,7 @@ class _JsonScanner:
 
 
 _GLM_NAME = re.compile(r"\s*([^\s<]*)")
+_HARMONY_NAME = re.compile(r"([^\s<]*)")
 _KIMI_ID = re.compile(r"\s*((?:functions\.)?(\S+?):\d+)\s*")
 
 
@@ -469,6 +496,8 @@ def detect_format(chat_template: str | None, model_type: str | None) -> str:
     """The format a model writes tool calls in, from the markers its chat template renders them
     with. hermes is also colibri's choice for templates that cannot render tools themselves."""
     t = chat_template or ""
+    if CHANNEL in t and MESSAGE in t:  # harmony (gpt-oss), whose template also says "functions."
+        return "harmony"
     if "tool▁calls▁begin" in t:
         return "deepseek_v3"
     if "tool_calls_section_begin" in t:
@@ -521,6 +550,9 @@ def call_grammar(fmt: str, tools: list[dict], choice: str | None = None, paralle
         elif fmt == "kimi_k2":
             body = [mark(KIMI_CALL), _lit(f"functions.{name}:"), "/[0-9]+/", mark(KIMI_ARGS), args,
                     mark(KIMI_CALL_END)]
+        elif fmt == "harmony":  # as gpt-oss writes a call after its generation prompt
+            body = [mark(CHANNEL), _lit(f"commentary to=functions.{name} "), mark(CONSTRAIN), _lit("json"),
+                    mark(MESSAGE), args, mark(CALL)]
         else:
             body = _glm_call_rule(i, name, schema, mark, rules)
         rules.append(f"call_{i}: " + " ".join(body))
@@ -534,7 +566,9 @@ def call_grammar(fmt: str, tools: list[dict], choice: str | None = None, paralle
                   else ["glm_text[lazy]: GLM_TEXT_END", r"GLM_TEXT_END: /(?s:.*)<\/arg_value>/"])
 
     sep = {"hermes": _lit("\n"), "llama3_json": _lit("; "), "deepseek_v3": _lit("\n") + "?",
-           "kimi_k2": "", "glm45": _lit("\n")}[fmt]
+           "kimi_k2": "", "glm45": _lit("\n"), "harmony": ""}[fmt]
+    # (harmony: <|call|> is an end-of-generation token, so a model stops after one call; several
+    # are written back to back)
     calls = f"call ({sep} call)*" if parallel else "call"
     if fmt in _SECTIONS:
         sec_open, sec_close = _SECTIONS[fmt][:2]

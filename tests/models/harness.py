@@ -26,6 +26,8 @@ from colibri.formats.qtensor import dequantize
 NEW_TOKENS = 32
 _MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _EXPERT = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$")
+# gpt-oss's stacked experts: gate_up [E, D, 2I] (gate/up interleaved on the last axis), down [E, I, D]
+_GPT_OSS_EXPERTS = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<proj>gate_up_proj|down_proj)$")
 
 
 def make_hf_model(model_cls, config, seed: int, out_dir: Path, init_std: float = 0.1, prepare=None) -> Path:
@@ -57,9 +59,19 @@ def dequantized_reference(hf_dir: Path, container_dir: Path, out_dir: Path) -> P
                            for e in range(layout.num_experts)]
     state = load_file(str(hf_dir / "model.safetensors"))
     model_type = json.loads((hf_dir / "config.json").read_text())["model_type"]
+    gpt_oss = model_type == "gpt_oss"
     for stored in list(state):
         name = checkpoint_name(model_type, stored)  # the container's name for it
-        if m := _EXPERT.match(name):
+        if gpt_oss and (m := _GPT_OSS_EXPERTS.match(name)):
+            stacked = torch.empty_like(state[name])
+            for e, ew in enumerate(experts[m["prefix"]]):
+                if m["proj"] == "down_proj":
+                    stacked[e] = torch.from_numpy(dequantize(ew["down_proj"]).T.copy())
+                else:
+                    stacked[e, :, 0::2] = torch.from_numpy(dequantize(ew["gate_proj"]).T.copy())
+                    stacked[e, :, 1::2] = torch.from_numpy(dequantize(ew["up_proj"]).T.copy())
+            state[stored] = stacked
+        elif m := _EXPERT.match(name):
             t = experts[m["prefix"]][int(m["e"])][_MIXTRAL.get(m["proj"], m["proj"])]
             state[stored] = torch.from_numpy(dequantize(t).copy())
         elif c.has(name):
@@ -88,12 +100,15 @@ def check_against_transformers(model_cls, config, tmp_path: Path, seed: int, bit
                                prompts: list[list[int]], init_std: float = 0.1, prepare=None,
                                after_save=None):
     """Returns the colibri Engine. `prepare(model)` runs before the checkpoint is saved,
-    `after_save(hf_dir)` after (e.g. to add tensors transformers does not load, like MTP layers)."""
+    `after_save(hf_dir)` after (e.g. to add tensors transformers does not load, like MTP layers);
+    where it rewrites the checkpoint into a form transformers does not load on the CPU (such as
+    gpt-oss's MXFP4 experts), it returns the Path of a checkpoint with the same values that
+    transformers loads, the reference then."""
     hf_dir = make_hf_model(model_cls, config, seed, tmp_path / "hf", init_std, prepare)
-    if after_save is not None:
-        after_save(hf_dir)
+    saved = after_save(hf_dir) if after_save is not None else None
+    reference = saved if isinstance(saved, Path) else hf_dir
     out = convert(hf_dir, tmp_path / f"c{bits}", bits=bits, progress=False)
-    ref_dir = hf_dir if bits == 32 else dequantized_reference(hf_dir, out, tmp_path / "hf_deq")
+    ref_dir = reference if bits == 32 else dequantized_reference(reference, out, tmp_path / "hf_deq")
     ref = model_cls.from_pretrained(ref_dir, attn_implementation="eager", dtype=torch.float32).eval()
     engine = Engine.load(out)
     for prompt in prompts:

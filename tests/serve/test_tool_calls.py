@@ -14,6 +14,7 @@ from colibri.serve.tool_calls import (ARG_KEY, ARG_KEY_END, ARG_VALUE, ARG_VALUE
                                       DS_CALLS, DS_CALLS_END, DS_SEP, FORMATS, KIMI_ARGS, KIMI_CALL, KIMI_CALL_END,
                                       KIMI_CALLS, KIMI_CALLS_END, TOOL_CALL, TOOL_CALL_END, ArgsDelta, CallEnd,
                                       CallStart, TextDelta, ToolCallParser, call_grammar, detect_format)
+from colibri.serve.harmony import CALL, CALL_PREFIX, CHANNEL, CONSTRAIN, MESSAGE
 from requirements import missing
 
 TOOLS = [
@@ -135,6 +136,17 @@ CASES = [
     ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
      "{\"city\": \"Paris\"}", "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
      "<|tool_call_argument_begin|>{\"city\": \"Paris\"}", []),
+
+    # harmony (gpt-oss): calls as HarmonySplitter spells them, and as the model writes them
+    ("harmony", "It is sunny.", "It is sunny.", []),
+    ("harmony", "Checking." + CALL_PREFIX + "get_weather" + MESSAGE + json.dumps(PARIS) + CALL, "Checking.",
+     [("get_weather", PARIS)]),
+    ("harmony", CALL_PREFIX + "search <|constrain|>json" + MESSAGE + json.dumps(NESTED, ensure_ascii=False) + CALL
+     + CALL_PREFIX + "get_time" + MESSAGE + "{}" + CALL, "", [("search", NESTED), ("get_time", {})]),
+    ("harmony", CALL_PREFIX + "get_weather" + MESSAGE + '{"city": Paris}' + CALL,
+     CALL_PREFIX + "get_weather" + MESSAGE + '{"city": Paris}' + CALL, []),
+    ("harmony", CALL_PREFIX + "get_weather" + MESSAGE + '{"city": "Pa',
+     CALL_PREFIX + "get_weather" + MESSAGE + '{"city": "Pa', []),
 ]
 
 
@@ -200,6 +212,8 @@ SHARDS = {
               "3", '{"a": "', '"}', "[", "]", "\n", " ", "x", "<arg"],
     "kimi_k2": [KIMI_CALLS, KIMI_CALLS_END, KIMI_CALL, KIMI_ARGS, KIMI_CALL_END, "functions.get_time:0", "{}",
                 '{"a": "', "}", '"', " ", "x", "<|tool"],
+    "harmony": [CALL_PREFIX, CHANNEL, MESSAGE, CONSTRAIN, CALL, "get_time", "json", "{}", '{"a": "', "}", '"', " ",
+                "x", "<|"],
 }
 
 
@@ -260,12 +274,15 @@ DEEPSEEK = "{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁be
 KIMI = "{%- if message['tool_calls'] -%}<|tool_calls_section_begin|>{%- for tc in message['tool_calls'] -%}"
 LLAMA31 = "{%- if builtin_tools is defined or tools is not none %}Environment: ipython\n{%- endif %}<|python_tag|>"
 LLAMA_OTHER = "{%- if tools is not none %}Given the following functions{%- endif %}"
+HARMONY = ("{{- '<|start|>assistant<|channel|>commentary to=functions.' + tool_call.name + ' <|constrain|>json"
+           "<|message|>' }}{{- '<|start|>functions.' + m.name + ' to=assistant<|channel|>commentary<|message|>' }}")
 
 
 @pytest.mark.parametrize("template,model_type,fmt", [
     (QWEN, "qwen3_moe", "hermes"), (GLM, "glm4_moe", "glm45"), (DEEPSEEK, "deepseek_v3", "deepseek_v3"),
     (KIMI, "kimi_k2", "kimi_k2"), (LLAMA31, "llama", "llama3_json"), (LLAMA_OTHER, "llama", "llama3_json"),
     (LLAMA_OTHER, "mixtral", "hermes"), ("{{ messages }}", "llama", "hermes"), (None, None, "hermes"),
+    (HARMONY, "gpt_oss", "harmony"),
 ])
 def test_detect_format(template, model_type, fmt):
     assert detect_format(template, model_type) == fmt
@@ -334,13 +351,15 @@ def weather(fmt: str, args: dict, idx: int = 0) -> str:
         return f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{a}\n```<｜tool▁call▁end｜>"
     if fmt == "kimi_k2":
         return f"<|tool_call_begin|>functions.{name}:{idx}<|tool_call_argument_begin|>{a}<|tool_call_end|>"
+    if fmt == "harmony":
+        return f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>{a}<|call|>"
     pairs = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}"
                     f"</arg_value>\n" for k, v in args.items())
     return f"<tool_call>{name}\n{pairs}</tool_call>"
 
 
 def message(fmt: str, *calls: str) -> str:
-    sep = {"hermes": "\n", "llama3_json": "; ", "deepseek_v3": "\n", "kimi_k2": "", "glm45": "\n"}[fmt]
+    sep = {"hermes": "\n", "llama3_json": "; ", "deepseek_v3": "\n", "kimi_k2": "", "glm45": "\n", "harmony": ""}[fmt]
     body = sep.join(calls)
     if fmt == "deepseek_v3":
         return f"<｜tool▁calls▁begin｜>{body}<｜tool▁calls▁end｜>"
@@ -352,7 +371,8 @@ def message(fmt: str, *calls: str) -> str:
 MARKERS = {"hermes": [TOOL_CALL, TOOL_CALL_END], "llama3_json": [],
            "deepseek_v3": [DS_CALLS, DS_CALLS_END, DS_CALL, DS_SEP, DS_CALL_END],
            "glm45": [TOOL_CALL, TOOL_CALL_END, ARG_KEY, ARG_KEY_END, ARG_VALUE, ARG_VALUE_END],
-           "kimi_k2": [KIMI_CALLS, KIMI_CALLS_END, KIMI_CALL, KIMI_ARGS, KIMI_CALL_END]}
+           "kimi_k2": [KIMI_CALLS, KIMI_CALLS_END, KIMI_CALL, KIMI_ARGS, KIMI_CALL_END],
+           "harmony": [CHANNEL, CONSTRAIN, MESSAGE, CALL]}
 
 
 GOOD = {"city": "Par\"is {}", "unit": "celsius", "days": 3}
