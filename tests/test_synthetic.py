@@ -28,7 +28,8 @@ def _transformers_shapes(cfg: dict) -> dict[str, tuple]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf = {k: v for k, v in cfg.items() if k not in ("architectures", "colibri_synthetic")}
-    model_type = "deepseek_v3" if hf["model_type"] == "kimi_k2" else hf.pop("model_type")
+    # (qwen3_5_moe's own config is the multimodal wrapper: its text model is qwen3_5_moe_text)
+    model_type = {"kimi_k2": "deepseek_v3", "qwen3_5_moe": "qwen3_5_moe_text"}.get(hf["model_type"], hf["model_type"])
     hf.pop("model_type", None)
     if "num_experts" in hf:
         hf["num_local_experts"] = hf["num_experts"]  # transformers 5 names Qwen3-MoE's expert count so
@@ -91,7 +92,7 @@ def test_full_preset_sizes():
 # ----------------------------------------------------------------------------- slices decode
 
 SLICES = {"qwen3-30b-a3b": 2, "qwen3-235b-a22b": 2, "deepseek-v3": 4, "kimi-k2": 2, "glm-5": 4, "glm-4.5-air": 2,
-          "gpt-oss-20b": 2}
+          "gpt-oss-20b": 2, "qwen3.6-35b-a3b": 4}
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +135,8 @@ def test_slice_records_what_it_kept_and_decodes(slices, preset):
 
 
 @pytest.mark.parametrize("preset, activations", [("deepseek-v3", "f32"), ("qwen3-30b-a3b", "f32"),
-                                                 ("qwen3-30b-a3b", "int8"), ("gpt-oss-20b", "f32")])
+                                                 ("qwen3-30b-a3b", "int8"), ("gpt-oss-20b", "f32"),
+                                                 ("qwen3.6-35b-a3b", "int8")])
 def test_placement_never_changes_tokens(slices, preset, activations):
     """Resident experts, a RAM cache holding a few experts, and no cache at all (every expert
     read from disk, pread and mmap): the same greedy tokens and the same final logits, with
