@@ -88,7 +88,7 @@ def load_kv(path: str | os.PathLike, cache, model_id: str) -> list[int]:
             for i in range(len(cache.k)):
                 cache.k[i][:, : len(ids)] = z[f"k{i}"]
                 cache.v[i][:, : len(ids)] = z[f"v{i}"]
-            cache.restore_state({name: z[f"state_{name}"] for name in cache.saved_state()})
+            cache.restore_state({name[len("state_"):]: z[name] for name in z.files if name.startswith("state_")})
     except ColibriError:
         raise
     except Exception as e:  # truncated zip, missing arrays, wrong shapes

@@ -264,6 +264,8 @@ class HybridModel(DecoderModel):
             raise
         if len(ids) > 1:
             cache.snapshot()
+        else:
+            cache.decoded()
         return logits
 
     def forward_rows(self, ids, caches: list) -> np.ndarray:
@@ -271,11 +273,15 @@ class HybridModel(DecoderModel):
         for c in several:
             c.rows(True)
         try:
-            return super().forward_rows(ids, caches)
+            logits = super().forward_rows(ids, caches)
         except BaseException:
             for c in {id(c): c for c in caches}.values():
                 c.recover()
             raise
+        else:
+            for c in {id(c): c for c in caches}.values():
+                c.decoded()
+            return logits
         finally:
             for c in several:
                 c.rows(False)
