@@ -73,11 +73,21 @@ class Telemetry:
                 "completed": s.completed, "cancelled": s.cancelled, "failed": s.failed, "rejected": s.rejected,
                 "prompt_tokens": s.prompt_tokens, "prompt_tokens_reused": s.prompt_tokens_reused,
                 "completion_tokens": s.completion_tokens, "tokens_streamed": s.tokens_streamed,
-                "slots": [{"tokens": len(slot.ids), "busy": i in busy} for i, slot in enumerate(engine.slots)],
+                "slots": [{"tokens": len(slot.ids), "busy": i in busy, **recurrent_state(slot.cache)}
+                          for i, slot in enumerate(engine.slots)],
             },
             "experts": expert_cache(engine, with_map=experts),
         }
         return out
+
+
+def recurrent_state(cache) -> dict:
+    """A hybrid model's slot: the bytes its recurrent state and kept snapshots take, and the
+    positions a next prompt can resume from (models/recurrent.py); nothing for a KV cache."""
+    if not hasattr(cache, "snapshots"):
+        return {}
+    kept = sorted(cache.snapshots)
+    return {"state_bytes": cache.state_bytes * (1 + len(kept)), "resumable_at": kept}
 
 
 def tiers(engine) -> list[dict]:

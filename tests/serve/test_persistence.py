@@ -135,8 +135,11 @@ def test_a_hybrid_models_recurrent_state_survives_sigkill(start_server, tmp_path
     # end of turn 1's prompt at least; the re-rendered answer differs from what was generated).
     shared = min(_common_prefix(held, ids2), len(ids2) - 1)
     with np.load(state / "slot-0.npz") as z:
-        kept = [p for p in z["state_snapshots"].tolist() + [len(held)] if p <= shared]
+        snapshots = z["state_snapshots"].tolist()
+    kept = [p for p in snapshots + [len(held)] if p <= shared]
     assert len(tokenizer.encode_chat(turn1, add_generation_prompt=True)) in kept
+    slot = httpx.get(srv2.url + "/v1/telemetry", timeout=30).json()["scheduler"]["slots"][0]  # the dashboard's view
+    assert slot["tokens"] == len(held) and slot["resumable_at"] == snapshots and slot["state_bytes"] > 0
     r = _chat(srv2.url, turn2, 6)
     assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == max(kept)
     assert r["choices"][0]["message"]["content"] == Engine.load(model).generate(ids2, max_tokens=6).text

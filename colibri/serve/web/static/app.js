@@ -458,6 +458,11 @@ function renderQueue(s, maxContext) {
     bar.append(fill);
     const n = document.createElement("span");
     n.textContent = `${slot.tokens} / ${maxContext}`;
+    if (slot.state_bytes !== undefined) {
+      // a hybrid model: a fixed-size recurrent state, resumable only where a snapshot was kept
+      const kept = slot.resumable_at.length ? slot.resumable_at.join(", ") : "none";
+      n.textContent += ` · state ${(slot.state_bytes / 1048576).toFixed(1)} MiB, snapshots at ${kept}`;
+    }
     div.append(name, bar, n);
     box.append(div);
   });
