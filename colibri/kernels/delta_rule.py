@@ -27,6 +27,8 @@ from numba import njit, prange
 
 from .ops import expf
 
+FAST = {"reassoc", "contract", "nsz"}  # sums may reassociate (vectorized); each head is one thread's, so
+# the thread count still changes no bit
 CHUNK = 64  # tokens per chunk of the chunked form (transformers' and FLA's chunk size)
 L2_EPS = 1e-6  # the L2 norm's epsilon (FLA's, which transformers follows)
 
@@ -66,10 +68,12 @@ def _unit(x, eps):
     return np.float32(1.0 / math.sqrt(s + eps))
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, fastmath=FAST)
 def delta_step(state, q, k, v, g, beta):
     """One token: state [Hv, Dk, Dv] updated in place; q, k [Hk, Dk] as projected (normalized
-    here), v [Hv, Dv], g [Hv] (log decay, <= 0), beta [Hv] -> o [Hv, Dv]."""
+    here), v [Hv, Dv], g [Hv] (log decay, <= 0), beta [Hv] -> o [Hv, Dv]. Two passes over the
+    state: S^T k read alone (the decay applied to the sum), then the decayed update and the
+    output together (the state is the step's memory traffic: 2 MiB a layer at Qwen3.6's shapes)."""
     Hv, Dk, Dv = state.shape
     group = Hv // q.shape[0]
     out = np.empty((Hv, Dv), np.float32)
@@ -84,23 +88,23 @@ def delta_step(state, q, k, v, g, beta):
         for i in range(Dk):
             ki = k[kh, i] * kn
             for j in range(Dv):
-                S[i, j] *= decay
                 mem[j] += S[i, j] * ki
         delta = np.empty(Dv, np.float32)
         for j in range(Dv):
-            delta[j] = (v[h, j] - mem[j]) * beta[h]
+            delta[j] = (v[h, j] - decay * mem[j]) * beta[h]
         o = np.zeros(Dv, np.float32)
         for i in range(Dk):
             ki = k[kh, i] * kn
             qi = q[kh, i] * qn
             for j in range(Dv):
-                S[i, j] += ki * delta[j]
-                o[j] += S[i, j] * qi
+                x = S[i, j] * decay + ki * delta[j]
+                S[i, j] = x
+                o[j] += x * qi
         out[h] = o
     return out
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, fastmath=FAST)
 def delta_chunked(state, q, k, v, g, beta):
     """L tokens, CHUNK at a time: state [Hv, Dk, Dv] in place; q, k [L, Hk, Dk], v [L, Hv, Dv],
     g, beta [L, Hv] -> o [L, Hv, Dv]. Per chunk of n tokens and head, with cumulative log
@@ -111,21 +115,28 @@ def delta_chunked(state, q, k, v, g, beta):
         V' = U - W S                                                (the delta corrections)
         o  = e^c q S + lower(q_i.k_j e^(c_i - c_j)) V'
         S <- e^(c_last) S + (e^(c_last - c) k)^T V'
-    """
+
+    Every inner loop runs along a contiguous row (the dot products too, against transposed
+    keys), so LLVM vectorizes them."""
     L, Hk, Dk = k.shape
     Hv, Dv = v.shape[1], v.shape[2]
     group = Hv // Hk
-    out = np.empty((L, Hv, Dv), np.float32)
+    out = np.zeros((L, Hv, Dv), np.float32)
     qscale = np.float32(Dk ** -0.5)
     for h in prange(Hv):
         kh = h // group
         S = state[h]
+        Q = np.empty((CHUNK, Dk), np.float32)
+        Kn = np.empty((CHUNK, Dk), np.float32)
+        KT = np.empty((Dk, CHUNK), np.float32)
+        c = np.empty(CHUNK, np.float32)
+        b = np.empty(CHUNK, np.float32)
+        U = np.empty((CHUNK, Dv), np.float32)
+        W = np.empty((CHUNK, Dk), np.float32)
+        A = np.empty((CHUNK, CHUNK), np.float32)   # q_i.k_m e^(c_i - c_m), m <= i
+        T = np.empty((CHUNK, CHUNK), np.float32)   # beta_i k_i.k_m e^(c_i - c_m), m < i
         for t0 in range(0, L, CHUNK):
             n = min(CHUNK, L - t0)
-            Q = np.empty((n, Dk), np.float32)
-            Kn = np.empty((n, Dk), np.float32)
-            c = np.empty(n, np.float32)
-            b = np.empty(n, np.float32)
             acc = np.float32(0.0)
             for i in range(n):
                 t = t0 + i
@@ -134,13 +145,23 @@ def delta_chunked(state, q, k, v, g, beta):
                 for d in range(Dk):
                     Q[i, d] = q[t, kh, d] * qs
                     Kn[i, d] = k[t, kh, d] * ks
+                    KT[d, i] = Kn[i, d]
                 acc += g[t, h]
                 c[i] = acc
                 b[i] = beta[t, h]
+            for i in range(n):
+                A[i, :n] = 0.0
+                T[i, :n] = 0.0
+                for d in range(Dk):
+                    qd, kd = Q[i, d], Kn[i, d]
+                    for m in range(n):
+                        A[i, m] += qd * KT[d, m]
+                        T[i, m] += kd * KT[d, m]
+                for m in range(n):
+                    e = expf(c[i] - c[m]) if m <= i else np.float32(0.0)
+                    A[i, m] *= e
+                    T[i, m] *= b[i] * e
             # U = T^-1 (beta v) and W = T^-1 (beta e^c k), row by row (forward substitution).
-            U = np.empty((n, Dv), np.float32)
-            W = np.empty((n, Dk), np.float32)
-            A = np.zeros((n, n), np.float32)  # intra-chunk q.k with decay, lower triangle incl. diagonal
             for i in range(n):
                 ec = expf(c[i])
                 for j in range(Dv):
@@ -148,48 +169,40 @@ def delta_chunked(state, q, k, v, g, beta):
                 for d in range(Dk):
                     W[i, d] = Kn[i, d] * b[i] * ec
                 for m in range(i):
-                    kk = np.float32(0.0)
-                    for d in range(Dk):
-                        kk += Kn[i, d] * Kn[m, d]
-                    tim = b[i] * kk * expf(c[i] - c[m])
+                    tim = T[i, m]
                     for j in range(Dv):
                         U[i, j] -= tim * U[m, j]
                     for d in range(Dk):
                         W[i, d] -= tim * W[m, d]
-                for m in range(i + 1):
-                    qk = np.float32(0.0)
-                    for d in range(Dk):
-                        qk += Q[i, d] * Kn[m, d]
-                    A[i, m] = qk * expf(c[i] - c[m])
-            # V' = U - W S; o = e^c Q S + A V'
-            last = c[n - 1]
+            # V' = U - W S (in U); o = e^c Q S + A V'
             for i in range(n):
                 ec = expf(c[i])
-                vi = U[i]
-                oi = np.zeros(Dv, np.float32)
+                oi = out[t0 + i, h]
                 for d in range(Dk):
                     w_d = W[i, d]
                     q_d = Q[i, d] * ec
-                    Sd = S[d]
                     for j in range(Dv):
-                        vi[j] -= w_d * Sd[j]
-                        oi[j] += q_d * Sd[j]
-                out[t0 + i, h] = oi
+                        s_dj = S[d, j]
+                        U[i, j] -= w_d * s_dj
+                        oi[j] += q_d * s_dj
             for i in range(n):
+                oi = out[t0 + i, h]
                 for m in range(i + 1):
                     a = A[i, m]
                     for j in range(Dv):
-                        out[t0 + i, h, j] += a * U[m, j]
+                        oi[j] += a * U[m, j]
             # S <- e^(c_last) S + (e^(c_last - c) k)^T V'
+            last = c[n - 1]
             el = expf(last)
+            for i in range(n):
+                b[i] = expf(last - c[i])  # (beta is no longer needed: reuse its row for the key decay)
             for d in range(Dk):
-                Sd = S[d]
                 for j in range(Dv):
-                    Sd[j] *= el
+                    S[d, j] *= el
                 for i in range(n):
-                    kd = Kn[i, d] * expf(last - c[i])
+                    kd = Kn[i, d] * b[i]
                     for j in range(Dv):
-                        Sd[j] += kd * U[i, j]
+                        S[d, j] += kd * U[i, j]
     return out
 
 
