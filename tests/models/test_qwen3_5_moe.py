@@ -18,17 +18,30 @@ TEXT = {"vocab_size": 130, "hidden_size": 64, "moe_intermediate_size": 64, "shar
         "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16, "num_experts": 8,
         "num_experts_per_tok": 2, "num_hidden_layers": 4, "max_position_embeddings": 512}
 VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
+CASES = {"text_model": TEXT}
+
+MODEL = Qwen3_5MoeForCausalLM
+
+
+def config(case: str) -> Qwen3_5MoeTextConfig:
+    return Qwen3_5MoeTextConfig(**CASES[case])
+
+
+def case_seed(case: str) -> int:
+    return sorted(CASES).index(case) + 71
 
 
 def text_config() -> Qwen3_5MoeTextConfig:
-    return Qwen3_5MoeTextConfig(**TEXT)
+    return config("text_model")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("bits", [32, 4])
-def test_qwen3_5_moe_text_model_matches_transformers(tmp_path, bits):
-    check_against_transformers(Qwen3_5MoeForCausalLM, text_config(), tmp_path, 71, bits,
-                               prompts_for(TEXT["vocab_size"], 71, (1, 5, 90)))
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_qwen3_5_moe_matches_transformers(tmp_path, case, bits):
+    # 90 tokens: longer than one chunk of the chunked delta rule (64)
+    check_against_transformers(MODEL, config(case), tmp_path, case_seed(case), bits,
+                               prompts_for(TEXT["vocab_size"], case_seed(case), (1, 5, 90)))
 
 
 @pytest.mark.slow
