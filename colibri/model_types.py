@@ -10,7 +10,8 @@ import re
 
 from colibri.errors import ColibriError
 
-SUPPORTED = ("llama", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "glm_moe_dsa")
+SUPPORTED = ("llama", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "glm_moe_dsa",
+             "minimax_m2")
 ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
 
 # Per family (module name): (pattern, replacement) rules, re.sub'd over a checkpoint tensor's
@@ -19,6 +20,11 @@ CHECKPOINT_NAMES: dict[str, tuple[tuple[str, str], ...]] = {
     # Mixtral's routed experts: w1 (gate), w3 (up), w2 (down).
     "mixtral": tuple((rf"(\.experts\.\d+)\.{old}\.weight$", rf"\1.{new}.weight")
                      for old, new in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))),
+    # MiniMax-M2: Mixtral's names under `block_sparse_moe`, the routing bias beside the router.
+    "minimax_m2": ((r"\.block_sparse_moe\.e_score_correction_bias$", ".mlp.gate.e_score_correction_bias"),
+                   (r"\.block_sparse_moe\.", ".mlp."),
+                   *((rf"(\.experts\.\d+)\.{old}\.weight$", rf"\1.{new}.weight")
+                     for old, new in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")))),
 }
 _COMPILED = {family: tuple((re.compile(p), r) for p, r in rules) for family, rules in CHECKPOINT_NAMES.items()}
 

@@ -147,11 +147,12 @@ def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
         task = bar.add_task(f"converting {src.name} (--bits {bits})", total=len(names))
         for f, name in names:
             shape = f.tensors[name].shape
-            if m := _EXPERT.match(checkpoint_name(model_type, name)):
+            target = checkpoint_name(model_type, name)  # the container holds the decoder's names
+            if m := _EXPERT.match(target):
                 proj = m["proj"]
                 add_expert(m["prefix"], int(m["e"]), proj,
                            _quantized(reader, f, name, scheme_for(f"{m['prefix']}.{proj}", shape, bits)))
-            elif m := _FUSED_EXPERTS.match(name):  # transformers v5 layout: [E, 2I, D] / [E, D, I]
+            elif m := _FUSED_EXPERTS.match(target):  # transformers v5 layout: [E, 2I, D] / [E, D, I]
                 w = reader.float32(f, name)  # the whole layer's experts at once (one pread)
                 for e in range(w.shape[0]):
                     if m["proj"] == "down_proj":
@@ -162,9 +163,9 @@ def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
                         add_expert(m["prefix"], e, "up_proj", up)
                 del w
             elif len(shape) == 2:
-                writer.add_dense(name, _quantized(reader, f, name, scheme_for(name, shape, bits)))
+                writer.add_dense(target, _quantized(reader, f, name, scheme_for(target, shape, bits)))
             else:
-                writer.add_dense(name, reader.float32(f, name))
+                writer.add_dense(target, reader.float32(f, name))
             bar.advance(task)
     incomplete = {p: sorted(layer) for p, layer in pending.items() if layer}
     if incomplete:

@@ -8,6 +8,7 @@ compared is the kernels and the model code, not the quantizer's rounding.
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from colibri import Engine
 from colibri.io.container import Container
 from colibri.io.convert import convert
+from colibri.model_types import checkpoint_name
 from colibri.kernels import attention
 from colibri.formats.qtensor import dequantize
 
@@ -54,12 +56,14 @@ def dequantized_reference(hf_dir: Path, container_dir: Path, out_dir: Path) -> P
         experts[prefix] = [layout.unpack(np.array(f.raw(f"{prefix}.experts.{e}")))
                            for e in range(layout.num_experts)]
     state = load_file(str(hf_dir / "model.safetensors"))
+    model_type = json.loads((hf_dir / "config.json").read_text()).get("model_type")
     for name in list(state):
-        if m := _EXPERT.match(name):
+        target = checkpoint_name(model_type, name)  # the container's name for it
+        if m := _EXPERT.match(target):
             t = experts[m["prefix"]][int(m["e"])][_MIXTRAL.get(m["proj"], m["proj"])]
             state[name] = torch.from_numpy(dequantize(t).copy())
-        elif c.has(name):
-            t = c.tensor(name)
+        elif c.has(target):
+            t = c.tensor(target)
             value = t if isinstance(t, np.ndarray) else dequantize(t)
             state[name] = torch.from_numpy(np.array(value, dtype=np.float32).reshape(state[name].shape))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -212,8 +216,6 @@ def add_mtp_layer(hf_dir: Path) -> list[str]:
     """Append a DeepSeek/GLM-style MTP layer (index num_hidden_layers) to the saved checkpoint, as
     the real checkpoints ship it: a copy of the last decoder layer plus enorm, hnorm, eh_proj and
     shared_head. transformers does not load it; `convert` must keep it. Returns the new names."""
-    import json
-
     n = json.loads((hf_dir / "config.json").read_text())["num_hidden_layers"]
     path = str(hf_dir / "model.safetensors")
     state = load_file(path)
