@@ -11,6 +11,12 @@ def has_thinking_switch(chat_template: str | None) -> bool:
     return bool(chat_template) and "enable_thinking" in chat_template
 
 
+def always_thinks(chat_template: str | None) -> bool:
+    """Templates without a switch that still lay out think blocks (MiniMax-M2 opens one in every
+    generation prompt and keeps past turns' reasoning): their answers are split all the same."""
+    return bool(chat_template) and CLOSE in chat_template and not has_thinking_switch(chat_template)
+
+
 def prompt_opens_thinking(prompt_text: str) -> bool:
     """Some templates end the generation prompt inside the think block (the model then writes
     only the reasoning and `</think>`)."""

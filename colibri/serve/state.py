@@ -22,7 +22,7 @@ from colibri.generate import Penalties
 from colibri.serve import schemas
 from colibri.serve.errors import ApiError, bad_request, error_body
 from colibri.serve.metrics import ServeMetrics
-from colibri.serve.reasoning import ReasoningSplitter, has_thinking_switch, prompt_opens_thinking
+from colibri.serve.reasoning import ReasoningSplitter, always_thinks, has_thinking_switch, prompt_opens_thinking
 from colibri.serve.scheduler import Failed, Finished, Job, Rejected, Scheduler, Started
 from colibri.serve.security import MAX_BODY_BYTES
 from colibri.serve.tools import probe_tool_support
@@ -53,6 +53,7 @@ class ServerState:
         self.created = int(time.time())
         self.tokenizer = engine.tokenizer
         self.thinking_switch = has_thinking_switch(self.tokenizer.chat_template if self.tokenizer else None)
+        self.always_thinks = always_thinks(self.tokenizer.chat_template if self.tokenizer else None)
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
         self._tool_support: tuple[bool, str] | None = None
         self.special_tokens = frozenset(t.content for t in self.tokenizer.backend.get_added_tokens_decoder().values()
@@ -113,7 +114,9 @@ class ServerState:
         """-> (chat-template variables, whether to split reasoning from the answer).
         A template without a thinking switch cannot think: asking it to is a 400, not ignored."""
         if enable is None:
-            return {}, self.thinking_switch  # the template's default; it may think
+            return {}, self.thinking_switch or self.always_thinks  # the template's default; it may think
+        if self.always_thinks:  # nothing to switch: its reasoning is split off whatever was asked
+            return {}, True
         if not self.thinking_switch:
             if enable:
                 raise bad_request(f"'{param}': this model's chat template has no thinking switch; it answers "
