@@ -74,6 +74,14 @@ REAL = {
         "rope_theta": 1000000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
         "hidden_act": "silu", "num_nextn_predict_layers": 0, "bos_token_id": None,
         "eos_token_id": [151329, 151336, 151338]},
+    "minimax-m2": {  # MiniMaxAI/MiniMax-M2 (transformers' MiniMaxM2Config defaults): 230B total, 10B active
+        "model_type": "minimax_m2", "architectures": ["MiniMaxM2ForCausalLM"], "vocab_size": 200064,
+        "hidden_size": 3072, "intermediate_size": 1536, "num_hidden_layers": 62, "num_attention_heads": 48,
+        "num_key_value_heads": 8, "head_dim": 128, "rotary_dim": 64, "num_local_experts": 256,
+        "num_experts_per_tok": 8, "scoring_func": "sigmoid", "use_routing_bias": True, "use_qk_norm": True,
+        "qk_norm_type": "per_layer", "rms_norm_eps": 1e-6, "rope_theta": 5000000.0,
+        "max_position_embeddings": 196608, "tie_word_embeddings": False, "hidden_act": "silu",
+        "bos_token_id": 200034, "eos_token_id": 200020},
 }
 
 # OLMoE-shaped presets (the streaming tests and the earlier benchmarks): SmolLM2's vocabulary.
@@ -210,7 +218,7 @@ def shrink(cfg: dict, divisor: int, max_experts: int = 16) -> dict:
         out["num_key_value_heads"] = out["num_attention_heads"]
     if out.get("head_dim") is None and out["hidden_size"] % out["num_attention_heads"]:
         out["head_dim"] = 64
-    key = "n_routed_experts" if "n_routed_experts" in out else "num_experts"
+    key = next(k for k in ("n_routed_experts", "num_local_experts", "num_experts") if k in out)
     out[key] = min(out[key], max_experts)
     out["num_experts_per_tok"] = min(out["num_experts_per_tok"], out[key] // 2)
     groups = out.get("n_group") or 1
