@@ -14,8 +14,19 @@ SUPPORTED = ("llama", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3
              "minimax_m2")
 ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
 
-# Per family (module name): (pattern, replacement) rules, re.sub'd over a checkpoint tensor's
-# name in order, giving the shared decoder's name. A family without an entry keeps its names.
+# Multimodal wrappers whose config.json holds the language model's config under a key: convert
+# writes that config (its model_type, default below, names the family) and skips the parts
+# colibri does not run, each a pattern over checkpoint names, saying so in one line.
+WRAPPERS: dict[str, dict] = {
+    # Kimi-K2.5 / K2.6 (Kimi_K25ForConditionalGeneration): a Kimi-K2 (DeepSeek-V3) text_config
+    "kimi_k25": {"text_config": "text_config", "default_model_type": "deepseek_v3",
+                 "skip": {"vision tower": r"^(model\.)?vision_tower\.",
+                          "multimodal projector": r"^(model\.)?mm_projector\."}},
+}
+
+# Per family (module name), or per wrapper model_type: (pattern, replacement) rules, re.sub'd
+# over a checkpoint tensor's name in order, giving the shared decoder's name. A family without
+# an entry keeps its names.
 CHECKPOINT_NAMES: dict[str, tuple[tuple[str, str], ...]] = {
     # Mixtral's routed experts: w1 (gate), w3 (up), w2 (down).
     "mixtral": tuple((rf"(\.experts\.\d+)\.{old}\.weight$", rf"\1.{new}.weight")
@@ -25,6 +36,11 @@ CHECKPOINT_NAMES: dict[str, tuple[tuple[str, str], ...]] = {
                    (r"\.block_sparse_moe\.", ".mlp."),
                    *((rf"(\.experts\.\d+)\.{old}\.weight$", rf"\1.{new}.weight")
                      for old, new in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")))),
+    # Kimi-K2.5's language model under `language_model.` (transformers 5 saves its layers as
+    # `blocks`, and names them `model.language_model.` in memory).
+    "kimi_k25": ((r"^language_model\.model\.(?:blocks|layers)\.", "model.layers."),
+                 (r"^language_model\.model\.", "model."), (r"^language_model\.lm_head\.", "lm_head."),
+                 (r"^model\.language_model\.", "model.")),
 }
 _COMPILED = {family: tuple((re.compile(p), r) for p, r in rules) for family, rules in CHECKPOINT_NAMES.items()}
 
@@ -41,6 +57,7 @@ def module_name(model_type: str | None) -> str:
 def checkpoint_name(model_type: str | None, name: str) -> str:
     """The shared decoder's name for `model_type`'s checkpoint tensor `name` (itself when the
     family keeps the checkpoint's names)."""
-    for pattern, replacement in _COMPILED.get(ALIASES.get(model_type, model_type), ()):
+    rules = _COMPILED.get(model_type) or _COMPILED.get(ALIASES.get(model_type, model_type), ())
+    for pattern, replacement in rules:
         name = pattern.sub(replacement, name)
     return name

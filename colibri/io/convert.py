@@ -14,12 +14,19 @@ quantized a few rows at a time (`_quantized`), so peak memory is the largest ten
 bytes (DeepSeek-V3: embed_tokens at q8_0, 1.04 GB) plus a slab, not its float32 copy and the
 quantizer's temporaries. MTP layers (index >= num_hidden_layers)
 are converted like any other layer: kept for speculative decoding, unused by the forward.
+
+compressed-tensors int4 checkpoints (Kimi-K2.5's routed experts, io/compressed_tensors.py) are
+GGUF Q4_0 value for value: at --bits 4 and 8 those weights are repacked as q4_0, no rounding (8
+bits could hold no more than they have); at --bits 32 they are dequantized exactly. A
+multimodal wrapper (model_types.WRAPPERS: Kimi-K2.5) gives its language model's config and
+weights; its vision tower and projector are skipped, with one line saying so.
 """
 from __future__ import annotations
 
 import json
 import re
 import shutil
+import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
@@ -28,11 +35,11 @@ import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from colibri.errors import ColibriError
-from colibri.io import fp8
-from colibri.model_types import checkpoint_name, module_name
+from colibri.io import compressed_tensors, fp8
+from colibri.model_types import WRAPPERS, checkpoint_name, module_name
 from colibri.io.container import EXPERT_PROJECTIONS, ContainerWriter
 from colibri.io.safetensors_io import SafetensorsFile
-from colibri.formats.qtensor import QTensor, quantize
+from colibri.formats.qtensor import QTensor, dequantize, quantize
 
 BITS = (4, 8, 32)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
@@ -117,15 +124,23 @@ def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
     if not isinstance(config, dict):
         raise ColibriError(f"{src}/config.json holds a JSON {type(config).__name__}, not an object; "
                            "is it a Hugging Face checkpoint directory?")
-    model_type = config.get("model_type")
-    module_name(model_type)  # unknown model_type: fail before reading any weights
-    block = fp8.block_size(config)     # unsupported quantization_config: fail early too
+    model_type = config.get("model_type")  # the checkpoint's: its tensor names follow it
+    wrapper = WRAPPERS.get(model_type)
+    if wrapper is not None:
+        config = _language_model_config(config, wrapper, model_type)
+    module_name(config.get("model_type"))  # unknown model_type: fail before reading any weights
+    packed = compressed_tensors.pack_quantized(config)  # unsupported quantization_config: fail early too
+    block = None if packed else fp8.block_size(config)
     shards = sorted(src.glob("*.safetensors"))
     if not shards:
         raise ColibriError(f"{src} holds no .safetensors files")
     files = [SafetensorsFile(p) for p in shards]
     reader = fp8.CheckpointReader(files, block)
-    names = [(f, n) for f in files for n in f.keys() if not _SKIP.search(n) and not reader.is_scale(n)]
+    names = [(f, n) for f in files for n in f.keys() if not _SKIP.search(n) and not reader.is_scale(n)
+             and not (packed and compressed_tensors.is_side_tensor(n))]
+    if wrapper is not None:
+        names = _skip_wrapper_parts(names, wrapper, model_type)
+    side = {n: f for f in files for n in f.keys() if packed and compressed_tensors.is_side_tensor(n)}
     n_experts = _num_experts(config)
     writer = ContainerWriter(out, bits, source=str(src))
     pending: dict[str, dict[int, dict[str, QTensor]]] = defaultdict(lambda: defaultdict(dict))
@@ -148,7 +163,14 @@ def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
         for f, name in names:
             shape = f.tensors[name].shape
             target = checkpoint_name(model_type, name)  # the container holds the decoder's names
-            if m := _EXPERT.match(target):
+            if packed and name.endswith(compressed_tensors.PACKED):
+                target = checkpoint_name(model_type, compressed_tensors.weight_name(name))
+                w = _int4_weight(f, name, side, bits)
+                if m := _EXPERT.match(target):
+                    add_expert(m["prefix"], int(m["e"]), m["proj"], w)
+                else:
+                    writer.add_dense(target, w)
+            elif m := _EXPERT.match(target):
                 proj = m["proj"]
                 add_expert(m["prefix"], int(m["e"]), proj,
                            _quantized(reader, f, name, scheme_for(f"{m['prefix']}.{proj}", shape, bits)))
@@ -172,6 +194,49 @@ def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
         prefix, ids = next(iter(incomplete.items()))
         raise ColibriError(f"{prefix}: experts {ids[:5]} are missing gate, up or down matrices in the checkpoint")
     writer.finish(fp8.dequantized_config(config), _tokenizer_files(src))
+
+
+def _language_model_config(config: dict, wrapper: dict, model_type: str) -> dict:
+    """A multimodal wrapper's config.json -> its language model's, as the container keeps it.
+    The wrapper's own tie_word_embeddings decides (transformers ties on it), and a
+    quantization_config or token ids it holds apply to the language model."""
+    key = wrapper["text_config"]
+    text = config.get(key)
+    if not isinstance(text, dict):
+        raise ColibriError(f"config field {key} is missing: a {model_type} checkpoint's config.json holds its "
+                           f"language model's config there")
+    out = {"model_type": wrapper["default_model_type"], **text}
+    for field in ("tie_word_embeddings", "quantization_config", "bos_token_id", "eos_token_id"):
+        if field in config and (field == "tie_word_embeddings" or field not in text):
+            out[field] = config[field]
+    return out
+
+
+def _skip_wrapper_parts(names: list, wrapper: dict, model_type: str) -> list:
+    """The checkpoint's tensors less the parts colibri does not run, with one line saying so."""
+    skipped = {}
+    for part, pattern in wrapper["skip"].items():
+        rule = re.compile(pattern)
+        skipped[part] = sum(1 for _, n in names if rule.search(n))
+        names = [(f, n) for f, n in names if not rule.search(n)]
+    said = ", ".join(f"the {part} ({n} tensors)" for part, n in skipped.items() if n)
+    if said:
+        print(f"{model_type}: skipping {said}: colibri runs the language model only", file=sys.stderr)
+    return names
+
+
+def _int4_weight(f: SafetensorsFile, name: str, side: dict, bits: int) -> QTensor | np.ndarray:
+    """A compressed-tensors int4 weight: q4_0 (the same values) at --bits 4 and 8, float32 at 32."""
+    base = name[: -len(compressed_tensors.PACKED)]
+    parts = {}
+    for suffix in (compressed_tensors.SCALE, compressed_tensors.SHAPE):
+        holder = side.get(base + suffix)
+        if holder is None:
+            raise ColibriError(f"{f.path}: pack-quantized tensor {name} has no {base + suffix} in any shard")
+        parts[suffix] = np.asarray(holder.read(base + suffix))
+    t = compressed_tensors.to_q4_0(np.asarray(f.read(name)), parts[compressed_tensors.SCALE],
+                                   parts[compressed_tensors.SHAPE].tolist())
+    return dequantize(t) if bits == 32 else t
 
 
 def _quantized(reader: fp8.CheckpointReader, f: SafetensorsFile, name: str, scheme: str) -> QTensor:

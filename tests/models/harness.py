@@ -86,13 +86,16 @@ def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], np.ndarray]:
 
 def check_against_transformers(model_cls, config, tmp_path: Path, seed: int, bits: int,
                                prompts: list[list[int]], init_std: float = 0.1, prepare=None,
-                               after_save=None):
+                               after_save=None, convert_source=None):
     """Returns the colibri Engine. `prepare(model)` runs before the checkpoint is saved,
-    `after_save(hf_dir)` after (e.g. to add tensors transformers does not load, like MTP layers)."""
+    `after_save(hf_dir)` after (e.g. to add tensors transformers does not load, like MTP layers);
+    `convert_source(hf_dir) -> dir`, where given, is what colibri converts: the same weights in
+    a form transformers does not load (e.g. compressed-tensors int4)."""
     hf_dir = make_hf_model(model_cls, config, seed, tmp_path / "hf", init_std, prepare)
     if after_save is not None:
         after_save(hf_dir)
-    out = convert(hf_dir, tmp_path / f"c{bits}", bits=bits, progress=False)
+    src = hf_dir if convert_source is None else convert_source(hf_dir)
+    out = convert(src, tmp_path / f"c{bits}", bits=bits, progress=False)
     ref_dir = hf_dir if bits == 32 else dequantized_reference(hf_dir, out, tmp_path / "hf_deq")
     ref = model_cls.from_pretrained(ref_dir, attn_implementation="eager", dtype=torch.float32).eval()
     engine = Engine.load(out)
