@@ -48,7 +48,7 @@ def pack_quantized(config: dict) -> bool:
 
 def is_side_tensor(name: str) -> bool:
     """A packed weight's scale and shape are read with it, never on their own."""
-    return name.endswith(SCALE) or name.endswith(SHAPE)
+    return name.endswith((SCALE, SHAPE))
 
 
 def weight_name(packed_name: str) -> str:

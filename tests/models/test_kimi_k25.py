@@ -12,7 +12,6 @@ from safetensors.numpy import load_file as load_numpy
 from safetensors.torch import save_file as save_torch
 from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
 
-from colibri import Engine
 from colibri.errors import ColibriError
 from colibri.formats.qtensor import dequantize
 from colibri.io.compressed_tensors import from_q4_0_values
