@@ -99,6 +99,10 @@ SMALL = {
     "tiny": dict(_OLMOE, hidden_size=128, intermediate_size=128, num_hidden_layers=3, num_experts=8,
                  num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2),
 }
+# moonshotai/Kimi-K2.6 (model_type kimi_k25): its text_config, which is what `colibri convert` keeps,
+# is Kimi-K2's architecture (1T total, 32B active; the vision tower is not run). The shapes are
+# K2's; so are the context fields (K2.6's own were not checked offline).
+REAL["kimi-k2.6"] = copy.deepcopy(REAL["kimi-k2"])
 PRESETS = {**REAL, **SMALL}
 
 
