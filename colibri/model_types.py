@@ -43,6 +43,7 @@ CHECKPOINT_NAMES: dict[str, tuple[tuple[str, str], ...]] = {
                  (r"^model\.language_model\.", "model.")),
 }
 _COMPILED = {family: tuple((re.compile(p), r) for p, r in rules) for family, rules in CHECKPOINT_NAMES.items()}
+_SKIPS = {model_type: tuple((part, re.compile(p)) for part, p in w["skip"].items()) for model_type, w in WRAPPERS.items()}
 
 
 def module_name(model_type: str | None) -> str:
@@ -52,6 +53,35 @@ def module_name(model_type: str | None) -> str:
     if name not in SUPPORTED:
         raise ColibriError(f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED)}")
     return name
+
+
+def language_model_config(config: dict) -> dict:
+    """config.json of a multimodal wrapper (WRAPPERS) -> its language model's, as a container
+    keeps it; any other config as it is. The wrapper's own tie_word_embeddings decides
+    (transformers ties on it), and a quantization_config or token ids it holds apply to the
+    language model."""
+    model_type = config.get("model_type")
+    wrapper = WRAPPERS.get(model_type)
+    if wrapper is None:
+        return config
+    key = wrapper["text_config"]
+    text = config.get(key)
+    if not isinstance(text, dict):
+        raise ColibriError(f"config field {key} is missing: a {model_type} checkpoint's config.json holds its "
+                           f"language model's config there")
+    out = {"model_type": wrapper["default_model_type"], **text}
+    for field in ("tie_word_embeddings", "quantization_config", "bos_token_id", "eos_token_id"):
+        if field in config and (field == "tie_word_embeddings" or field not in text):
+            out[field] = config[field]
+    return out
+
+
+def skipped_part(model_type: str | None, name: str) -> str | None:
+    """The wrapper part (WRAPPERS' "skip") checkpoint tensor `name` belongs to, or None."""
+    for part, pattern in _SKIPS.get(model_type, ()):
+        if pattern.search(name):
+            return part
+    return None
 
 
 def checkpoint_name(model_type: str | None, name: str) -> str:

@@ -36,7 +36,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from colibri.errors import ColibriError
 from colibri.io import compressed_tensors, fp8
-from colibri.model_types import WRAPPERS, checkpoint_name, module_name
+from colibri.model_types import WRAPPERS, checkpoint_name, language_model_config, module_name, skipped_part
 from colibri.io.container import EXPERT_PROJECTIONS, ContainerWriter
 from colibri.io.safetensors_io import SafetensorsFile
 from colibri.formats.qtensor import QTensor, dequantize, quantize
@@ -125,9 +125,8 @@ def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
         raise ColibriError(f"{src}/config.json holds a JSON {type(config).__name__}, not an object; "
                            "is it a Hugging Face checkpoint directory?")
     model_type = config.get("model_type")  # the checkpoint's: its tensor names follow it
-    wrapper = WRAPPERS.get(model_type)
-    if wrapper is not None:
-        config = _language_model_config(config, wrapper, model_type)
+    wrapped = model_type in WRAPPERS
+    config = language_model_config(config)
     module_name(config.get("model_type"))  # unknown model_type: fail before reading any weights
     packed = compressed_tensors.pack_quantized(config)  # unsupported quantization_config: fail early too
     block = None if packed else fp8.block_size(config)
@@ -138,8 +137,8 @@ def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
     reader = fp8.CheckpointReader(files, block)
     names = [(f, n) for f in files for n in f.keys() if not _SKIP.search(n) and not reader.is_scale(n)
              and not (packed and compressed_tensors.is_side_tensor(n))]
-    if wrapper is not None:
-        names = _skip_wrapper_parts(names, wrapper, model_type)
+    if wrapped:
+        names = _skip_wrapper_parts(names, model_type)
     side = {n: f for f in files for n in f.keys() if packed and compressed_tensors.is_side_tensor(n)}
     n_experts = _num_experts(config)
     writer = ContainerWriter(out, bits, source=str(src))
@@ -196,33 +195,20 @@ def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
     writer.finish(fp8.dequantized_config(config), _tokenizer_files(src))
 
 
-def _language_model_config(config: dict, wrapper: dict, model_type: str) -> dict:
-    """A multimodal wrapper's config.json -> its language model's, as the container keeps it.
-    The wrapper's own tie_word_embeddings decides (transformers ties on it), and a
-    quantization_config or token ids it holds apply to the language model."""
-    key = wrapper["text_config"]
-    text = config.get(key)
-    if not isinstance(text, dict):
-        raise ColibriError(f"config field {key} is missing: a {model_type} checkpoint's config.json holds its "
-                           f"language model's config there")
-    out = {"model_type": wrapper["default_model_type"], **text}
-    for field in ("tie_word_embeddings", "quantization_config", "bos_token_id", "eos_token_id"):
-        if field in config and (field == "tie_word_embeddings" or field not in text):
-            out[field] = config[field]
-    return out
-
-
-def _skip_wrapper_parts(names: list, wrapper: dict, model_type: str) -> list:
+def _skip_wrapper_parts(names: list, model_type: str) -> list:
     """The checkpoint's tensors less the parts colibri does not run, with one line saying so."""
-    skipped = {}
-    for part, pattern in wrapper["skip"].items():
-        rule = re.compile(pattern)
-        skipped[part] = sum(1 for _, n in names if rule.search(n))
-        names = [(f, n) for f, n in names if not rule.search(n)]
-    said = ", ".join(f"the {part} ({n} tensors)" for part, n in skipped.items() if n)
+    skipped: dict[str, int] = {}
+    kept = []
+    for f, n in names:
+        part = skipped_part(model_type, n)
+        if part is None:
+            kept.append((f, n))
+        else:
+            skipped[part] = skipped.get(part, 0) + 1
+    said = ", ".join(f"the {part} ({skipped[part]} tensors)" for part in WRAPPERS[model_type]["skip"] if part in skipped)
     if said:
         print(f"{model_type}: skipping {said}: colibri runs the language model only", file=sys.stderr)
-    return names
+    return kept
 
 
 def _int4_weight(f: SafetensorsFile, name: str, side: dict, bits: int) -> QTensor | np.ndarray:

@@ -17,6 +17,7 @@ from colibri.formats.qtensor import dequantize
 from colibri.io.compressed_tensors import from_q4_0_values
 from colibri.io.container import Container
 from colibri.io.convert import convert
+from colibri.plan import analyze_model
 from harness import check_against_transformers, make_hf_model, prompts_for
 
 TEXT = dict(model_type="kimi_k2", vocab_size=140, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
@@ -147,3 +148,17 @@ def test_other_compressed_tensors_layouts_are_refused(tmp_path, field, value):
     (src / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ColibriError, match=field):
         convert(src, tmp_path / "c", bits=4, progress=False)
+
+
+def test_plan_sizes_the_checkpoint_as_convert_writes_it(tmp_path):
+    """`colibri plan` on the released form (wrapper config, int4 experts, vision tower) sizes what
+    `colibri convert --bits 4` keeps: the language model, the experts at q4_0."""
+    hf = make_hf_model(MODEL, config("int4_experts"), 7, tmp_path / "hf", prepare=prepare("int4_experts"))
+    src = checkpoint_as_int4(hf, tmp_path / "int4")
+    estimated = analyze_model(src)
+    converted = analyze_model(convert(src, tmp_path / "c", bits=4, progress=False))
+    assert estimated.kind == "hf" and estimated.model_type == converted.model_type == "kimi_k2"
+    assert [(l.prefix, l.num_experts, l.expert_bytes) for l in estimated.expert_layers] == \
+        [(l.prefix, l.num_experts, l.expert_bytes) for l in converted.expert_layers]
+    assert estimated.dense_bytes == converted.dense_bytes
+    assert estimated.dense_bytes_per_token == converted.dense_bytes_per_token
