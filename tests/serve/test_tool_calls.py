@@ -457,6 +457,20 @@ def test_grammar_allows_deepseek_v31_and_later_glm_layouts():
 
 
 @needs_llguidance
+@pytest.mark.parametrize("special", [False, True], ids=["text-marker", "special-token"])
+def test_grammar_after_an_opened_think_block(special):
+    """A prompt that ends inside `<think>` (MiniMax-M2's): the reasoning, up to `</think>`, comes
+    before the calls; without its close no call is allowed, and nothing may follow the calls."""
+    specials = ["</think>"] if special else []
+    g = call_grammar("minimax_m2", TOOLS, None, parallel=False, special_tokens=specials, after_reasoning=True)
+    call = message("minimax_m2", weather("minimax_m2", GOOD))
+    assert accepts(g, "a < b, so </thin k> not yet</think>\n\n" + call, specials)
+    assert accepts(g, "</think>" + call, specials)
+    assert not accepts(g, call, specials)
+    assert not accepts(g, "ok</think>" + call + " done", specials)
+
+
+@needs_llguidance
 def test_grammar_references_special_tokens():
     """Markers the tokenizer has as special tokens are those tokens in the grammar, not text."""
     g = call_grammar("kimi_k2", TOOLS, None, parallel=True, special_tokens=MARKERS["kimi_k2"])
