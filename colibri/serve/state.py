@@ -53,12 +53,22 @@ class ServerState:
         self.created = int(time.time())
         self.tokenizer = engine.tokenizer
         self.thinking_switch = has_thinking_switch(self.tokenizer.chat_template if self.tokenizer else None)
-        self.always_thinks = always_thinks(self.tokenizer.chat_template if self.tokenizer else None)
+        self.always_thinks = self._always_thinks()
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
         self._tool_support: tuple[bool, str] | None = None
         self.special_tokens = frozenset(t.content for t in self.tokenizer.backend.get_added_tokens_decoder().values()
                                         if t.special) if self.tokenizer else frozenset()
         self.responses = None  # the Responses API's stored responses (responses_api.ResponseStore), on first use
+
+    def _always_thinks(self) -> bool:
+        template = self.tokenizer.chat_template if self.tokenizer else None
+        if not template or has_thinking_switch(template):
+            return False
+        try:
+            prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+        except Exception:  # a template that cannot render a plain chat: the requests will say so
+            return False
+        return always_thinks(template, prompt)
 
     def tool_support(self) -> tuple[bool, str]:
         """(whether the chat template renders tools itself, the model's tool-call format),
