@@ -12,6 +12,8 @@ from colibri import Engine
 from colibri.errors import ColibriError
 from colibri.io.container import Container
 from colibri.io.convert import convert
+from colibri.formats.qtensor import dequantize
+from colibri.model_types import checkpoint_name
 from harness import check_against_transformers, make_hf_model, prompts_for
 
 CASES = {
@@ -85,3 +87,53 @@ def test_unimplemented_config_fields_are_rejected(tmp_path, field, value):
     (out / "config.json").write_text(json.dumps({**cfg, field: value}))
     with pytest.raises(ColibriError, match=field):
         Engine.load(out)
+
+
+def to_fp8(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    """float8_e4m3fn with one scale_inv per block x block, as MiniMax-M2's checkpoint stores its
+    linear weights, and the float32 values they stand for."""
+    rows, cols = w.shape
+    nb = (-(-rows // block), -(-cols // block))
+    scale = torch.empty(nb, dtype=torch.float32)
+    q = torch.empty_like(w, dtype=torch.float8_e4m3fn)
+    for i in range(nb[0]):
+        for j in range(nb[1]):
+            blk = w[i * block:(i + 1) * block, j * block:(j + 1) * block]
+            scale[i, j] = blk.abs().max().clamp(min=1e-12) / 448.0
+            q[i * block:(i + 1) * block, j * block:(j + 1) * block] = (blk / scale[i, j]).to(torch.float8_e4m3fn)
+    s = scale.repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
+    return q, scale, (q.to(torch.float32) * s).numpy()
+
+
+def test_fp8_checkpoint_converts_under_the_decoders_names(tmp_path):
+    """MiniMax-M2 ships FP8 (fmt "float8_e4m3fn", 128x128 weight_scale_inv) under its own names:
+    every tensor lands under the decoder's name with the value its FP8 bytes and scales give."""
+    from safetensors.torch import load_file, save_file
+
+    hf = make_hf_model(MODEL, config("quarter_rotary"), 3, tmp_path / "hf", prepare=random_bias)
+    state, out, expected = load_file(str(hf / "model.safetensors")), {}, {}
+    for name, t in state.items():
+        if t.ndim == 2 and not any(k in name for k in ("embed_tokens", "lm_head", "gate.weight")):
+            out[name], out[name + "_scale_inv"], expected[name] = to_fp8(t)
+        else:
+            out[name], expected[name] = t, t.numpy()
+    src = tmp_path / "fp8"
+    src.mkdir()
+    save_file(out, str(src / "model.safetensors"))
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "float8_e4m3fn", "activation_scheme": "dynamic",
+                                  "weight_block_size": [128, 128]}
+    (src / "config.json").write_text(json.dumps(cfg))
+    c = Container(convert(src, tmp_path / "c", bits=32, progress=False))
+    experts = {p: [layout.unpack(np.array(c.expert_file(p).raw(f"{p}.experts.{e}"))) for e in range(layout.num_experts)]
+               for p, layout in c.expert_layouts.items()}
+    for name, want in expected.items():
+        target = checkpoint_name("minimax_m2", name)
+        if ".experts." in target:
+            prefix, rest = target.split(".experts.")
+            e, proj = rest.split(".")[:2]
+            got = dequantize(experts[prefix][int(e)][proj])
+        else:
+            t = c.tensor(target)
+            got = t if isinstance(t, np.ndarray) else dequantize(t)
+        np.testing.assert_array_equal(got.reshape(want.shape), want, err_msg=name)
