@@ -211,8 +211,8 @@ def _skip_wrapper_parts(names: list, model_type: str) -> list:
     return kept
 
 
-def _int4_weight(f: SafetensorsFile, name: str, side: dict, bits: int) -> QTensor | np.ndarray:
-    """A compressed-tensors int4 weight: q4_0 (the same values) at --bits 4 and 8, float32 at 32."""
+def _int4_weight(f: SafetensorsFile, name: str, side: dict, bits: int) -> QTensor:
+    """A compressed-tensors int4 weight: q4_0 (the same values) at --bits 4 and 8, f32 at 32."""
     base = name[: -len(compressed_tensors.PACKED)]
     parts = {}
     for suffix in (compressed_tensors.SCALE, compressed_tensors.SHAPE):
@@ -222,7 +222,7 @@ def _int4_weight(f: SafetensorsFile, name: str, side: dict, bits: int) -> QTenso
         parts[suffix] = np.asarray(holder.read(base + suffix))
     t = compressed_tensors.to_q4_0(np.asarray(f.read(name)), parts[compressed_tensors.SCALE],
                                    parts[compressed_tensors.SHAPE].tolist())
-    return dequantize(t) if bits == 32 else t
+    return quantize(dequantize(t), "f32") if bits == 32 else t
 
 
 def _quantized(reader: fp8.CheckpointReader, f: SafetensorsFile, name: str, scheme: str) -> QTensor:

@@ -31,14 +31,16 @@ TEXT = dict(model_type="kimi_k2", vocab_size=140, hidden_size=64, intermediate_s
 VISION = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
 CASES = {"bf16_experts": {}, "int4_experts": {}}
 MODEL = Kimi_K25ForConditionalGeneration
-# compressed-tensors' quantization_config as Kimi-K2-Thinking / K2.5 ship it (experts only)
+# compressed-tensors' quantization_config as Kimi-K2-Thinking / K2.5 ship it (here the shared expert packed too)
 QUANTIZATION = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
                 "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
                                               "weights": {"num_bits": 4, "type": "int", "symmetric": True,
                                                           "strategy": "group", "group_size": 32,
                                                           "dynamic": False}}},
-                "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*"]}
-_EXPERT = re.compile(r"\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+                "ignore": ["lm_head", "re:.*self_attn.*", "re:.*mlp\\.(gate|up|down)_proj.*"]}
+# what checkpoint_as_int4 packs: the routed experts as released, and the shared expert too (so a
+# dense int4 matrix is converted as well)
+_PACKED = re.compile(r"\.(experts\.\d+|shared_experts)\.(gate|up|down)_proj\.weight$")
 
 
 def config(case: str) -> Kimi_K25Config:
@@ -58,7 +60,7 @@ def prepare(case: str):
         if case == "int4_experts":  # the experts on compressed-tensors' int4 grid: q * scale
             g = torch.Generator().manual_seed(case_seed(case))
             for name, p in model.named_parameters():
-                if ".experts." in name:
+                if ".experts." in name or ".shared_experts." in name:
                     p.copy_(int4_grid(p.shape, g))
     return run
 
@@ -74,7 +76,7 @@ def int4_grid(shape, g) -> torch.Tensor:
 
 
 def checkpoint_as_int4(hf_dir, out_dir):
-    """The saved checkpoint with its routed experts as compressed-tensors int4 (weight_packed,
+    """The saved checkpoint with its experts as compressed-tensors int4 (weight_packed,
     weight_scale in bf16, weight_shape), names as the released checkpoints spell them
     (`language_model.model.layers`), quantization_config in the text config."""
     out_dir.mkdir()
@@ -82,7 +84,7 @@ def checkpoint_as_int4(hf_dir, out_dir):
     packed = {}
     for name, w in state.items():
         name = name.replace("language_model.model.blocks.", "language_model.model.layers.")
-        if not _EXPERT.search(name):
+        if not _PACKED.search(name):
             packed[name] = w
             continue
         rows, cols = w.shape
@@ -124,6 +126,10 @@ def test_convert_takes_the_language_model_and_keeps_int4_experts(tmp_path, capfd
     assert cfg["model_type"] == "kimi_k2" and "quantization_config" not in cfg and "vision_config" not in cfg
     assert not [n for n in c.manifest["tensors"] if "vision" in n or "projector" in n or "language_model" in n]
     assert c.has("model.layers.1.mlp.gate.e_score_correction_bias") and c.has("lm_head.weight")
+    shared = c.tensor("model.layers.1.mlp.shared_experts.down_proj.weight")
+    assert shared.scheme == "q4_0"
+    assert np.array_equal(dequantize(shared), load_numpy(str(hf / "model.safetensors"))[
+        "language_model.model.blocks.1.mlp.shared_experts.down_proj.weight"])
     state = load_numpy(str(hf / "model.safetensors"))
     layout = c.expert_layouts["model.layers.1.mlp"]
     f = c.expert_file("model.layers.1.mlp")
