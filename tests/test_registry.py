@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from colibri.model_types import ALIASES, SUPPORTED
+from colibri.model_types import ALIASES, SUPPORTED, WRAPPERS
 from tools.make_golden import GOLDEN_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,8 +70,16 @@ def test_model_type_has_a_readme_row(model_type):
 
 
 def test_readme_lists_only_accepted_model_types():
-    extra = set(readme_model_types()) - set(SUPPORTED) - set(ALIASES)
+    extra = set(readme_model_types()) - set(SUPPORTED) - set(ALIASES) - set(WRAPPERS)
     assert not extra, f"README.md lists model_types colibri does not accept: {sorted(extra)}"
+
+
+@pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
+def test_wrapper_has_a_harness_case_and_a_readme_row(wrapper):
+    """A multimodal wrapper convert unwraps (model_types.WRAPPERS) is run against transformers too."""
+    path = MODELS / f"test_{wrapper}.py"
+    assert path.is_file() and "check_against_transformers" in path.read_text(), f"no harness test for {wrapper}"
+    assert wrapper in readme_model_types()
 
 
 @pytest.mark.parametrize("alias", sorted(ALIASES))

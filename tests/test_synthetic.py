@@ -53,8 +53,8 @@ def _transformers_shapes(cfg: dict) -> dict[str, tuple]:
             shapes[f"{prefix}.*.gate_proj"] = shapes[f"{prefix}.*.up_proj"] = (shape[1] // 2, shape[2])
         elif name.endswith("mlp.experts.down_proj"):
             shapes[f"{name[: -len('.down_proj')]}.*.down_proj"] = tuple(shape[1:])
-        else:
-            shapes[name] = shape
+        else:  # MiniMax-M2 keeps its routing bias beside the router; colibri's decoder, in it
+            shapes[name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")] = shape
     return shapes
 
 
@@ -92,7 +92,8 @@ def test_full_preset_sizes():
 # ----------------------------------------------------------------------------- slices decode
 
 SLICES = {"qwen3-30b-a3b": 2, "qwen3-235b-a22b": 2, "deepseek-v3": 4, "kimi-k2": 2, "glm-5": 4, "glm-4.5-air": 2,
-          "gpt-oss-20b": 2, "qwen3.6-35b-a3b": 4}
+          "gpt-oss-20b": 2, "qwen3.6-35b-a3b": 4,
+          "minimax-m2": 2}
 
 
 @pytest.fixture(scope="module")

@@ -117,6 +117,14 @@ REAL = {
                         layer_types=_gpt_oss_layers(24)),                       # openai/gpt-oss-20b
     "gpt-oss-120b": dict(_GPT_OSS, num_hidden_layers=36, num_local_experts=128,
                          layer_types=_gpt_oss_layers(36)),                      # openai/gpt-oss-120b
+    "minimax-m2": {  # MiniMaxAI/MiniMax-M2 (transformers' MiniMaxM2Config defaults): 230B total, 10B active
+        "model_type": "minimax_m2", "architectures": ["MiniMaxM2ForCausalLM"], "vocab_size": 200064,
+        "hidden_size": 3072, "intermediate_size": 1536, "num_hidden_layers": 62, "num_attention_heads": 48,
+        "num_key_value_heads": 8, "head_dim": 128, "rotary_dim": 64, "num_local_experts": 256,
+        "num_experts_per_tok": 8, "scoring_func": "sigmoid", "use_routing_bias": True, "use_qk_norm": True,
+        "qk_norm_type": "per_layer", "rms_norm_eps": 1e-6, "rope_theta": 5000000.0,
+        "max_position_embeddings": 196608, "tie_word_embeddings": False, "hidden_act": "silu",
+        "bos_token_id": 200034, "eos_token_id": 200020},
 }
 
 # OLMoE-shaped presets (the streaming tests and the earlier benchmarks): SmolLM2's vocabulary.
@@ -134,6 +142,10 @@ SMALL = {
     "tiny": dict(_OLMOE, hidden_size=128, intermediate_size=128, num_hidden_layers=3, num_experts=8,
                  num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2),
 }
+# moonshotai/Kimi-K2.6 (model_type kimi_k25): its text_config, which is what `colibri convert` keeps,
+# is Kimi-K2's architecture (1T total, 32B active; the vision tower is not run). The shapes are
+# K2's; so are the context fields (K2.6's own were not checked offline).
+REAL["kimi-k2.6"] = copy.deepcopy(REAL["kimi-k2"])
 PRESETS = {**REAL, **SMALL}
 
 

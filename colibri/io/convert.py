@@ -14,6 +14,12 @@ quantized a few rows at a time (`_quantized`), so peak memory is the largest ten
 bytes (DeepSeek-V3: embed_tokens at q8_0, 1.04 GB) plus a slab, not its float32 copy and the
 quantizer's temporaries. MTP layers (index >= num_hidden_layers)
 are converted like any other layer: kept for speculative decoding, unused by the forward.
+
+compressed-tensors int4 checkpoints (Kimi-K2.5's routed experts, io/compressed_tensors.py) are
+GGUF Q4_0 value for value: at --bits 4 and 8 those weights are repacked as q4_0, no rounding (8
+bits could hold no more than they have); at --bits 32 they are dequantized exactly. A
+multimodal wrapper (model_types.WRAPPERS: Kimi-K2.5) gives its language model's config and
+weights; its vision tower and projector are skipped, with one line saying so.
 """
 from __future__ import annotations
 
@@ -29,11 +35,11 @@ import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from colibri.errors import ColibriError
-from colibri.io import fp8, gpt_oss_experts
-from colibri.model_types import MULTIMODAL, checkpoint_name, module_name
+from colibri.io import compressed_tensors, fp8, gpt_oss_experts
+from colibri.model_types import WRAPPERS, checkpoint_name, language_model_config, module_name, skipped_part
 from colibri.io.container import EXPERT_PROJECTIONS, ContainerWriter
 from colibri.io.safetensors_io import SafetensorsFile
-from colibri.formats.qtensor import QTensor, quantize
+from colibri.formats.qtensor import QTensor, dequantize, quantize
 
 BITS = (4, 8, 32)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
@@ -118,25 +124,24 @@ def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
     if not isinstance(config, dict):
         raise ColibriError(f"{src}/config.json holds a JSON {type(config).__name__}, not an object; "
                            "is it a Hugging Face checkpoint directory?")
-    model_type = config.get("model_type")
-    module_name(model_type)  # unknown model_type: fail before reading any weights
-    config, skipped = _text_model(config)
-    # unsupported quantization_config: fail early too (gpt-oss's MXFP4 experts are repacked as
-    # they are, io/gpt_oss_experts.py; its other weights are bf16)
-    block = None if gpt_oss_experts.is_mxfp4(config) else fp8.block_size(config)
+    model_type = config.get("model_type")  # the checkpoint's: its tensor names follow it
+    wrapped = model_type in WRAPPERS
+    config = language_model_config(config)
+    module_name(config.get("model_type"))  # unknown model_type: fail before reading any weights
+    # unsupported quantization_config: fail early too (compressed-tensors int4 and gpt-oss's MXFP4
+    # experts are repacked as they are: io/compressed_tensors.py, io/gpt_oss_experts.py)
+    packed = compressed_tensors.pack_quantized(config)
+    block = None if packed or gpt_oss_experts.is_mxfp4(config) else fp8.block_size(config)
     shards = sorted(src.glob("*.safetensors"))
     if not shards:
         raise ColibriError(f"{src} holds no .safetensors files")
     files = [SafetensorsFile(p) for p in shards]
     reader = fp8.CheckpointReader(files, block)
-    names = [(f, n) for f in files for n in f.keys() if not _SKIP.search(n) and not reader.is_scale(n)]
-    if skipped is not None:
-        kept = [(f, n) for f, n in names if not skipped.search(n)]
-        if len(kept) < len(names):  # said even without a progress bar: what is left out
-            print(f"{src.name}: a multimodal {model_type} checkpoint: converting its language model, skipping "
-                  f"{len(names) - len(kept)} tensors of the parts colibri does not run (vision tower, MTP)",
-                  file=sys.stderr)
-        names = kept
+    names = [(f, n) for f in files for n in f.keys() if not _SKIP.search(n) and not reader.is_scale(n)
+             and not (packed and compressed_tensors.is_side_tensor(n))]
+    if wrapped:
+        names = _skip_wrapper_parts(names, model_type)
+    side = {n: f for f in files for n in f.keys() if packed and compressed_tensors.is_side_tensor(n)}
     shard_of = {n: f for f, n in names}
     n_experts = _num_experts(config)
     writer = ContainerWriter(out, bits, source=str(src))
@@ -157,30 +162,38 @@ def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
 
     with _progress(progress) as bar:
         task = bar.add_task(f"converting {src.name} (--bits {bits})", total=len(names))
-        for f, stored in names:
-            shape = f.tensors[stored].shape
-            name = checkpoint_name(model_type, stored)  # the shared decoder's name
-            if m := _EXPERT.match(name):
+        for f, name in names:
+            shape = f.tensors[name].shape
+            target = checkpoint_name(model_type, name)  # the container holds the decoder's names
+            if packed and name.endswith(compressed_tensors.PACKED):
+                target = checkpoint_name(model_type, compressed_tensors.weight_name(name))
+                w = _int4_weight(f, name, side, bits)
+                if m := _EXPERT.match(target):
+                    add_expert(m["prefix"], int(m["e"]), m["proj"], w)
+                else:
+                    writer.add_dense(target, w)
+            elif m := _EXPERT.match(target):
                 proj = m["proj"]
                 add_expert(m["prefix"], int(m["e"]), proj,
-                           _quantized(reader, f, stored, scheme_for(f"{m['prefix']}.{proj}", shape, bits)))
-            elif model_type == "gpt_oss" and (m := gpt_oss_experts.EXPERT_TENSOR.match(name)):
+                           _quantized(reader, f, name, scheme_for(f"{m['prefix']}.{proj}", shape, bits)))
+            elif model_type == "gpt_oss" and (m := gpt_oss_experts.EXPERT_TENSOR.match(target)):
                 prefix, proj, part = m["prefix"], m["proj"], m["part"]
                 if part == "_bias":
-                    for bias_name, b in gpt_oss_experts.split_bias(prefix, proj, reader.float32(f, stored)).items():
+                    for bias_name, b in gpt_oss_experts.split_bias(prefix, proj, reader.float32(f, name)).items():
                         writer.add_dense(bias_name, b)
                 elif part == "_blocks":  # MXFP4, kept as MXFP4 whatever --bits says (lossless)
                     scales_name = f"{prefix}.experts.{proj}_scales"
                     if scales_name not in shard_of:
                         raise ColibriError(f"{name} has no {scales_name} in any shard")
-                    for e, p, w in gpt_oss_experts.split_mxfp4(proj, f.read(stored), shard_of[scales_name].read(scales_name)):
+                    for e, p, w in gpt_oss_experts.split_mxfp4(proj, f.read(name),
+                                                               shard_of[scales_name].read(scales_name)):
                         add_expert(prefix, e, p, w)
                 elif part == "":  # float experts [E, D, 2I] / [E, I, D], gate/up interleaved
-                    for e, p, w in gpt_oss_experts.split_float(proj, reader.float32(f, stored)):
+                    for e, p, w in gpt_oss_experts.split_float(proj, reader.float32(f, name)):
                         add_expert(prefix, e, p, w)
                 # (part "_scales" is read with its blocks)
-            elif m := _FUSED_EXPERTS.match(name):  # transformers v5 layout: [E, 2I, D] / [E, D, I]
-                w = reader.float32(f, stored)  # the whole layer's experts at once (one pread)
+            elif m := _FUSED_EXPERTS.match(target):  # transformers v5 layout: [E, 2I, D] / [E, D, I]
+                w = reader.float32(f, name)  # the whole layer's experts at once (one pread)
                 for e in range(w.shape[0]):
                     if m["proj"] == "down_proj":
                         add_expert(m["prefix"], e, "down_proj", w[e])
@@ -190,9 +203,9 @@ def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
                         add_expert(m["prefix"], e, "up_proj", up)
                 del w
             elif len(shape) == 2:
-                writer.add_dense(name, _quantized(reader, f, stored, scheme_for(name, shape, bits)))
+                writer.add_dense(target, _quantized(reader, f, name, scheme_for(target, shape, bits)))
             else:
-                writer.add_dense(name, reader.float32(f, stored))
+                writer.add_dense(target, reader.float32(f, name))
             bar.advance(task)
     incomplete = {p: sorted(layer) for p, layer in pending.items() if layer}
     if incomplete:
@@ -201,18 +214,34 @@ def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
     writer.finish(fp8.dequantized_config(config), _tokenizer_files(src))
 
 
-def _text_model(config: dict) -> tuple[dict, re.Pattern | None]:
-    """(the config to convert, the tensor names to skip): a multimodal checkpoint of a family
-    colibri runs the language model of (model_types.MULTIMODAL) gives its text_config, under the
-    family's model_type, and the names of its other parts; any other config is kept as it is."""
-    family = module_name(config.get("model_type"))
-    if family not in MULTIMODAL or not isinstance(config.get("text_config"), dict):
-        return config, re.compile(MULTIMODAL[family]) if family in MULTIMODAL else None
-    text = dict(config["text_config"], model_type=config["model_type"])
-    for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id", "quantization_config"):  # where the text config has none
-        if text.get(key) is None and config.get(key) is not None:
-            text[key] = config[key]
-    return text, re.compile(MULTIMODAL[family])
+def _skip_wrapper_parts(names: list, model_type: str) -> list:
+    """The checkpoint's tensors less the parts colibri does not run, with one line saying so."""
+    skipped: dict[str, int] = {}
+    kept = []
+    for f, n in names:
+        part = skipped_part(model_type, n)
+        if part is None:
+            kept.append((f, n))
+        else:
+            skipped[part] = skipped.get(part, 0) + 1
+    said = ", ".join(f"the {part} ({skipped[part]} tensors)" for part in WRAPPERS[model_type]["skip"] if part in skipped)
+    if said:
+        print(f"{model_type}: skipping {said}: colibri runs the language model only", file=sys.stderr)
+    return kept
+
+
+def _int4_weight(f: SafetensorsFile, name: str, side: dict, bits: int) -> QTensor:
+    """A compressed-tensors int4 weight: q4_0 (the same values) at --bits 4 and 8, f32 at 32."""
+    base = name[: -len(compressed_tensors.PACKED)]
+    parts = {}
+    for suffix in (compressed_tensors.SCALE, compressed_tensors.SHAPE):
+        holder = side.get(base + suffix)
+        if holder is None:
+            raise ColibriError(f"{f.path}: pack-quantized tensor {name} has no {base + suffix} in any shard")
+        parts[suffix] = np.asarray(holder.read(base + suffix))
+    t = compressed_tensors.to_q4_0(np.asarray(f.read(name)), parts[compressed_tensors.SCALE],
+                                   parts[compressed_tensors.SHAPE].tolist())
+    return quantize(dequantize(t), "f32") if bits == 32 else t
 
 
 def _quantized(reader: fp8.CheckpointReader, f: SafetensorsFile, name: str, scheme: str) -> QTensor:

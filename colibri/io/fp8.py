@@ -54,7 +54,7 @@ def block_size(config: dict) -> tuple[int, int] | None:
         raise ColibriError(f"config field quantization_config.quant_method={method!r} is not supported by "
                            "convert (only 'fp8' block-scaled checkpoints); convert the bf16 checkpoint instead")
     fmt = q.get("fmt", "e4m3")
-    if fmt != "e4m3":
+    if fmt not in ("e4m3", "float8_e4m3fn"):  # MiniMax-M2 spells out the dtype's name
         raise ColibriError(f"config field quantization_config.fmt={fmt!r} is not supported (only 'e4m3')")
     block = q.get("weight_block_size")
     if not block or len(block) != 2 or min(block) < 1:

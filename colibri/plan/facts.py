@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from colibri.errors import ColibriError
-from colibri.io import fp8
+from colibri.io import compressed_tensors, fp8
+from colibri.model_types import checkpoint_name, language_model_config, skipped_part
 from colibri.plan import shapes
 from colibri.plan.policy import ALIGN, DEFAULT_MAX_CONTEXT, round_up
 from colibri.workspace import STATE_SNAPSHOTS
@@ -247,34 +248,43 @@ def _read_config(d: Path) -> dict:
         raise ColibriError(f"{d}/config.json is not valid JSON ({e})") from None
     if not isinstance(config, dict):
         raise ColibriError(f"{d}/config.json holds a JSON {type(config).__name__}, not an object")
-    return config
+    return language_model_config(config)  # a multimodal wrapper: the language model convert keeps
 
 
 def _analyze_hf(d: Path, project_slice: bool) -> ModelFacts:
     from colibri.io.safetensors_io import SafetensorsFile
 
     config = _read_config(d)
+    model_type = json.loads((d / "config.json").read_text()).get("model_type")  # the checkpoint's names follow it
     sizes = _Sizes(int(config.get("num_hidden_layers") or 0))
     shards = sorted(d.glob("*.safetensors"))
     headers = [SafetensorsFile(path) for path in shards]
-    tied = not any("lm_head.weight" in f.tensors for f in headers)
+    tied = not any(checkpoint_name(model_type, n) == "lm_head.weight" for f in headers for n in f.tensors)
     experts: dict[str, dict[int, float]] = {}
     for f in headers:
         for name, info in f.tensors.items():
-            # FP8 block scales are folded into the weights by the converter: not stored as such.
-            if _NOT_CONVERTED.search(name) or name.endswith(fp8.SCALE_SUFFIX):
+            # FP8 block scales are folded into the weights by the converter: not stored as such;
+            # nor a wrapper's parts convert skips, nor an int4 weight's scale and shape tensors.
+            if (_NOT_CONVERTED.search(name) or name.endswith(fp8.SCALE_SUFFIX) or skipped_part(model_type, name)
+                    or compressed_tensors.is_side_tensor(name)):
                 continue
             shape = info.shape
+            if name.endswith(compressed_tensors.PACKED):  # int4 kept as q4_0 [O, 8 * packed words]
+                name, shape = compressed_tensors.weight_name(name), (shape[0], shape[1] * 8)
+                nbytes = _Q4_0_BYTES_PER_WEIGHT * shape[0] * shape[1]
+            else:
+                nbytes = None
+            name = checkpoint_name(model_type, name)
             if m := _EXPERT.match(name):
                 layer = experts.setdefault(m["prefix"], {})
-                layer[int(m["e"])] = layer.get(int(m["e"]), 0) + _converted_bytes(name, shape)
+                layer[int(m["e"])] = layer.get(int(m["e"]), 0) + (nbytes or _converted_bytes(name, shape))
             elif m := _FUSED_EXPERTS.match(name):  # [E, 2I, D] / [E, D, I]
                 layer = experts.setdefault(m["prefix"], {})
                 per = _converted_bytes(name, shape[1:])
                 for e in range(shape[0]):
                     layer[e] = layer.get(e, 0) + per
             else:
-                nbytes = int(_converted_bytes(name, shape))
+                nbytes = int(nbytes or _converted_bytes(name, shape))
                 sizes.add_dense(name, nbytes)
                 if _EMBED.search(name) and not tied:
                     sizes.untied_embedding = (nbytes, shape[0])
@@ -312,6 +322,7 @@ def _analyze_config(d: Path) -> ModelFacts:
 # Bytes per weight after `colibri convert --bits 4` (convert.scheme_for): int4 g64 with f32
 # scales, q8_0 (embeddings, lm_head) with f32 scales, f32 for routers and norms.
 _BYTES_PER_WEIGHT = {"int4_g64": 0.5 + 4 / 64, "q8_0": 1 + 4 / 32, "f32": 4.0}
+_Q4_0_BYTES_PER_WEIGHT = 0.5 + 4 / 32  # a compressed-tensors int4 weight, as convert keeps it
 
 
 def _converted_bytes(name: str, shape: tuple[int, ...]) -> float:

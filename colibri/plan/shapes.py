@@ -92,7 +92,7 @@ def _gqa_attention(config: dict, p: str) -> list[Tensor]:
     out = [(f"{p}.q_proj.weight", (H * Dh, D)), (f"{p}.k_proj.weight", (KV * Dh, D)),
            (f"{p}.v_proj.weight", (KV * Dh, D)), (f"{p}.o_proj.weight", (D, H * Dh))]
     model_type = config.get("model_type")
-    if model_type == "olmoe":  # q/k RMSNorm over all heads
+    if model_type in ("olmoe", "minimax_m2"):  # q/k RMSNorm over all heads
         out += [(f"{p}.q_norm.weight", (H * Dh,)), (f"{p}.k_norm.weight", (KV * Dh,))]
     elif model_type == "qwen3_moe" or config.get("use_qk_norm"):  # per head
         out += [(f"{p}.q_norm.weight", (Dh,)), (f"{p}.k_norm.weight", (Dh,))]
@@ -174,6 +174,8 @@ def layer_tensors(config: dict, i: int, kind: str) -> list[Tensor]:
         shared = int(config.get("n_shared_experts") or 0)
         if shared:
             out += _swiglu(f"{p}.mlp.shared_experts", D, expert_width(config) * shared)
+    elif config.get("model_type") == "minimax_m2":  # the routing bias alone: no groups, no shared expert
+        out.append((f"{p}.mlp.gate.e_score_correction_bias", (E,)))
     elif config.get("shared_expert_intermediate_size"):  # Qwen2-MoE: one shared expert behind a gate
         out += _swiglu(f"{p}.mlp.shared_expert", D, int(config["shared_expert_intermediate_size"]))
         out.append((f"{p}.mlp.shared_expert_gate.weight", (1, D)))

@@ -11,6 +11,7 @@ from starlette.responses import JSONResponse
 
 from colibri.serve.state import ClientGone, ServerState, Turn, collect, error_event, read_json, sse, sse_response
 from colibri.serve.errors import bad_request
+from colibri.serve.reasoning import prompt_opens_thinking
 from colibri.serve.openai_api import stop_list
 from colibri.serve.scheduler import Failed, Finished
 from colibri.serve.schemas import AnthropicPrompt, CountTokensRequest, MessagesRequest
@@ -144,7 +145,6 @@ async def _prompt(state: ServerState, req: AnthropicPrompt) -> tuple[list[int], 
     tools = _tools(req.tools)
     mode, name, parallel = _tool_choice(req.tool_choice)
     tool_plan = plan(state, tools, mode or ("auto" if tools else "none"), name, parallel, "tool_choice")
-    grammar = compile_grammar(state, tool_plan.grammar_spec(), "tool_choice")
     enable = None
     if req.thinking is not None:
         enable = req.thinking.type != "disabled"
@@ -158,6 +158,7 @@ async def _prompt(state: ServerState, req: AnthropicPrompt) -> tuple[list[int], 
                               param="messages")
     ids, text = await state.encode_chat(render_messages(messages, tool_plan), prefill=prefill, **template_kwargs,
                                         **tool_plan.template_kwargs())
+    grammar = compile_grammar(state, tool_plan.grammar_spec(split and prompt_opens_thinking(text)), "tool_choice")
     return ids, text, split, tool_plan, grammar
 
 

@@ -15,6 +15,7 @@ from colibri.serve.tools import (AnswerStream, ArgsDelta, CallStart, Reasoning, 
                                  compile_grammar, guided_spec, openai_tools, parse_arguments, plan,
                                  render_messages, response_format_spec)
 from colibri.serve.errors import bad_request
+from colibri.serve.reasoning import prompt_opens_thinking
 from colibri.serve.scheduler import Failed, Finished
 from colibri.serve.schemas import MAX_STOP, ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
 
@@ -200,13 +201,14 @@ async def prepare_chat(state: ServerState, req, messages: list[dict], tools: lis
     mode, name = tool_choice(choice, choice_param)
     mode = mode or ("auto" if tools else "none")
     tool_plan = plan(state, tools, mode, name, req.parallel_tool_calls is not False, choice_param)
-    if tool_plan.forced:
-        grammar = compile_grammar(state, tool_plan.grammar_spec(), choice_param)
-    else:  # under tool_choice auto a JSON answer cannot also be a call: the format wins, tools stay listed
-        grammar = compile_grammar(state, format_spec, format_param)
     template_kwargs, split = state.thinking(*thinking)
     ids, prompt_text = await state.encode_chat(render_messages(messages, tool_plan), **template_kwargs,
                                                **tool_plan.template_kwargs())
+    if tool_plan.forced:
+        grammar = compile_grammar(state, tool_plan.grammar_spec(split and prompt_opens_thinking(prompt_text)),
+                                  choice_param)
+    else:  # under tool_choice auto a JSON answer cannot also be a call: the format wins, tools stay listed
+        grammar = compile_grammar(state, format_spec, format_param)
     state.check_prompt(ids, prompt_param)
     budget = state.token_budget(limit[0], limit[1], len(ids))
     options = state.sampling(max_tokens=budget[0], temperature=req.temperature, top_p=req.top_p,

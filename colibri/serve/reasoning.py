@@ -11,6 +11,14 @@ def has_thinking_switch(chat_template: str | None) -> bool:
     return bool(chat_template) and "enable_thinking" in chat_template
 
 
+def always_thinks(chat_template: str | None, generation_prompt: str) -> bool:
+    """A template without a switch whose generation prompt (`generation_prompt`, rendered for a
+    one-line chat) opens a think block (MiniMax-M2, DeepSeek-R1): its answers are split all the
+    same. One that lays out think blocks but opens none (DeepSeek-V3.1 by default) is not."""
+    return (bool(chat_template) and CLOSE in chat_template and not has_thinking_switch(chat_template)
+            and prompt_opens_thinking(generation_prompt))
+
+
 def prompt_opens_thinking(prompt_text: str) -> bool:
     """Some templates end the generation prompt inside the think block (the model then writes
     only the reasoning and `</think>`)."""

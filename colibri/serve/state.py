@@ -23,7 +23,7 @@ from colibri.serve import schemas
 from colibri.serve.errors import ApiError, bad_request, error_body
 from colibri.serve.metrics import ServeMetrics
 from colibri.serve.harmony import HarmonySplitter, is_harmony
-from colibri.serve.reasoning import ReasoningSplitter, has_thinking_switch, prompt_opens_thinking
+from colibri.serve.reasoning import ReasoningSplitter, always_thinks, has_thinking_switch, prompt_opens_thinking
 from colibri.serve.scheduler import Failed, Finished, Job, Rejected, Scheduler, Started
 from colibri.serve.security import MAX_BODY_BYTES
 from colibri.serve.tools import probe_tool_support
@@ -55,11 +55,22 @@ class ServerState:
         self.tokenizer = engine.tokenizer
         self.thinking_switch = has_thinking_switch(self.tokenizer.chat_template if self.tokenizer else None)
         self.harmony = is_harmony(self.tokenizer.chat_template if self.tokenizer else None)  # gpt-oss
+        self.always_thinks = self._always_thinks()
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
         self._tool_support: tuple[bool, str] | None = None
         self.special_tokens = frozenset(t.content for t in self.tokenizer.backend.get_added_tokens_decoder().values()
                                         if t.special) if self.tokenizer else frozenset()
         self.responses = None  # the Responses API's stored responses (responses_api.ResponseStore), on first use
+
+    def _always_thinks(self) -> bool:
+        template = self.tokenizer.chat_template if self.tokenizer else None
+        if not template or has_thinking_switch(template):
+            return False
+        try:
+            prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+        except Exception:  # a template that cannot render a plain chat: the requests will say so
+            return False
+        return always_thinks(template, prompt)
 
     def tool_support(self) -> tuple[bool, str]:
         """(whether the chat template renders tools itself, the model's tool-call format),
@@ -121,7 +132,9 @@ class ServerState:
                                   "channel); leave the field out", param=param)
             return {}, True
         if enable is None:
-            return {}, self.thinking_switch  # the template's default; it may think
+            return {}, self.thinking_switch or self.always_thinks  # the template's default; it may think
+        if self.always_thinks:  # nothing to switch: its reasoning is split off whatever was asked
+            return {}, True
         if not self.thinking_switch:
             if enable:
                 raise bad_request(f"'{param}': this model's chat template has no thinking switch; it answers "

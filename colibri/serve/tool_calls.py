@@ -11,6 +11,8 @@ Formats (the ids vLLM's --tool-call-parser uses, where it has one):
 - kimi_k2: `<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{...}<|tool_call_end|>` in a section;
 - harmony (gpt-oss): `<|channel|>commentary to=functions.NAME<|message|>{...}<|call|>`, the spelling
   colibri.serve.harmony.HarmonySplitter gives every call the model writes.
+- minimax_m2 (MiniMax-M2): `<invoke name="NAME"><parameter name="k">v</parameter></invoke>` in a
+  `<minimax:tool_call>` section, values written as glm45 writes them (strings raw, the rest JSON).
 
 A call is reported once it is complete and valid: its CallStart, ArgsDelta and CallEnd come
 together. Streaming arguments as they arrive would announce calls to a client that might still
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 
 from colibri.serve.harmony import CALL, CALL_PREFIX, CHANNEL, CONSTRAIN, MESSAGE
 
-FORMATS = ("hermes", "llama3_json", "deepseek_v3", "glm45", "kimi_k2", "harmony")
+FORMATS = ("hermes", "llama3_json", "deepseek_v3", "glm45", "kimi_k2", "harmony", "minimax_m2")
 
 TOOL_CALL, TOOL_CALL_END = "<tool_call>", "</tool_call>"  # hermes and glm45
 ARG_KEY, ARG_KEY_END, ARG_VALUE, ARG_VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
@@ -40,10 +42,14 @@ DS_CALLS, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end
 DS_CALL, DS_SEP, DS_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
 KIMI_CALLS, KIMI_CALLS_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 KIMI_CALL, KIMI_ARGS, KIMI_CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+THINK_END = "</think>"  # where a reasoning model's thinking ends (colibri.serve.reasoning.CLOSE)
+MM_CALLS, MM_CALLS_END = "<minimax:tool_call>", "</minimax:tool_call>"
+MM_INVOKE, MM_INVOKE_END, MM_PARAM, MM_PARAM_END = "<invoke name=", "</invoke>", "<parameter name=", "</parameter>"
 
-# (section open, section close, call open, call close) of the two formats whose calls sit in a section
+# (section open, section close, call open, call close) of the formats whose calls sit in a section
 _SECTIONS = {"deepseek_v3": (DS_CALLS, DS_CALLS_END, DS_CALL, DS_CALL_END),
-             "kimi_k2": (KIMI_CALLS, KIMI_CALLS_END, KIMI_CALL, KIMI_CALL_END)}
+             "kimi_k2": (KIMI_CALLS, KIMI_CALLS_END, KIMI_CALL, KIMI_CALL_END),
+             "minimax_m2": (MM_CALLS, MM_CALLS_END, MM_INVOKE, MM_INVOKE_END)}
 
 
 @dataclass
@@ -108,7 +114,7 @@ class ToolCallParser:
         self._scans: dict[int, _JsonScanner] = {}  # by start in _buf, so each feed reads on
         self._in_section = False  # a section's opener was consumed by a call already parsed
         self._after_call = False  # blanks that follow a call are held: layout unless text follows
-        # glm45 writes string values raw: only the schema tells "5" the string from 5 the number
+        # glm45 and minimax_m2 write string values raw: only the schema tells "5" the string from 5 the number
         self._string_params = {
             f.get("name"): {k for k, v in _properties(f.get("parameters")).items()
                             if isinstance(v, dict) and v.get("type") == "string"}
@@ -221,7 +227,7 @@ class ToolCallParser:
         return True
 
     def _section(self, events: list[Event], final: bool) -> bool:
-        """deepseek_v3 and kimi_k2: calls follow one another in a section, each reported as soon
+        """deepseek_v3, kimi_k2 and minimax_m2: calls follow one another in a section, each reported as soon
         as it is read; the buffer starts with the section opener until one was."""
         sec_open, sec_close, call_open, _ = _SECTIONS[self.fmt]
         buf = self._buf
@@ -233,7 +239,9 @@ class ToolCallParser:
             if self._in_section and _partial(buf, i, sec_close):
                 raise _More
             i = _expect(buf, i, call_open)
-            parsed = self._deepseek_call(i) if self.fmt == "deepseek_v3" else self._kimi_call(i)
+            read = {"deepseek_v3": self._deepseek_call, "kimi_k2": self._kimi_call,
+                    "minimax_m2": lambda i: self._minimax_call(i, final)}[self.fmt]
+            parsed = read(i)
         except _More:
             return self._wait(events, final)
         except _Bad:
@@ -324,22 +332,22 @@ class ToolCallParser:
             i = _expect(buf, _skip_ws(buf, k + len(ARG_KEY_END)), ARG_VALUE)
             args[key], i = self._glm_value(i, key not in strings, final)
 
-    def _glm_value(self, i: int, as_json: bool, final: bool) -> tuple[object, int]:
+    def _glm_value(self, i: int, as_json: bool, final: bool, close: str = ARG_VALUE_END) -> tuple[object, int]:
         """A value not declared a string is JSON when it reads as JSON, else text; JSON is read as
-        JSON (it may quote "</arg_value>"). Text runs to the first </arg_value>, blanks around it
-        dropped as vLLM does (they are the template's layout)."""
+        JSON (it may quote the `close` tag, "</arg_value>"). Text runs to the first `close`, blanks
+        around it dropped as vLLM does (they are the template's layout)."""
         buf = self._buf
         if as_json:
             try:
                 start, end = self._json(i, '{["')
-                stop = _expect(buf, _skip_ws(buf, end), ARG_VALUE_END)
+                stop = _expect(buf, _skip_ws(buf, end), close)
                 return json.loads(buf[start:end]), stop
             except _More:
                 if not final:
                     raise
             except (_Bad, ValueError):
                 pass
-        end = buf.find(ARG_VALUE_END, i)
+        end = buf.find(close, i)
         if end < 0:
             raise _More
         value: object = buf[i:end].strip()
@@ -348,7 +356,29 @@ class ToolCallParser:
                 value = json.loads(value)
             except ValueError:
                 pass
-        return value, end + len(ARG_VALUE_END)
+        return value, end + len(close)
+
+    def _minimax_call(self, i: int, final: bool) -> tuple[str, str, None, int]:
+        # `<invoke name=` is behind i: `"NAME">`, then `<parameter name="k">v</parameter>` pairs
+        buf = self._buf
+        name, i = self._quoted_name(i, MM_INVOKE_END)
+        strings, args = self._string_params.get(name, set()), {}
+        while True:
+            i = _skip_ws(buf, i)
+            if buf.startswith(MM_INVOKE_END, i):
+                return name, json.dumps(args, ensure_ascii=False), None, i + len(MM_INVOKE_END)
+            if _partial(buf, i, MM_PARAM) or _partial(buf, i, MM_INVOKE_END):
+                raise _More
+            key, i = self._quoted_name(_expect(buf, i, MM_PARAM), MM_PARAM_END)
+            args[key], i = self._glm_value(i, key not in strings, final, MM_PARAM_END)
+
+    def _quoted_name(self, i: int, close: str) -> tuple[str, int]:
+        """`"NAME">` at i, before the `close` tag: (NAME, the index after `>`)."""
+        gt = _find_before(self._buf, ">", i, close)
+        m = _QUOTED_NAME.fullmatch(self._buf, i, gt)
+        if m is None:
+            raise _Bad
+        return m[1], gt + 1
 
     def _deepseek_call(self, i: int) -> tuple[str, str, None, int]:
         # V3/R1: "function<｜tool▁sep｜>NAME\n```json\n{...}\n```"; V3.1: "NAME<｜tool▁sep｜>{...}"
@@ -420,6 +450,7 @@ class _JsonScanner:
 _GLM_NAME = re.compile(r"\s*([^\s<]*)")
 _HARMONY_NAME = re.compile(r"([^\s<]*)")
 _KIMI_ID = re.compile(r"\s*((?:functions\.)?(\S+?):\d+)\s*")
+_QUOTED_NAME = re.compile(r'\s*"([^"<>]+)"\s*')
 
 
 def _json_call(text: str) -> tuple[str, str]:
@@ -502,6 +533,8 @@ def detect_format(chat_template: str | None, model_type: str | None) -> str:
         return "deepseek_v3"
     if "tool_calls_section_begin" in t:
         return "kimi_k2"
+    if MM_CALLS in t:
+        return "minimax_m2"
     if "<arg_key>" in t:  # before hermes: GLM templates also write <tool_call>
         return "glm45"
     if "<tool_call>" in t:
@@ -520,12 +553,13 @@ _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_sepa
 
 
 def call_grammar(fmt: str, tools: list[dict], choice: str | None = None, parallel: bool = False,
-                 *, special_tokens: Collection[str] = ()) -> str:
+                 *, special_tokens: Collection[str] = (), after_reasoning: bool = False) -> str:
     """llguidance lark grammar for nothing but tool calls in format `fmt`: one call, or one or
     more when `parallel`, to one of `tools` (only `choice` when given), its arguments held to the
     tool's JSON schema. special_tokens: the tokenizer's special tokens; a marker among them is
     referenced as that token (a quoted marker would only match text, never the special token the
-    model was trained to emit)."""
+    model was trained to emit). after_reasoning: the prompt left the model inside a think block
+    (MiniMax-M2's always does): its reasoning, up to `</think>`, comes first, then the calls."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown tool call format {fmt!r}; known: {', '.join(FORMATS)}")
     fns = [f for f in _functions(tools) if choice is None or f.get("name") == choice]
@@ -553,10 +587,12 @@ def call_grammar(fmt: str, tools: list[dict], choice: str | None = None, paralle
         elif fmt == "harmony":  # as gpt-oss writes a call after its generation prompt
             body = [mark(CHANNEL), _lit(f"commentary to=functions.{name} "), mark(CONSTRAIN), _lit("json"),
                     mark(MESSAGE), args, mark(CALL)]
+        elif fmt == "minimax_m2":
+            body = _minimax_call_rule(i, name, schema, mark, rules)
         else:
             body = _glm_call_rule(i, name, schema, mark, rules)
         rules.append(f"call_{i}: " + " ".join(body))
-        if fmt != "glm45":
+        if fmt not in ("glm45", "minimax_m2"):
             rules.append(f"{args}: %json {_json_schema(schema)}")
     if fmt == "glm45":
         # String values are raw text, which the first "</arg_value>" ends. Ended by that text they
@@ -564,16 +600,28 @@ def call_grammar(fmt: str, tools: list[dict], choice: str | None = None, paralle
         # may not hold it spelled out.
         rules += ([r"GLM_TEXT: /(?s:.*)/ & ~/(?s:.*)<\/arg_value>(?s:.*)/"] if ARG_VALUE_END in special_tokens
                   else ["glm_text[lazy]: GLM_TEXT_END", r"GLM_TEXT_END: /(?s:.*)<\/arg_value>/"])
+    if fmt == "minimax_m2":  # the same, ended by "</parameter>"
+        rules += ([r"MM_TEXT: /(?s:.*)/ & ~/(?s:.*)<\/parameter>(?s:.*)/"] if MM_PARAM_END in special_tokens
+                  else ["mm_text[lazy]: MM_TEXT_END", r"MM_TEXT_END: /(?s:.*)<\/parameter>/"])
 
     sep = {"hermes": _lit("\n"), "llama3_json": _lit("; "), "deepseek_v3": _lit("\n") + "?",
-           "kimi_k2": "", "glm45": _lit("\n"), "harmony": ""}[fmt]
+           "kimi_k2": "", "glm45": _lit("\n"), "harmony": "", "minimax_m2": _lit("\n") + "?"}[fmt]
     # (harmony: <|call|> is an end-of-generation token, so a model stops after one call; several
     # are written back to back)
     calls = f"call ({sep} call)*" if parallel else "call"
     if fmt in _SECTIONS:
         sec_open, sec_close = _SECTIONS[fmt][:2]
-        calls = f"{mark(sec_open)} {calls} {mark(sec_close)}"
+        pad = f" {_lit(chr(10))}? " if fmt == "minimax_m2" else " "  # MiniMax's template: a newline inside each end
+        calls = f"{mark(sec_open)}{pad}{calls}{pad}{mark(sec_close)}"
     names = " | ".join(f"call_{i}" for i in range(len(fns)))
+    if after_reasoning:
+        calls = f"reasoning {calls}"
+        close = THINK_END
+        rules += ([f"reasoning: REASONING {mark(close)} BLANKS",
+                   r"REASONING: /(?s:.*)/ & ~/(?s:.*)<\/think>(?s:.*)/"] if close in special_tokens
+                  else ["reasoning: reasoning_text BLANKS", "reasoning_text[lazy]: REASONING_END",
+                        r"REASONING_END: /(?s:.*)<\/think>/"])
+        rules.append(r"BLANKS: /[ \n]*/")
     return "\n".join([f"start: {calls}", f"call: {names}", *rules]) + "\n"
 
 
@@ -602,6 +650,33 @@ def _glm_call_rule(i: int, name: str, schema: dict, mark: Callable[[str], str], 
     if not props:
         pairs.append(f"({mark(ARG_KEY)} /[^<\\n]+/ {mark(ARG_KEY_END)} {nl} {mark(ARG_VALUE)} {text_value} {nl})*")
     return [mark(TOOL_CALL), _lit(name), nl, *pairs, mark(TOOL_CALL_END)]
+
+
+def _minimax_call_rule(i: int, name: str, schema: dict, mark: Callable[[str], str], rules: list[str]) -> list[str]:
+    """`<invoke name="NAME">` then one `<parameter name="KEY">value</parameter>` per property, in
+    the schema's order, the optional ones optional, newlines between the tags optional; values
+    as glm45's (a string raw, anything else JSON). Without properties: any pairs of text."""
+    nl = _lit("\n") + "?"
+    close = mark(MM_PARAM_END)
+    text_value = "mm_text" if close.startswith('"') else f"MM_TEXT {close}"
+    props = _properties(schema)
+    required = set(schema.get("required") or ())
+    pairs = []
+    for j, (key, prop) in enumerate(props.items()):
+        prop = prop if isinstance(prop, dict) else {}
+        if prop.get("type") == "string" and prop.get("enum"):
+            value = f"({' | '.join(_lit(str(v)) for v in prop['enum'])}) {close}"
+        elif prop.get("type") == "string":
+            value = text_value
+        else:
+            defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
+            rules.append(f"value_{i}_{j}: %json {_json_schema(prop | defs)}")
+            value = f"value_{i}_{j} {close}"
+        pair = f"{_lit(MM_PARAM + json.dumps(key, ensure_ascii=False) + '>')} {value} {nl}"
+        pairs.append(f"({pair})" + ("" if key in required else "?"))
+    if not props:
+        pairs.append(f"({_lit(MM_PARAM)} /\"[^\"<>]+\">/ {text_value} {nl})*")
+    return [_lit(MM_INVOKE + json.dumps(name, ensure_ascii=False) + ">"), nl, *pairs, mark(MM_INVOKE_END)]
 
 
 def _json_schema(schema: dict) -> str:

@@ -114,11 +114,13 @@ class ToolPlan:
     def template_kwargs(self) -> dict:
         return {"tools": self.tools} if self.active and self.native else {}
 
-    def grammar_spec(self) -> dict | None:
+    def grammar_spec(self, after_reasoning: bool = False) -> dict | None:
+        """The grammar forcing the calls; `after_reasoning`: the prompt opened a think block, which
+        the model closes before it calls."""
         if not self.forced:
             return None
         return {"lark": call_grammar(self.fmt, self.tools, self.name, self.parallel,
-                                     special_tokens=self.special_tokens)}
+                                     special_tokens=self.special_tokens, after_reasoning=after_reasoning)}
 
     def parser(self) -> ToolCallParser | None:
         return ToolCallParser(self.fmt, self.tools) if self.active else None

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from colibri import Engine
 from colibri.io.container import Container
 from colibri.io.convert import convert
+from colibri.model_types import checkpoint_name
 from colibri.kernels import attention
 from colibri.model_types import checkpoint_name
 from colibri.formats.qtensor import dequantize
@@ -98,16 +99,19 @@ def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], np.ndarray]:
 
 def check_against_transformers(model_cls, config, tmp_path: Path, seed: int, bits: int,
                                prompts: list[list[int]], init_std: float = 0.1, prepare=None,
-                               after_save=None):
+                               after_save=None, convert_source=None):
     """Returns the colibri Engine. `prepare(model)` runs before the checkpoint is saved,
     `after_save(hf_dir)` after (e.g. to add tensors transformers does not load, like MTP layers);
     where it rewrites the checkpoint into a form transformers does not load on the CPU (such as
     gpt-oss's MXFP4 experts), it returns the Path of a checkpoint with the same values that
-    transformers loads, the reference then."""
+    transformers loads, the reference then. `convert_source(hf_dir) -> dir`, where given, is what
+    colibri converts: the same weights in a form transformers does not load (e.g.
+    compressed-tensors int4)."""
     hf_dir = make_hf_model(model_cls, config, seed, tmp_path / "hf", init_std, prepare)
     saved = after_save(hf_dir) if after_save is not None else None
     reference = saved if isinstance(saved, Path) else hf_dir
-    out = convert(hf_dir, tmp_path / f"c{bits}", bits=bits, progress=False)
+    src = hf_dir if convert_source is None else convert_source(hf_dir)
+    out = convert(src, tmp_path / f"c{bits}", bits=bits, progress=False)
     ref_dir = reference if bits == 32 else dequantized_reference(reference, out, tmp_path / "hf_deq")
     ref = model_cls.from_pretrained(ref_dir, attn_implementation="eager", dtype=torch.float32).eval()
     engine = Engine.load(out)
@@ -231,8 +235,6 @@ def add_mtp_layer(hf_dir: Path) -> list[str]:
     """Append a DeepSeek/GLM-style MTP layer (index num_hidden_layers) to the saved checkpoint, as
     the real checkpoints ship it: a copy of the last decoder layer plus enorm, hnorm, eh_proj and
     shared_head. transformers does not load it; `convert` must keep it. Returns the new names."""
-    import json
-
     n = json.loads((hf_dir / "config.json").read_text())["num_hidden_layers"]
     path = str(hf_dir / "model.safetensors")
     state = load_file(path)

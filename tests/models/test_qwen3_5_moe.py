@@ -51,9 +51,9 @@ def test_multimodal_checkpoint_runs_its_language_model(tmp_path, capfd, bits):
     check_against_transformers(Qwen3_5MoeForConditionalGeneration, cfg, tmp_path, 73, bits,
                                prompts_for(TEXT["vocab_size"], 73, (5, 23)))
     err = capfd.readouterr().err
-    assert "converting its language model, skipping" in err and "vision tower" in err
+    assert "qwen3_5_moe: skipping the vision tower (" in err and "colibri runs the language model only" in err
     c = Container(tmp_path / f"c{bits}")
-    assert c.config["model_type"] == "qwen3_5_moe" and c.config["num_hidden_layers"] == 4
+    assert c.config["model_type"] == "qwen3_5_moe_text" and c.config["num_hidden_layers"] == 4
     assert c.has("model.layers.0.linear_attn.in_proj_qkv.weight") and c.has("model.norm.weight")
     assert not [n for n in c.dense.tensors if "visual" in n or "language_model" in n]
 

@@ -12,7 +12,8 @@ import pytest
 from colibri.default_model import CONTAINER_NAME, cache_root
 from colibri.serve.tool_calls import (ARG_KEY, ARG_KEY_END, ARG_VALUE, ARG_VALUE_END, DS_CALL, DS_CALL_END,
                                       DS_CALLS, DS_CALLS_END, DS_SEP, FORMATS, KIMI_ARGS, KIMI_CALL, KIMI_CALL_END,
-                                      KIMI_CALLS, KIMI_CALLS_END, TOOL_CALL, TOOL_CALL_END, ArgsDelta, CallEnd,
+                                      KIMI_CALLS, KIMI_CALLS_END, MM_CALLS, MM_CALLS_END, MM_INVOKE, MM_INVOKE_END,
+                                      MM_PARAM, MM_PARAM_END, TOOL_CALL, TOOL_CALL_END, ArgsDelta, CallEnd,
                                       CallStart, TextDelta, ToolCallParser, call_grammar, detect_format)
 from colibri.serve.harmony import CALL, CALL_PREFIX, CHANNEL, CONSTRAIN, MESSAGE
 from requirements import missing
@@ -147,6 +148,25 @@ CASES = [
      CALL_PREFIX + "get_weather" + MESSAGE + '{"city": Paris}' + CALL, []),
     ("harmony", CALL_PREFIX + "get_weather" + MESSAGE + '{"city": "Pa',
      CALL_PREFIX + "get_weather" + MESSAGE + '{"city": "Pa', []),
+    # minimax_m2: MiniMax-M2's chat template and vLLM's minimax_m2 parser (strings raw, the rest JSON)
+    ("minimax_m2", "The weather is fine.", "The weather is fine.", []),
+    ("minimax_m2", "Let me check.\n<minimax:tool_call>\n<invoke name=\"get_weather\">\n<parameter name=\"city\">"
+     "Paris</parameter>\n<parameter name=\"days\">3</parameter>\n</invoke>\n<invoke name=\"get_weather\">"
+     "<parameter name=\"city\">123</parameter><parameter name=\"note\">5</parameter></invoke>\n"
+     "</minimax:tool_call>\nDone.", "Let me check.\n\nDone.",
+     [("get_weather", {"city": "Paris", "days": 3}), ("get_weather", {"city": "123", "note": 5})]),
+    ("minimax_m2", "<minimax:tool_call>\n<invoke name=\"search\">\n<parameter name=\"query\">"
+     + json.dumps({**NESTED["query"], "text": NESTED["query"]["text"] + " </parameter> </invoke>"}, ensure_ascii=False)
+     + "</parameter>\n<parameter name=\"code\">if (a < b) { print(\"</invoke>\") }</parameter>\n</invoke>\n"
+     "</minimax:tool_call>", "",
+     [("search", {"query": {**NESTED["query"], "text": NESTED["query"]["text"] + " </parameter> </invoke>"},
+                  "code": 'if (a < b) { print("</invoke>") }'})]),
+    ("minimax_m2", "<minimax:tool_call><invoke name=\"get_time\"></invoke></minimax:tool_call>", "",
+     [("get_time", {})]),
+    ("minimax_m2", "<minimax:tool_call><invoke name=get_time></invoke></minimax:tool_call>",
+     "<minimax:tool_call><invoke name=get_time></invoke></minimax:tool_call>", []),
+    ("minimax_m2", "<minimax:tool_call>\n<invoke name=\"get_weather\">\n<parameter name=\"city\">Par",
+     "<minimax:tool_call>\n<invoke name=\"get_weather\">\n<parameter name=\"city\">Par", []),
 ]
 
 
@@ -214,6 +234,8 @@ SHARDS = {
                 '{"a": "', "}", '"', " ", "x", "<|tool"],
     "harmony": [CALL_PREFIX, CHANNEL, MESSAGE, CONSTRAIN, CALL, "get_time", "json", "{}", '{"a": "', "}", '"', " ",
                 "x", "<|"],
+    "minimax_m2": [MM_CALLS, MM_CALLS_END, MM_INVOKE, MM_INVOKE_END, MM_PARAM, MM_PARAM_END, '"get_time">',
+                   '"city">', '"', ">", "3", '{"a": "', "}", "\n", " ", "x", "<invoke", "</"],
 }
 
 
@@ -272,6 +294,8 @@ QWEN = ("{%- if tools %}...<tools>{{ tool | tojson }}</tools>...<tool_call>\\n{\
 GLM = "{% for tc in m.tool_calls %}<tool_call>{{ tc.name }}\n<arg_key>{{ k }}</arg_key>{% endfor %}"
 DEEPSEEK = "{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>'}}"
 KIMI = "{%- if message['tool_calls'] -%}<|tool_calls_section_begin|>{%- for tc in message['tool_calls'] -%}"
+MINIMAX = ("{%- set toolcall_begin_token = '<minimax:tool_call>' -%}{{- '<invoke name=\"' + tool_call.name + '\">' }}"
+           "{{- '<parameter name=\"' + k + '\">' }}")
 LLAMA31 = "{%- if builtin_tools is defined or tools is not none %}Environment: ipython\n{%- endif %}<|python_tag|>"
 LLAMA_OTHER = "{%- if tools is not none %}Given the following functions{%- endif %}"
 HARMONY = ("{{- '<|start|>assistant<|channel|>commentary to=functions.' + tool_call.name + ' <|constrain|>json"
@@ -280,7 +304,7 @@ HARMONY = ("{{- '<|start|>assistant<|channel|>commentary to=functions.' + tool_c
 
 @pytest.mark.parametrize("template,model_type,fmt", [
     (QWEN, "qwen3_moe", "hermes"), (GLM, "glm4_moe", "glm45"), (DEEPSEEK, "deepseek_v3", "deepseek_v3"),
-    (KIMI, "kimi_k2", "kimi_k2"), (LLAMA31, "llama", "llama3_json"), (LLAMA_OTHER, "llama", "llama3_json"),
+    (KIMI, "kimi_k2", "kimi_k2"), (MINIMAX, "minimax_m2", "minimax_m2"), (LLAMA31, "llama", "llama3_json"), (LLAMA_OTHER, "llama", "llama3_json"),
     (LLAMA_OTHER, "mixtral", "hermes"), ("{{ messages }}", "llama", "hermes"), (None, None, "hermes"),
     (HARMONY, "gpt_oss", "harmony"),
 ])
@@ -353,14 +377,21 @@ def weather(fmt: str, args: dict, idx: int = 0) -> str:
         return f"<|tool_call_begin|>functions.{name}:{idx}<|tool_call_argument_begin|>{a}<|tool_call_end|>"
     if fmt == "harmony":
         return f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>{a}<|call|>"
+    if fmt == "minimax_m2":
+        pairs = "".join(f'<parameter name="{k}">{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}'
+                        f"</parameter>\n" for k, v in args.items())
+        return f'<invoke name="{name}">\n{pairs}</invoke>'
     pairs = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}"
                     f"</arg_value>\n" for k, v in args.items())
     return f"<tool_call>{name}\n{pairs}</tool_call>"
 
 
 def message(fmt: str, *calls: str) -> str:
-    sep = {"hermes": "\n", "llama3_json": "; ", "deepseek_v3": "\n", "kimi_k2": "", "glm45": "\n", "harmony": ""}[fmt]
+    sep = {"hermes": "\n", "llama3_json": "; ", "deepseek_v3": "\n", "kimi_k2": "", "glm45": "\n", "harmony": "",
+           "minimax_m2": "\n"}[fmt]
     body = sep.join(calls)
+    if fmt == "minimax_m2":
+        return f"<minimax:tool_call>\n{body}\n</minimax:tool_call>"
     if fmt == "deepseek_v3":
         return f"<｜tool▁calls▁begin｜>{body}<｜tool▁calls▁end｜>"
     if fmt == "kimi_k2":
@@ -372,7 +403,8 @@ MARKERS = {"hermes": [TOOL_CALL, TOOL_CALL_END], "llama3_json": [],
            "deepseek_v3": [DS_CALLS, DS_CALLS_END, DS_CALL, DS_SEP, DS_CALL_END],
            "glm45": [TOOL_CALL, TOOL_CALL_END, ARG_KEY, ARG_KEY_END, ARG_VALUE, ARG_VALUE_END],
            "kimi_k2": [KIMI_CALLS, KIMI_CALLS_END, KIMI_CALL, KIMI_ARGS, KIMI_CALL_END],
-           "harmony": [CHANNEL, CONSTRAIN, MESSAGE, CALL]}
+           "harmony": [CHANNEL, CONSTRAIN, MESSAGE, CALL],
+           "minimax_m2": [MM_CALLS, MM_CALLS_END, MM_INVOKE_END, MM_PARAM_END]}
 
 
 GOOD = {"city": "Par\"is {}", "unit": "celsius", "days": 3}
@@ -444,6 +476,20 @@ def test_grammar_allows_deepseek_v31_and_later_glm_layouts():
 
 
 @needs_llguidance
+@pytest.mark.parametrize("special", [False, True], ids=["text-marker", "special-token"])
+def test_grammar_after_an_opened_think_block(special):
+    """A prompt that ends inside `<think>` (MiniMax-M2's): the reasoning, up to `</think>`, comes
+    before the calls; without its close no call is allowed, and nothing may follow the calls."""
+    specials = ["</think>"] if special else []
+    g = call_grammar("minimax_m2", TOOLS, None, parallel=False, special_tokens=specials, after_reasoning=True)
+    call = message("minimax_m2", weather("minimax_m2", GOOD))
+    assert accepts(g, "a < b, so </thin k> not yet</think>\n\n" + call, specials)
+    assert accepts(g, "</think>" + call, specials)
+    assert not accepts(g, call, specials)
+    assert not accepts(g, "ok</think>" + call + " done", specials)
+
+
+@needs_llguidance
 def test_grammar_references_special_tokens():
     """Markers the tokenizer has as special tokens are those tokens in the grammar, not text."""
     g = call_grammar("kimi_k2", TOOLS, None, parallel=True, special_tokens=MARKERS["kimi_k2"])
@@ -492,10 +538,11 @@ def test_what_the_grammar_lets_a_model_write_parses(fmt, special):
 
 def _pick(out: bytearray, allowed: list[int], rng: random.Random) -> int:
     """A random next token, steered so walks end: towards quotes, brackets, markers and EOS, and
-    once a "</arg_value>" is begun, through to its end (glm45 text values end with nothing else)."""
-    end = b"</arg_value>"
-    for k in range(len(end) - 1, 0, -1):
-        if out.endswith(end[:k]) and end[k] in allowed:
-            return end[k]
+    once a "</arg_value>" or "</parameter>" is begun, through to its end (glm45 and minimax_m2
+    text values end with nothing else)."""
+    for end in (b"</arg_value>", b"</parameter>"):
+        for k in range(len(end) - 1, 0, -1):
+            if out.endswith(end[:k]) and end[k] in allowed:
+                return end[k]
     steer = [t for t in allowed if t >= EOS or t in b'"}]>\n<']
     return rng.choice(steer if steer and rng.random() < 0.3 else allowed)
