@@ -60,6 +60,7 @@ def test_multimodal_checkpoint_runs_its_language_model(tmp_path, capfd, bits):
 
 def test_unimplemented_config_fields_are_rejected(tmp_path):
     hf = make_hf_model(Qwen3_5MoeForCausalLM, text_config(), 3, tmp_path / "hf")
+    assert {"model_type": "qwen3_5_moe_text"}.items() <= json.loads((hf / "config.json").read_text()).items()  # the alias
     out = convert(hf, tmp_path / "c", bits=32, progress=False)
     cfg_path = out / "config.json"
     for field, value, words in (("layer_types", ["linear_attention", "sliding_attention"] * 2, "layer_types"),
