@@ -25,6 +25,7 @@ from colibri.serve.metrics import CONTENT_TYPE, ServeMetrics
 from colibri.serve.scheduler import Scheduler
 from colibri.serve.security import ApiKeyMiddleware, BodyLimitMiddleware, HostAllowlistMiddleware, RequestIdMiddleware
 from colibri.serve.state import ClientGone, ServeConfig, ServerState, gone_response, read_json
+from colibri.serve.tools import openai_tools, plan, render_messages
 
 log = logging.getLogger("colibri.serve")
 
@@ -104,7 +105,11 @@ def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig, metric
             raise bad_request("send exactly one of 'prompt' (text) or 'messages' (a chat)", param="prompt")
         if req.messages is not None:
             kwargs, _ = state.thinking(req.enable_thinking, "enable_thinking")
-            messages = openai_api.template_messages(req.messages)
+            # as the chat route renders them: assistant tool calls and tool results included
+            tools = openai_tools(req.tools)
+            tool_plan = plan(state, tools, "auto" if tools else "none", None, True, "tools")
+            messages = render_messages(openai_api.template_messages(req.messages), tool_plan)
+            kwargs.update(tool_plan.template_kwargs())
             if not req.add_generation_prompt:
                 text = state.tokenizer.apply_chat_template(messages, add_generation_prompt=False, **kwargs)
                 ids = state.tokenizer.encode(text, add_special_tokens=False)
