@@ -23,7 +23,8 @@ from colibri.serve import anthropic_api, openai_api, responses_api, schemas, tel
 from colibri.serve.errors import ApiError, api_error_response, bad_request, error_response
 from colibri.serve.metrics import CONTENT_TYPE, ServeMetrics
 from colibri.serve.scheduler import Scheduler
-from colibri.serve.security import ApiKeyMiddleware, BodyLimitMiddleware, HostAllowlistMiddleware, RequestIdMiddleware
+from colibri.serve.security import (ApiKeyMiddleware, BodyLimitMiddleware, BrowserGuardMiddleware, HostAllowlistMiddleware,
+                                   RequestIdMiddleware)
 from colibri.serve.state import ClientGone, ServeConfig, ServerState, gone_response, read_json
 from colibri.serve.tools import openai_tools, plan, render_messages
 
@@ -147,7 +148,8 @@ def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig, metric
     app.include_router(telemetry.router)
     web.mount(app)
 
-    # Outermost last: request id -> Host check -> CORS -> API key -> body limit -> routes.
+    # Outermost last: request id -> Host check -> Origin and content type -> CORS -> API key ->
+    # body limit -> routes.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes, read_timeout=config.read_timeout)
     app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     if config.cors_origins:
@@ -157,6 +159,8 @@ def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig, metric
                            expose_headers=["x-request-id", "x-colibri-queue-wait-ms", "x-colibri-kv-slot",
                                            "x-colibri-prompt-tokens-reused", "x-colibri-adjusted", "retry-after"],
                            allow_credentials=False, max_age=600)
+    app.add_middleware(BrowserGuardMiddleware, cors_origins=config.cors_origins,
+                       any_content_type=config.allow_any_content_type)
     app.add_middleware(HostAllowlistMiddleware, allowed=config.allowed_hosts)
     app.add_middleware(RequestIdMiddleware, metrics=metrics)
     return app

@@ -26,6 +26,7 @@ def srv(start_server):
 @pytest.fixture(scope="module")
 def http(srv):
     with srv.client() as c:
+        c.headers["content-type"] = "application/json"  # for the raw bodies sent as content=
         yield c
 
 
