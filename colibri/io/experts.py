@@ -51,6 +51,10 @@ class ResidentExperts:
         16 GB of experts, cold page cache, this 2-core VM, alternating: 11.4 / 15.8 s untouched
         against 19.7 / 16.0 s touched first; on memory the VM's host had to back again first
         (free page reporting), 28.8 against 44.7 / 45.9 s."""
+        # Every expert file opened now, its size checked against its header: read lazily, a
+        # truncated file would fail each request that routes to it instead of the start.
+        for prefix in container.expert_layouts:
+            container.expert_paths(prefix)
         self.layers: dict[str, list] = {}
         self._stacked: dict[str, StackedExperts | None] = {}
         self._blobs: dict[str, np.ndarray] = {}
