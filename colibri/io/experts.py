@@ -22,6 +22,7 @@ from colibri.errors import ColibriError
 from colibri.io.container import Container
 from colibri.io.expert_reader import ExpertReader
 from colibri.io.expert_store import ExpertStore, StoreConfig, arena, load_history, read_expert, shown
+from colibri.memory import available_memory  # in colibri.memory so the kernels' CUDA simulator can size by it too
 from colibri.formats.expert_blob import FusedExperts, StackedExperts
 
 READ_THREADS = 4
@@ -250,46 +251,6 @@ class ResidentExperts:
 
 
 GiB = 1 << 30
-
-
-def available_memory() -> int:
-    """Bytes this process may still use: MemAvailable, lowered by a cgroup-v1/v2 memory limit."""
-    avail = None
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                avail = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    limit = _cgroup_limit()
-    candidates = [v for v in (avail, limit) if v]
-    return min(candidates) if candidates else 8 * GiB
-
-
-def _cgroup_limit() -> int | None:
-    """The tightest memory limit on this process's cgroup (page cache counts against it there, so
-    the budget planned below it leaves room for reads in flight)."""
-    try:
-        lines = open("/proc/self/cgroup").read().splitlines()
-    except OSError:
-        return None
-    found = []
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        try:
-            if controllers == "":  # cgroup v2
-                base = f"/sys/fs/cgroup{path}"
-                raw = open(f"{base}/memory.max").read().strip()
-                if raw != "max":
-                    found.append(int(raw))
-            elif "memory" in controllers.split(","):
-                base = f"/sys/fs/cgroup/memory{path}"
-                limit = int(open(f"{base}/memory.limit_in_bytes").read())
-                if limit < (1 << 60):
-                    found.append(limit)
-        except (OSError, ValueError):
-            continue
-    return min(found) if found else None
 
 
 def plan_budget(ram_gb: float | None) -> int:
