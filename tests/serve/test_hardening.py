@@ -376,29 +376,6 @@ def test_a_busy_port_is_a_one_line_error_before_the_model_loads(tmp_path):
     print(f"\nbusy port reported in {time.monotonic() - t:.2f} s (process start included)")
 
 
-def test_a_truncated_expert_file_is_a_one_line_refusal_to_start(start_server, tmp_path):
-    """Experts held in RAM (the default) are read after the server is up: a file cut short used
-    to make every request a 400 quoting it, as if the client were to blame, unless the kernel
-    warm-up of a first start happened to route to it."""
-    from tools.synthetic_moe import write_container
-
-    from colibri.io.container import Container
-
-    model = write_container(tmp_path / "model", "tiny", progress=False)
-    start_server("--no-persist", model_dir=model).stop()  # the kernels compiled: a later start skips the warm-up
-    layer0 = model / Container(model).expert_layouts["model.layers.0.mlp"].file
-    with open(layer0, "r+b") as f:
-        f.truncate(layer0.stat().st_size // 2)
-    try:  # a server that starts anyway serves until killed
-        r = subprocess.run([sys.executable, "-m", "colibri.cli", "serve", "--model", str(model), "--port", "0",
-                            "--no-persist"], capture_output=True, text=True, timeout=60,
-                           env={**os.environ, "COLIBRI_HOME": str(tmp_path / "home")})
-    except subprocess.TimeoutExpired as e:
-        raise AssertionError(f"the server started on a truncated expert file: {e.stderr}") from None
-    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1 and "truncated" in r.stderr and str(layer0) in r.stderr, r.stderr
-
-
 def test_the_banner_names_the_bound_port(srv):
     assert f"listening on http://127.0.0.1:{srv.port}" in srv.log()
 
@@ -575,3 +552,28 @@ def test_health_says_how_much_of_the_resident_experts_is_in_ram(faulty):
         assert 0.0 <= h["experts_loaded"]
         time.sleep(0.2)
     assert h["experts_loaded"] == 1.0
+
+
+def test_a_truncated_expert_file_is_a_one_line_refusal_to_start(start_server, tmp_path):
+    """Experts held in RAM (the default) are read after the server is up: a file cut short used
+    to make every request a 400 quoting it, as if the client were to blame, unless the kernel
+    warm-up of a first start happened to route to it."""
+    from tools.synthetic_moe import write_container
+
+    from colibri.io.container import Container
+
+    model = write_container(tmp_path / "model", "tiny", progress=False)
+    # a start on the intact model: its kernels compiled (already, after the `faulty` tests above), a
+    # later start skips the warm-up forward, which could otherwise have routed to the lost experts
+    start_server("--no-persist", model_dir=model).stop()
+    layer0 = model / Container(model).expert_layouts["model.layers.0.mlp"].file
+    with open(layer0, "r+b") as f:
+        f.truncate(layer0.stat().st_size // 2)
+    try:  # a server that starts anyway serves until killed
+        r = subprocess.run([sys.executable, "-m", "colibri.cli", "serve", "--model", str(model), "--port", "0",
+                            "--no-persist"], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "COLIBRI_HOME": str(tmp_path / "home")})
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"the server started on a truncated expert file: {e.stderr}") from None
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "truncated" in r.stderr and str(layer0) in r.stderr, r.stderr
