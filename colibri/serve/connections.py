@@ -196,7 +196,12 @@ class GuardedH11Protocol(H11Protocol):
         if self._over is None:
             self._admit()
         else:
-            if len(guard.waiting) >= guard.limits.max_waiting:  # the oldest waiter is the slowest
+            # Room among the waiting: the oldest waiter is the slowest, and an address that
+            # already has a cap's worth waiting makes room from its own
+            mine = [c for c in guard.waiting if c.key == self.key]
+            if len(mine) >= guard.limits.max_per_ip:
+                mine[0]._refuse(mine[0]._over)
+            elif len(guard.waiting) >= guard.limits.max_waiting:
                 oldest = next(iter(guard.waiting))
                 oldest._refuse(oldest._over)
             self._head = bytearray()
