@@ -188,7 +188,7 @@ class GuardedH11Protocol(H11Protocol):
         self._got_bytes = False
         self._refused = False     # answered outside uvicorn: what still comes is dropped
         self._head: bytearray | None = None  # while waiting: the bytes read so far
-        self._in_uvicorn = False  # admitted: uvicorn's connection_made ran, so its connection_lost must
+        self._in_uvicorn = False  # admitted: uvicorn set the connection up, so it must see it lost too
         self.head_bytes = 0       # bytes of the current request's head (eviction picks the fewest)
         self.head_started = time.monotonic()
         guard = self.guard
