@@ -400,6 +400,9 @@ def serve(
                                           help="Require this key (Bearer or x-api-key)."),
     cors_origin: Optional[list[str]] = typer.Option(None, "--cors-origin", envvar="COLI_CORS_ORIGIN",
                                                     help="Allow this exact browser origin (repeatable; '*' = any)."),
+    allow_any_content_type: bool = typer.Option(
+        False, "--allow-any-content-type", envvar="COLI_ALLOW_ANY_CONTENT_TYPE",
+        help="Accept POST bodies not sent as Content-Type: application/json (for clients that cannot set it)."),
     allowed_host: Optional[list[str]] = typer.Option(None, "--allowed-host", envvar="COLI_ALLOWED_HOST",
                                                      help="Accept this Host header name besides localhost "
                                                      "(repeatable; '*' = any)."),
@@ -461,7 +464,8 @@ def serve(
 
     run_server(ServeOptions(model=model, host=host, port=port, model_id=model_id,
                             model_aliases=served_model_name or [], api_key=api_key,
-                            cors_origins=cors_origin or [], allowed_hosts=allowed_host or [],
+                            cors_origins=cors_origin or [], allow_any_content_type=allow_any_content_type,
+                            allowed_hosts=allowed_host or [],
                             allow_insecure_bind=allow_insecure_bind, max_queue=max_queue, queue_timeout=queue_timeout,
                             kv_slots=kv_slots, max_tokens=max_tokens, max_context=max_context, state_dir=state_dir,
                             persist=persist, max_connections=max_connections,

@@ -186,6 +186,8 @@ _UNSUPPORTED = ("Unimplemented", "Unknown format", "not supported", "unsupported
 
 
 def _describe(kind: str, message: str, spec: dict) -> str:
+    if "panic" in message:  # the engine's own assertion, with a Rust backtrace: no use to a client
+        message = "the grammar engine cannot build it (too large or too complex)"
     message = _clip(message)
     if kind == "json_schema":
         if any(m in message for m in _UNSUPPORTED):

@@ -89,3 +89,49 @@ class Slab:
 
 
 WEIGHTS = Slab()  # the dense weights of every model this process loads
+
+
+# ---------------------------------------------------------------- how much there is
+def available_memory() -> int:
+    """Bytes this process may still use: MemAvailable, lowered by a cgroup-v1/v2 memory limit."""
+    avail = None
+    try:
+        for line in _text("/proc/meminfo").splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    limit = _cgroup_limit()
+    candidates = [v for v in (avail, limit) if v]
+    return min(candidates) if candidates else 8 << 30
+
+
+def _cgroup_limit() -> int | None:
+    """The tightest memory limit on this process's cgroup (page cache counts against it there, so
+    the budget planned below it leaves room for reads in flight)."""
+    try:
+        lines = _text("/proc/self/cgroup").splitlines()
+    except OSError:
+        return None
+    found = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        try:
+            if controllers == "":  # cgroup v2
+                base = f"/sys/fs/cgroup{path}"
+                raw = _text(f"{base}/memory.max").strip()
+                if raw != "max":
+                    found.append(int(raw))
+            elif "memory" in controllers.split(","):
+                base = f"/sys/fs/cgroup/memory{path}"
+                limit = int(_text(f"{base}/memory.limit_in_bytes"))
+                if limit < (1 << 60):
+                    found.append(limit)
+        except (OSError, ValueError):
+            continue
+    return min(found) if found else None
+
+
+def _text(path: str) -> str:
+    with open(path) as f:
+        return f.read()

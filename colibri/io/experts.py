@@ -22,6 +22,7 @@ from colibri.errors import ColibriError
 from colibri.io.container import Container
 from colibri.io.expert_reader import ExpertReader
 from colibri.io.expert_store import ExpertStore, StoreConfig, arena, load_history, read_expert, shown
+from colibri.memory import available_memory  # in colibri.memory so the kernels' CUDA simulator can size by it too
 from colibri.formats.expert_blob import FusedExperts, StackedExperts
 
 READ_THREADS = 4
@@ -51,6 +52,10 @@ class ResidentExperts:
         16 GB of experts, cold page cache, this 2-core VM, alternating: 11.4 / 15.8 s untouched
         against 19.7 / 16.0 s touched first; on memory the VM's host had to back again first
         (free page reporting), 28.8 against 44.7 / 45.9 s."""
+        # Every expert file opened now, its size checked against its header: read lazily, a
+        # truncated file would fail each request that routes to it instead of the start.
+        for prefix in container.expert_layouts:
+            container.expert_paths(prefix)
         self.layers: dict[str, list] = {}
         self._stacked: dict[str, StackedExperts | None] = {}
         self._blobs: dict[str, np.ndarray] = {}
@@ -246,46 +251,6 @@ class ResidentExperts:
 
 
 GiB = 1 << 30
-
-
-def available_memory() -> int:
-    """Bytes this process may still use: MemAvailable, lowered by a cgroup-v1/v2 memory limit."""
-    avail = None
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                avail = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    limit = _cgroup_limit()
-    candidates = [v for v in (avail, limit) if v]
-    return min(candidates) if candidates else 8 * GiB
-
-
-def _cgroup_limit() -> int | None:
-    """The tightest memory limit on this process's cgroup (page cache counts against it there, so
-    the budget planned below it leaves room for reads in flight)."""
-    try:
-        lines = open("/proc/self/cgroup").read().splitlines()
-    except OSError:
-        return None
-    found = []
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        try:
-            if controllers == "":  # cgroup v2
-                base = f"/sys/fs/cgroup{path}"
-                raw = open(f"{base}/memory.max").read().strip()
-                if raw != "max":
-                    found.append(int(raw))
-            elif "memory" in controllers.split(","):
-                base = f"/sys/fs/cgroup/memory{path}"
-                limit = int(open(f"{base}/memory.limit_in_bytes").read())
-                if limit < (1 << 60):
-                    found.append(limit)
-        except (OSError, ValueError):
-            continue
-    return min(found) if found else None
 
 
 def plan_budget(ram_gb: float | None) -> int:

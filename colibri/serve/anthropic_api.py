@@ -15,8 +15,8 @@ from colibri.serve.reasoning import prompt_opens_thinking
 from colibri.serve.openai_api import stop_list
 from colibri.serve.scheduler import Failed, Finished
 from colibri.serve.schemas import AnthropicPrompt, CountTokensRequest, MessagesRequest
-from colibri.serve.tools import (AnswerStream, ArgsDelta, CallStart, Reasoning, TextDelta, ToolPlan, compile_grammar,
-                                 function_tool, parse_arguments, plan, render_messages)
+from colibri.serve.tools import (AnswerStream, ArgsDelta, CallStart, Reasoning, TextDelta, ToolPlan, check_tool_count,
+                                 compile_grammar, function_tool, parse_arguments, plan, render_messages)
 
 router = APIRouter()
 PATH = "/v1/messages"
@@ -42,6 +42,7 @@ def _text_blocks(blocks, where: str, allow_thinking: bool = False) -> tuple[str,
 
 def _tools(tools: list | None) -> list[dict]:
     """Anthropic client tools ({name, description, input_schema}) -> checked function definitions."""
+    check_tool_count(tools)
     out = []
     for i, t in enumerate(tools or []):
         param = f"tools[{i}]"

@@ -23,8 +23,10 @@ from colibri.serve import anthropic_api, openai_api, responses_api, schemas, tel
 from colibri.serve.errors import ApiError, api_error_response, bad_request, error_response
 from colibri.serve.metrics import CONTENT_TYPE, ServeMetrics
 from colibri.serve.scheduler import Scheduler
-from colibri.serve.security import ApiKeyMiddleware, BodyLimitMiddleware, HostAllowlistMiddleware, RequestIdMiddleware
+from colibri.serve.security import (ApiKeyMiddleware, BodyLimitMiddleware, BrowserGuardMiddleware, HostAllowlistMiddleware,
+                                   RequestIdMiddleware)
 from colibri.serve.state import ClientGone, ServeConfig, ServerState, gone_response, read_json
+from colibri.serve.tools import openai_tools, plan, render_messages
 
 log = logging.getLogger("colibri.serve")
 
@@ -104,7 +106,11 @@ def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig, metric
             raise bad_request("send exactly one of 'prompt' (text) or 'messages' (a chat)", param="prompt")
         if req.messages is not None:
             kwargs, _ = state.thinking(req.enable_thinking, "enable_thinking")
-            messages = openai_api.template_messages(req.messages)
+            # as the chat route renders them: assistant tool calls and tool results included
+            tools = openai_tools(req.tools)
+            tool_plan = plan(state, tools, "auto" if tools else "none", None, True, "tools")
+            messages = render_messages(openai_api.template_messages(req.messages), tool_plan)
+            kwargs.update(tool_plan.template_kwargs())
             if not req.add_generation_prompt:
                 text = state.tokenizer.apply_chat_template(messages, add_generation_prompt=False, **kwargs)
                 ids = state.tokenizer.encode(text, add_special_tokens=False)
@@ -142,7 +148,8 @@ def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig, metric
     app.include_router(telemetry.router)
     web.mount(app)
 
-    # Outermost last: request id -> Host check -> CORS -> API key -> body limit -> routes.
+    # Outermost last: request id -> Host check -> Origin and content type -> CORS -> API key ->
+    # body limit -> routes.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes, read_timeout=config.read_timeout)
     app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     if config.cors_origins:
@@ -152,6 +159,8 @@ def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig, metric
                            expose_headers=["x-request-id", "x-colibri-queue-wait-ms", "x-colibri-kv-slot",
                                            "x-colibri-prompt-tokens-reused", "x-colibri-adjusted", "retry-after"],
                            allow_credentials=False, max_age=600)
+    app.add_middleware(BrowserGuardMiddleware, cors_origins=config.cors_origins,
+                       any_content_type=config.allow_any_content_type)
     app.add_middleware(HostAllowlistMiddleware, allowed=config.allowed_hosts)
     app.add_middleware(RequestIdMiddleware, metrics=metrics)
     return app

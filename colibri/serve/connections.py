@@ -4,8 +4,16 @@ client address and in all, and a deadline for a request's headers (the "slowlori
 They live in uvicorn's h11 protocol (one instance per TCP connection) because the app only
 sees a request once its headers are complete: a client that drips header bytes, or connects
 and says nothing, never reaches the API key check or any middleware, yet holds a connection
-that counts against the server's limit. Refusals are written straight to the socket, a few
-bytes and a close, so a flood costs the server almost nothing.
+that counts against the server's limit.
+
+A connection over a cap is not refused as it opens: a client that gets a close (or a reset)
+before it has sent its request never reads the answer. It waits instead, outside the table,
+while its request line and headers arrive (at most MAX_HEAD_BYTES, within the header
+deadline), then gets its 429 / 503 with Retry-After and a close. When the table is full and a
+waiting client's headers are complete, the admitted connection that has sent the least of
+its current headers (an idle kept-alive one, then the slowest dripper) is closed to make room,
+so drippers from many addresses, each under the per-address cap, cannot lock out a client that
+sends its whole request at once (nginx closes idle keep-alive connections the same way).
 """
 from __future__ import annotations
 
@@ -23,6 +31,7 @@ log = logging.getLogger("colibri.serve")
 
 WARN_EVERY_S = 10.0  # a flood of refusals is logged once per this many seconds, with a count
 LINGER_S = 2.0       # how long a refused upload is read and dropped after its answer (see _LingeringTransport)
+MAX_HEAD_BYTES = 16 * 1024  # a waiting client's request line and headers (h11's and uvicorn's own limit)
 
 
 @dataclass
@@ -31,11 +40,17 @@ class ConnectionLimits:
     max_per_ip: int = 8          # open connections from one address (IPv6: one /64)
     header_timeout: float = 10.0  # seconds from connect (or a request's first byte) to complete headers
 
+    @property
+    def max_waiting(self) -> int:
+        """Connections over a cap that are read until their headers are in, to be answered."""
+        return self.max_total
+
 
 @dataclass
 class ConnectionGuard:
-    """Open connections per client address, and what was refused. Touched only from the event
-    loop's thread (protocol callbacks, the /metrics route), so it needs no lock."""
+    """Open connections per client address, those waiting to be answered, and what was refused.
+    Touched only from the event loop's thread (protocol callbacks, the /metrics route), so it
+    needs no lock."""
 
     limits: ConnectionLimits
     per_ip: dict[str, int] = field(default_factory=dict)
@@ -43,30 +58,49 @@ class ConnectionGuard:
     refused_per_ip: int = 0
     refused_total: int = 0
     header_timeouts: int = 0
+    evicted: int = 0                 # admitted connections closed to make room for a complete request
+    admitted: set = field(default_factory=set)     # GuardedH11Protocol, counted in `total`
+    waiting: dict = field(default_factory=dict)    # GuardedH11Protocol -> None, oldest first
+    lingering: int = 0
     _unlogged: dict[str, int] = field(default_factory=dict)
     _logged_at: float = 0.0
 
-    def admit(self, key: str) -> str | None:
-        """Count a new connection from `key`; -> None, or why it is refused ("per_ip", "total")."""
+    def over_cap(self, key: str) -> str | None:
+        """Why a connection from `key` cannot be counted now ("per_ip", "total"), or None."""
         if self.per_ip.get(key, 0) >= self.limits.max_per_ip:
-            self.refused_per_ip += 1
-            return self._refuse("per_ip", key)
+            return "per_ip"
         if self.total >= self.limits.max_total:
-            self.refused_total += 1
-            return self._refuse("total", key)
-        self.per_ip[key] = self.per_ip.get(key, 0) + 1
-        self.total += 1
+            return "total"
         return None
 
-    def release(self, key: str) -> None:
-        n = self.per_ip.get(key, 0) - 1
-        if n > 0:
-            self.per_ip[key] = n
-        else:
-            self.per_ip.pop(key, None)
-        self.total -= 1
+    def count(self, conn: GuardedH11Protocol) -> None:
+        self.per_ip[conn.key] = self.per_ip.get(conn.key, 0) + 1
+        self.total += 1
+        self.admitted.add(conn)
 
-    def _refuse(self, reason: str, key: str) -> str:
+    def release(self, conn: GuardedH11Protocol) -> None:
+        if conn in self.admitted:
+            self.admitted.discard(conn)
+            n = self.per_ip.get(conn.key, 0) - 1
+            if n > 0:
+                self.per_ip[conn.key] = n
+            else:
+                self.per_ip.pop(conn.key, None)
+            self.total -= 1
+        self.waiting.pop(conn, None)
+
+    def least_sent(self) -> GuardedH11Protocol | None:
+        """The admitted connection to close for a newcomer: one between requests or in its
+        headers (never one whose request is being answered) that has sent the fewest header
+        bytes, the oldest of those first."""
+        candidates = [c for c in self.admitted if c.in_headers()]
+        return min(candidates, key=lambda c: (c.head_bytes, c.head_started), default=None)
+
+    def refused(self, reason: str, key: str) -> None:
+        if reason == "per_ip":
+            self.refused_per_ip += 1
+        else:
+            self.refused_total += 1
         self._unlogged[reason] = self._unlogged.get(reason, 0) + 1
         now = time.monotonic()
         if now - self._logged_at >= WARN_EVERY_S:  # one line per interval, not one per connection
@@ -75,7 +109,6 @@ class ConnectionGuard:
             log.warning("refused %s connection(s) (%s; the latest from %s)", sum(self._unlogged.values()),
                         parts, key)
             self._unlogged.clear()
-        return reason
 
 
 _LIMIT_NAMES = {"per_ip": "per-address cap (--max-connections-per-ip)", "total": "total cap (--max-connections)"}
@@ -99,7 +132,7 @@ def client_key(addr: tuple | None) -> str:
 
 def _raw_response(status: int, reason: str, message: str, code: str, retry_after: int | None = None) -> bytes:
     """A whole HTTP/1.1 response that closes the connection, in OpenAI's error envelope (the
-    path, which would pick Anthropic's, is not known yet)."""
+    app, which would pick Anthropic's by the path, is never reached)."""
     kind = {429: "rate_limit_error", 503: "service_unavailable_error", 408: "timeout_error"}[status]
     body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
     headers = {"content-type": "application/json", "content-length": str(len(body)), "connection": "close"}
@@ -107,6 +140,11 @@ def _raw_response(status: int, reason: str, message: str, code: str, retry_after
         headers["retry-after"] = str(retry_after)
     head = f"HTTP/1.1 {status} {reason}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
     return head.encode("latin-1") + body
+
+
+def _end_of_head(buf: bytearray) -> bool:
+    """h11 accepts bare LF line ends too."""
+    return b"\r\n\r\n" in buf or b"\n\n" in buf
 
 
 class _LingeringTransport:
@@ -117,7 +155,7 @@ class _LingeringTransport:
     what the client still sends is read and dropped for up to LINGER_S seconds, then the
     connection closes (nginx's "lingering close")."""
 
-    def __init__(self, transport, protocol: "GuardedH11Protocol"):
+    def __init__(self, transport, protocol: GuardedH11Protocol):
         self._transport, self._protocol = transport, protocol
         self._closing = False
 
@@ -129,31 +167,52 @@ class _LingeringTransport:
 
     def close(self) -> None:
         first, self._closing = not self._closing, True
-        if first and self._protocol.conn.their_state is h11.SEND_BODY and self._transport.can_write_eof():
+        if first and self._protocol.conn.their_state is h11.SEND_BODY:
             self._protocol.linger()
         else:
             self._transport.close()
 
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with the guard: a connection over a cap is answered and closed
-    before anything is parsed; an admitted one must complete each request's headers in time."""
+    """uvicorn's h11 protocol with the guard. A connection under the caps is handed to uvicorn
+    at once and must complete each request's headers in time; one over a cap waits outside
+    uvicorn until its headers are in (see the module's docstring)."""
 
     guard: ConnectionGuard  # set on the subclass protocol_class() makes
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
-        self._key: str | None = client_key(get_remote_addr(transport))
+        self.key = client_key(get_remote_addr(transport))
+        self._raw = transport
         self._header_timer = None
         self._linger_timer = None
         self._got_bytes = False
-        refusal = self.guard.admit(self._key)
-        if refusal is not None:
-            self._key = None
-            transport.write(self._refusal(refusal))
-            transport.close()  # flushes the few bytes, then closes; asyncio reads nothing more
-            return
-        super().connection_made(_LingeringTransport(transport, self))
+        self._refused = False     # answered outside uvicorn: what still comes is dropped
+        self._head: bytearray | None = None  # while waiting: the bytes read so far
+        self._in_uvicorn = False  # admitted: uvicorn set the connection up, so it must see it lost too
+        self.head_bytes = 0       # bytes of the current request's head (eviction picks the fewest)
+        self.head_started = time.monotonic()
+        guard = self.guard
+        self._over = guard.over_cap(self.key)  # the cap it is over, if it waits
+        if self._over is None:
+            self._admit()
+        else:
+            # Room among the waiting: the oldest waiter is the slowest, and an address that
+            # already has a cap's worth waiting makes room from its own
+            mine = [c for c in guard.waiting if c.key == self.key]
+            if len(mine) >= guard.limits.max_per_ip:
+                mine[0]._refuse(mine[0]._over)
+            elif len(guard.waiting) >= guard.limits.max_waiting:
+                oldest = next(iter(guard.waiting))
+                oldest._refuse(oldest._over)
+            self._head = bytearray()
+            guard.waiting[self] = None
         self._arm_header_deadline()  # also a client that connects and never sends a byte
+
+    def _admit(self) -> None:
+        self.guard.waiting.pop(self, None)
+        self.guard.count(self)
+        self._in_uvicorn = True
+        super().connection_made(_LingeringTransport(self._raw, self))
 
     def _refusal(self, reason: str) -> bytes:
         lim = self.guard.limits
@@ -164,29 +223,93 @@ class GuardedH11Protocol(H11Protocol):
         return _raw_response(503, "Service Unavailable", f"the server has {lim.max_total} open connections, its "
                              "limit; retry shortly", retry_after=1, code="server_busy")
 
-    def connection_lost(self, exc) -> None:
-        if self._key is None:  # refused in connection_made: uvicorn never set this connection up
-            return
-        self.guard.release(self._key)
-        self._key = None
+    def _refuse(self, reason: str) -> None:
+        """Answer a waiting connection and close it, reading and dropping what it still sends
+        for a moment so that the answer is not lost to a reset."""
+        self.guard.waiting.pop(self, None)
+        self.guard.refused(reason, self.key)
+        self._refused, self._head = True, None
         self._disarm_header_deadline()
-        if self._linger_timer is not None:
-            self._linger_timer.cancel()
-        super().connection_lost(exc)
+        self._raw.write(self._refusal(reason))
+        self._shut_and_linger()
 
-    def data_received(self, data: bytes) -> None:
-        if self._linger_timer is not None:
-            return  # the rest of a body that was already refused
-        self._got_bytes = True
-        super().data_received(data)
-        self._watch_headers()
-
-    def linger(self) -> None:
-        """See _LingeringTransport: answer sent, write side shut, the rest read and dropped."""
-        raw = self.transport._transport
+    def _shut_and_linger(self) -> None:
+        raw = self._raw
+        if raw.is_closing():
+            return
+        if self.guard.lingering >= self.guard.limits.max_total or not raw.can_write_eof():
+            raw.close()  # under a flood, sockets are not kept for politeness
+            return
+        self.guard.lingering += 1
         raw.resume_reading()  # uvicorn pauses reading once 64 KiB of body wait unread
         raw.write_eof()
         self._linger_timer = self.loop.call_later(LINGER_S, raw.close)
+
+    def connection_lost(self, exc) -> None:
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
+            self.guard.lingering -= 1
+        self._disarm_header_deadline()
+        self.guard.release(self)
+        if self._in_uvicorn:
+            super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._linger_timer is not None or self._refused:
+            return  # the rest of a request that was already answered
+        self._got_bytes = True
+        if self._head is not None:
+            return self._read_waiting(data)
+        if self.conn.their_state is h11.IDLE:
+            if not self.head_bytes:
+                self.head_started = time.monotonic()
+            self.head_bytes += len(data)
+        super().data_received(data)
+        self._watch_headers()
+
+    def _read_waiting(self, data: bytes) -> None:
+        self._head += data
+        if not _end_of_head(self._head) and len(self._head) <= MAX_HEAD_BYTES:
+            return
+        reason = self.guard.over_cap(self.key)
+        if reason == "total" and len(self._head) <= MAX_HEAD_BYTES:
+            victim = self.guard.least_sent()
+            if victim is not None:
+                victim.evict()
+                reason = None
+        if reason is not None:
+            return self._refuse(reason)
+        head, self._head = bytes(self._head), None
+        self._disarm_header_deadline()
+        self._admit()
+        self.head_bytes, self.head_started = len(head), time.monotonic()
+        super().data_received(head)
+        self._watch_headers()
+
+    def in_headers(self) -> bool:
+        """Between requests or inside a request's head: nothing of it is being answered."""
+        return (not self.transport.is_closing() and self.conn.their_state is h11.IDLE
+                and self.conn.our_state is h11.IDLE)
+
+    def evict(self) -> None:
+        """Close an admitted connection to make room (see ConnectionGuard.least_sent)."""
+        self.guard.evicted += 1
+        if self.head_bytes:  # one that had started a request hears why
+            self.transport.write(_raw_response(503, "Service Unavailable", "the server needed this connection for "
+                                               "a complete request while your headers were still arriving; retry",
+                                               retry_after=1, code="server_busy"))
+        # its place is free now, not once the close completes (uvicorn's limit_concurrency
+        # counts its own set of connections)
+        self.guard.release(self)
+        self.connections.discard(self)
+        self.conn.send(h11.ConnectionClosed())
+        self.transport.close()
+
+    def linger(self) -> None:
+        """See _LingeringTransport: answer sent, write side shut, the rest read and dropped."""
+        self._refused = True
+        self._shut_and_linger()
 
     def _watch_headers(self) -> None:
         """After each read: while h11 still waits for a request line and headers (IDLE), a
@@ -194,6 +317,7 @@ class GuardedH11Protocol(H11Protocol):
         keep-alive timeout between requests (uvicorn's) take over."""
         if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
             self._disarm_header_deadline()
+            self.head_bytes = 0  # the next request's head counts afresh
         else:
             self._arm_header_deadline()  # the first bytes of a request on a kept-alive connection
 
@@ -208,9 +332,16 @@ class GuardedH11Protocol(H11Protocol):
 
     def _headers_too_late(self) -> None:
         self._header_timer = None
-        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
-            return
         self.guard.header_timeouts += 1
+        if self._head is not None:  # waiting over a cap: it hears the cap (a silent one, nothing)
+            if self._got_bytes:
+                return self._refuse(self._over)
+            self.guard.waiting.pop(self, None)
+            self._refused = True
+            return self._raw.close()
+        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+            self.guard.header_timeouts -= 1
+            return
         if self._got_bytes:  # a silent connection (a browser's preconnect) is just closed, as nginx does
             self.transport.write(_raw_response(408, "Request Timeout", "the request headers did not arrive within "
                                                f"{self.guard.limits.header_timeout:g} s", code="request_timeout"))

@@ -9,11 +9,11 @@ from starlette.responses import Response
 # OpenAI's error `type` per status (its API uses these strings; clients mostly read the status).
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                  404: "not_found_error", 408: "timeout_error", 413: "invalid_request_error",
-                 429: "rate_limit_error", 500: "server_error", 503: "service_unavailable_error"}
+                 415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "service_unavailable_error"}
 # Anthropic's documented error types.
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                     404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
-                    429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
+                    415: "invalid_request_error", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
 
 
 class ApiError(Exception):

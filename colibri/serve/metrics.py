@@ -103,10 +103,12 @@ class _ConnectionCollector:
     def collect(self):
         g = self.guard
         yield GaugeMetricFamily("colibri_open_connections", "Open HTTP connections", value=g.total)
-        refused = CounterMetricFamily("colibri_connections_refused", "Connections refused at accept, by the cap "
-                                      "they were over", labels=["limit"])
+        refused = CounterMetricFamily("colibri_connections_refused", "Connections answered 429 / 503 and closed "
+                                      "once their headers were in, by the cap they were over", labels=["limit"])
         refused.add_metric(["per_ip"], g.refused_per_ip)
         refused.add_metric(["total"], g.refused_total)
         yield refused
         yield CounterMetricFamily("colibri_header_timeouts", "Connections closed because a request's headers "
                                   "did not arrive within --header-timeout", value=g.header_timeouts)
+        yield CounterMetricFamily("colibri_connections_evicted", "Connections between requests or still sending "
+                                  "headers, closed to make room for a complete request", value=g.evicted)

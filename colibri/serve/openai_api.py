@@ -17,7 +17,7 @@ from colibri.serve.tools import (AnswerStream, ArgsDelta, CallStart, Reasoning, 
 from colibri.serve.errors import bad_request
 from colibri.serve.reasoning import prompt_opens_thinking
 from colibri.serve.scheduler import Failed, Finished
-from colibri.serve.schemas import MAX_STOP, ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
+from colibri.serve.schemas import MAX_STOP, MAX_STOP_CHARS, ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
 
 router = APIRouter()
 
@@ -33,6 +33,11 @@ def stop_list(stop, param: str = "stop") -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > MAX_STOP:
         raise bad_request(f"'{param}' takes at most {MAX_STOP} strings, not {len(stops)}", param=param)
+    for i, s in enumerate(stops):
+        if isinstance(s, str) and len(s) > MAX_STOP_CHARS:
+            where = param if isinstance(stop, str) else f"{param}[{i}]"
+            raise bad_request(f"'{where}' is {len(s)} characters long; a stop string has at most {MAX_STOP_CHARS}",
+                              param=where)
     return stops
 
 

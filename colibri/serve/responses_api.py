@@ -24,7 +24,8 @@ from colibri.serve.openai_api import ChatSetup, answer_stream, prepare_chat, res
 from colibri.serve.scheduler import Failed, Finished
 from colibri.serve.schemas import ResponsesRequest
 from colibri.serve.state import ClientGone, ServerState, Turn, collect, error_event, read_json, sse, sse_response
-from colibri.serve.tools import ArgsDelta, CallEnd, CallStart, Reasoning, TextDelta, function_tool, parse_arguments
+from colibri.serve.tools import (ArgsDelta, CallEnd, CallStart, Reasoning, TextDelta, check_tool_count, function_tool,
+                                 parse_arguments)
 
 router = APIRouter()
 PATH = "/v1/responses"
@@ -66,6 +67,7 @@ def _store(state: ServerState) -> ResponseStore:
 
 # ---------------------------------------------------------------------------------- request
 def _tools(tools: list | None) -> list[dict]:
+    check_tool_count(tools)
     out = []
     for i, t in enumerate(tools or []):
         param = f"tools[{i}]"

@@ -131,11 +131,13 @@ class Scheduler:
                 self.stats.rejected_draining += 1
                 raise Rejected(503, "draining", "the server is shutting down; retry on another instance or later",
                                self._retry_after())
-            # max_queue counts requests waiting behind the running ones; free batch places take more
-            if len(self._waiting) >= self.max_queue + (self.max_batch - len(self.active)):
+            # max_queue counts requests waiting behind the running ones: those about to take a
+            # free batch place are not in it
+            queued = len(self._waiting) - self._about_to_start()
+            if queued >= self.max_queue:
                 self.stats.rejected_queue_full += 1
-                raise Rejected(429, "queue_full", f"the server is busy: {len(self._waiting)} requests are already "
-                               "waiting; retry later", self._retry_after())
+                raise Rejected(429, "queue_full", f"the server is busy: {queued} requests are already waiting "
+                               f"(at most {self.max_queue} may); retry later", self._retry_after())
             self._waiting.append(job)
             self.stats.admitted += 1
             self._cv.notify_all()
@@ -154,6 +156,20 @@ class Scheduler:
             else:
                 self.stats.cancelled += 1
             return True
+
+    def _about_to_start(self) -> int:
+        """Waiting jobs the scheduler thread will start as soon as it runs: one per free batch
+        place, among those that ask for no slot or for a different free one each."""
+        free_places = self.max_batch - len(self.active)
+        if free_places <= 0:
+            return 0
+        anywhere, slots = 0, set()
+        for job in self._waiting:
+            if job.slot is None:
+                anywhere += 1
+            elif job.slot not in self._busy_slots:
+                slots.add(job.slot)
+        return min(free_places, anywhere + len(slots))
 
     def retry_after(self) -> int:
         with self._cv:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from colibri.serve.errors import bad_request
 
 MAX_STOP = 4
+MAX_STOP_CHARS = 1024  # each stop string: the decoder holds back that much text while it might match
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16  # choices per request: each is a full generation, one after another
 # Seeds are what numpy's generator takes without folding: 0..2**64-1. A negative or larger seed
@@ -204,6 +205,7 @@ class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Any] | None = None  # with messages: rendered as the chat route renders them
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     enable_thinking: bool | None = None

@@ -1,6 +1,7 @@
 """The server's guards, as plain ASGI middleware: request ids, a Host allowlist against DNS
-rebinding, the API key (constant-time, Bearer or x-api-key), and a body size limit with a read
-deadline. Each refusal is answered in the envelope of the API the path belongs to."""
+rebinding, an Origin check and a JSON-only body rule against other web pages, the API key
+(constant-time, Bearer or x-api-key), and a body size limit with a read deadline and one
+framing. Each refusal is answered in the envelope of the API the path belongs to."""
 from __future__ import annotations
 
 import asyncio
@@ -15,6 +16,7 @@ from colibri.serve.errors import error_response
 from colibri.serve.web import is_public
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
+STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages/count_tokens", "/v1/messages",
@@ -128,6 +130,49 @@ class HostAllowlistMiddleware:
         await self.app(scope, receive, send)
 
 
+class BrowserGuardMiddleware:
+    """Keeps other web pages off the server, key or no key. A page may send a cross-origin
+    "simple request" (a POST with a text/plain, form or typeless body) without asking the
+    server first (no CORS preflight), so answering without CORS headers would still have run it.
+    So every state-changing request that names an Origin other than the server's own or one
+    given with --cors-origin is refused (browsers always send Origin on such requests), and a
+    body must be declared `application/json` (415 otherwise, unless --allow-any-content-type),
+    which no page can send cross-origin without the preflight that CORS then refuses."""
+
+    def __init__(self, app, cors_origins: list[str], any_content_type: bool = False):
+        self.app, self.any_content_type = app, any_content_type
+        self.any_origin = "*" in cors_origins
+        self.origins = {o.lower().rstrip("/") for o in cors_origins}
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] not in STATE_CHANGING:
+            return await self.app(scope, receive, send)
+        origin = _header(scope, b"origin")
+        if origin is not None and not self._allowed(origin.decode("latin-1"), scope):
+            resp = error_response(scope["path"], 403, f"requests from the web page origin "
+                                  f"'{origin.decode('latin-1')}' are not allowed; start the server with "
+                                  "--cors-origin ORIGIN to accept it", code="origin_not_allowed")
+            return await resp(scope, receive, send)
+        if scope["method"] != "DELETE" and not self.any_content_type:
+            given = (_header(scope, b"content-type") or b"").decode("latin-1")
+            if given.split(";", 1)[0].strip().lower() != "application/json":
+                resp = error_response(scope["path"], 415, "the request body must be sent as 'Content-Type: "
+                                      f"application/json', not {given or 'without a type'!r}; start the server "
+                                      "with --allow-any-content-type for clients that cannot set it",
+                                      param="content-type", code="unsupported_media_type",
+                                      headers={"connection": "close"})
+                return await resp(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def _allowed(self, origin: str, scope) -> bool:
+        origin = origin.strip().lower().rstrip("/")
+        if self.any_origin or origin in self.origins:
+            return True
+        host = (_header(scope, b"host") or b"").decode("latin-1").strip().lower()
+        _, sep, authority = origin.partition("://")
+        return bool(sep and host) and authority == host  # the server's own page (the dashboard)
+
+
 def _hostname(host: str) -> str:
     host = host.strip().lower()
     if host.startswith("["):  # [::1]:8000
@@ -181,6 +226,12 @@ class BodyLimitMiddleware:
             return await self.app(scope, receive, send)
         path = scope["path"]
         length = _header(scope, b"content-length")
+        if length is not None and _header(scope, b"transfer-encoding") is not None:
+            # Two framings: a proxy in front may read the body by the other one, so what follows
+            # it on this connection could be smuggled in as a request of its own (RFC 9112 6.3)
+            resp = error_response(path, 400, "the request has both Content-Length and Transfer-Encoding; send one",
+                                  code="ambiguous_framing", headers={"connection": "close"})
+            return await resp(scope, receive, send)
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             return await self._too_large(scope, receive, send)
         try:

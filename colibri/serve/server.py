@@ -30,6 +30,7 @@ class ServeOptions:
     model_aliases: list[str] = field(default_factory=list)  # other names requests may use
     api_key: str | None = None
     cors_origins: list[str] = field(default_factory=list)
+    allow_any_content_type: bool = False  # accept POST bodies not declared application/json
     allowed_hosts: list[str] = field(default_factory=list)
     allow_insecure_bind: bool = False
     max_queue: int = 8
@@ -199,6 +200,7 @@ def run(o: ServeOptions) -> None:
         metrics.attach_connections(guard)
         held = scheduler.restore()
         config = ServeConfig(model_id=o.model_id, model_aliases=set(o.model_aliases), api_key=o.api_key, cors_origins=list(o.cors_origins),
+                             allow_any_content_type=o.allow_any_content_type,
                              allowed_hosts=allowed_hosts(o.host, o.allowed_hosts), queue_timeout=o.queue_timeout,
                              max_tokens=o.max_tokens, max_body_bytes=MAX_BODY_BYTES, read_timeout=o.read_timeout)
         app = create_app(engine, scheduler, config, metrics)

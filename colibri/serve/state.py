@@ -37,6 +37,7 @@ class ServeConfig:
     model_aliases: set[str] = field(default_factory=set)  # other names accepted for it (--served-model-name)
     api_key: str | None = None
     cors_origins: list[str] = field(default_factory=list)   # exact origins; "*" only when asked for
+    allow_any_content_type: bool = False  # POST bodies need not say application/json (--allow-any-content-type)
     allowed_hosts: set[str] | None = None  # Host header names; None accepts any
     queue_timeout: float = 300.0         # seconds a request may wait for its turn before a 429
     max_tokens: int = 4096               # the most tokens one request may generate (larger asks get a 400)

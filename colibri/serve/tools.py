@@ -29,6 +29,9 @@ from colibri.serve.tool_calls import (ArgsDelta, CallEnd, CallStart, TextDelta, 
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _SENTINEL = "colibri_probe_tool_7f3a"
+MAX_TOOLS = 128            # OpenAI's own limit; the grammar of thousands of calls overruns the grammar engine
+MAX_SCHEMA_NESTING = 64    # JSON levels (an object property is two): the schema checker recurses per level
+MAX_PATTERN_SIZE = 10_000  # characters a regex's counted repeats may spell out, e.g. (a{100}){100}
 
 
 # ---------------------------------------------------------------------------------- definitions
@@ -36,6 +39,11 @@ def check_schema(schema, param: str) -> dict:
     """A JSON schema (draft picked from its $schema, 2020-12 by default) or a 400 naming `param`."""
     if not isinstance(schema, dict):
         raise bad_request(f"'{param}' must be a JSON schema object", param=param)
+    if _nesting(schema) > MAX_SCHEMA_NESTING:
+        raise bad_request(f"'{param}' is nested more than {MAX_SCHEMA_NESTING} levels deep (JSON objects and "
+                          "arrays, an object property counting two); flatten it or use $defs", param=param)
+    for where, pattern in _patterns(schema, param):
+        check_pattern(pattern, where)
     try:
         validator_for(schema).check_schema(schema)
     except SchemaError as e:
@@ -43,6 +51,72 @@ def check_schema(schema, param: str) -> dict:
         raise bad_request(f"'{param}' is not a valid JSON schema: {e.message}" + (f" (at {where})" if where else ""),
                           param=param) from None
     return schema
+
+
+def _nesting(value) -> int:
+    """How deep JSON objects and arrays nest in `value`, without recursion."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, depth = todo.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, depth)
+            todo.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+def _patterns(schema, param: str):
+    """(where, regex) for each `pattern` and `patternProperties` key in a schema."""
+    todo = [(schema, param)]
+    while todo:
+        v, where = todo.pop()
+        if isinstance(v, dict):
+            if isinstance(v.get("pattern"), str):
+                yield f"{where}.pattern", v["pattern"]
+            if isinstance(v.get("patternProperties"), dict):
+                yield from ((f"{where}.patternProperties", k) for k in v["patternProperties"])
+            todo.extend((c, f"{where}.{k}") for k, c in v.items())
+        elif isinstance(v, list):
+            todo.extend((c, f"{where}[{i}]") for i, c in enumerate(v))
+
+
+def check_pattern(pattern: str, param: str) -> None:
+    """A regex the grammar engine can build, or a 400 naming `param`: counted repeats nested in
+    each other (`(a{1000}){1000}`) spell out their product, which the engine would expand state
+    by state during generation, seconds later, and then fail."""
+    import re._parser as sre  # Python's own regex parser: the same syntax, nothing compiled
+
+    try:
+        size = _spelled_out(sre.parse(pattern))
+    except (re.error, RecursionError, OverflowError):
+        return  # syntax Python does not share (ECMA's, Rust's): the grammar engine judges it
+
+    if size > MAX_PATTERN_SIZE:
+        raise bad_request(f"'{param}': the regex's counted repeats spell out {size} characters, more than "
+                          f"{MAX_PATTERN_SIZE}; use fewer or unbounded repeats (*, +)", param=param)
+
+
+def _spelled_out(parsed) -> int:
+    import re._constants as c
+
+    total = 0
+    for op, arg in parsed:
+        if op in (c.MAX_REPEAT, c.MIN_REPEAT, c.POSSESSIVE_REPEAT):
+            lo, hi, sub = arg
+            total += (lo if hi == c.MAXREPEAT else hi) * max(1, _spelled_out(sub))
+        elif op in (c.SUBPATTERN, c.ATOMIC_GROUP):
+            total += _spelled_out(arg[-1])
+        elif op is c.BRANCH:
+            total += max((_spelled_out(b) for b in arg[1]), default=0)
+        elif op in (c.ASSERT, c.ASSERT_NOT):
+            total += _spelled_out(arg[1])
+        elif op is not c.AT:  # anchors match no character
+            total += 1
+    return total
+
+
+def check_tool_count(tools: list | None, param: str = "tools") -> None:
+    if tools is not None and len(tools) > MAX_TOOLS:
+        raise bad_request(f"'{param}' lists {len(tools)} tools; at most {MAX_TOOLS} are served", param=param)
 
 
 def function_tool(name, description, parameters, param: str, strict=None, schema_field: str = "parameters") -> dict:
@@ -63,6 +137,7 @@ def function_tool(name, description, parameters, param: str, strict=None, schema
 
 def openai_tools(tools: list | None) -> list[dict]:
     """OpenAI chat `tools` (function tools only) -> checked definitions."""
+    check_tool_count(tools)
     out = []
     for i, t in enumerate(tools or []):
         param = f"tools[{i}]"
@@ -188,6 +263,8 @@ def guided_spec(req) -> tuple[dict | None, str | None]:
         return {"json_schema": check_schema(value, name)}, name
     if name == "guided_choice":
         return {"regex": "|".join(re.escape(c) for c in value)}, name
+    if name == "guided_regex" and isinstance(value, str):
+        check_pattern(value, name)
     return ({"regex": value} if name == "guided_regex" else {"lark": value}), name
 
 

@@ -7,6 +7,9 @@ this file again in a fresh process with NUMBA_ENABLE_CUDASIM=1, where the checks
 (rows past the last whole block, token rows past the last whole tile): the simulator runs each
 GPU thread as a Python thread.
 """
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +31,21 @@ def test_under_the_simulator():
     if C.simulated():
         pytest.skip("this process is the simulator run")
     rerun_under_simulator(__file__, ROOT, timeout=600)
+
+
+def test_the_simulators_device_memory_is_the_hosts_available_memory():
+    """Sized by free pages, the simulator's "device" had almost nothing left once the page cache
+    filled (after writing a large model): no layer fit and the device tests failed. MemAvailable
+    counts the cache the kernel would drop."""
+    probe = ("from colibri.kernels import cuda; from colibri.memory import available_memory; import os; "
+             "print(cuda.free_bytes(), available_memory(), os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE'))")
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    device, available, free_pages = map(int, r.stdout.split())
+    print(f"\nsimulated device memory {device / 2**30:.2f} GiB; available {available / 2**30:.2f} GiB; "
+          f"free pages {free_pages / 2**30:.2f} GiB")
+    assert abs(device - available) <= 0.01 * available
 
 
 def test_cuda_device_without_a_gpu_is_a_clear_error():

@@ -132,3 +132,27 @@ def test_sigterm_drains_in_flight_requests_then_exits(start_server):
     s.join(30)
     assert s.done and s.frames[-1]["usage"]["completion_tokens"] == 200  # finished in full
     assert "drained" in srv.log()
+
+
+def test_the_queue_full_message_counts_what_waits(start_server):
+    """With batch places free but every waiting request asking for the busy slot, the queue
+    holds --max-queue requests and the 429 says that number (it said 3 with --max-queue 2)."""
+    srv = start_server("--max-batch", "2", "--kv-slots", "2", "--max-queue", "2", "--queue-timeout", "8",
+                       "--max-tokens", "4000", "--no-persist", max_batch=None)
+    long = Streamer(srv.url, {**COUNTING, "max_tokens": 4000, "cache_slot": 0})
+    long.start()
+    assert long.first.wait(120) and long.status == 200
+    waiters = []
+    for n in (1, 2):
+        t = threading.Thread(target=httpx.post, args=(srv.url + "/v1/completions",),
+                             kwargs={"json": {**COUNTING, "max_tokens": 1, "cache_slot": 0}, "timeout": 60})
+        t.start()
+        waiters.append(t)
+        assert _wait(lambda n=n: srv.health()["queued"] == n, 10)
+    r = httpx.post(srv.url + "/v1/completions", json={**COUNTING, "max_tokens": 1, "cache_slot": 0}, timeout=30)
+    assert r.status_code == 429, r.text
+    assert "2 requests are already waiting (at most 2 may)" in r.json()["error"]["message"]
+    long.close.set()
+    long.join(30)
+    for t in waiters:
+        t.join(60)

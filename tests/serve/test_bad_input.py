@@ -3,6 +3,7 @@ there is one), and the server keeps serving; then a hypothesis fuzz run finds no
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -25,6 +26,7 @@ def srv(start_server):
 @pytest.fixture(scope="module")
 def http(srv):
     with srv.client() as c:
+        c.headers["content-type"] = "application/json"  # for the raw bodies sent as content=
         yield c
 
 
@@ -221,6 +223,82 @@ def test_bad_token_ids(http):
     _openai_error(http.post("/v1/completions", json={**COMPLETION, "prompt": [1, 10 ** 9]}), 400)
     _openai_error(http.post("/v1/completions", json={**COMPLETION, "prompt": []}), 400, param="prompt")
     _openai_error(http.post("/v1/completions", json={**COMPLETION, "prompt": ["a", "b"]}), 400, param="prompt")
+
+
+def _nested_object_schema(levels: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def test_a_schema_nested_too_deep_is_a_400_and_the_connection_stays_up(srv, http):
+    deep = _nested_object_schema(200)  # the checker's recursion used to end it: a 500, then a reset
+    fmt = {"type": "json_schema", "json_schema": {"name": "deep", "strict": True, "schema": deep}}
+    with httpx.Client(base_url=srv.url, timeout=60, limits=httpx.Limits(max_connections=1)) as one_connection:
+        r = one_connection.post("/v1/chat/completions", json={**CHAT, "response_format": fmt})
+        err = _openai_error(r, 400, param="response_format.json_schema.schema")
+        assert "more than 64 levels" in err["message"]
+        tool = {"type": "function", "function": {"name": "f", "parameters": deep}}
+        r = one_connection.post("/v1/chat/completions", json={**CHAT, "tools": [tool]})
+        _openai_error(r, 400, param="tools[0].function.parameters")
+        r = one_connection.post("/v1/chat/completions", json=CHAT)  # the same connection, still good
+        assert r.status_code == 200
+    fine = {**fmt, "json_schema": {"name": "ok", "strict": True, "schema": _nested_object_schema(8)}}
+    assert http.post("/v1/chat/completions", json={**CHAT, "response_format": fine}).status_code == 200
+
+
+def test_thousands_of_tools_are_a_clean_400_naming_the_limit(http):
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": {"type": "object"}}}
+             for i in range(3000)]
+    r = http.post("/v1/chat/completions", json={**CHAT, "tools": tools, "tool_choice": "required"})
+    err = _openai_error(r, 400, param="tools")
+    assert "3000 tools; at most 128" in err["message"] and "panic" not in err["message"]
+    r = http.post("/v1/messages", json={**MESSAGES, "tools": [{"name": f"t{i}", "input_schema": {"type": "object"}}
+                                                                for i in range(129)]})
+    assert r.status_code == 400 and "at most 128" in r.json()["error"]["message"]
+
+
+def test_a_regex_that_spells_out_a_million_characters_is_refused_up_front(http):
+    pattern = "^(a{1000}){1000}$"
+    schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": pattern}}, "required": ["code"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "strict": True, "schema": schema}}
+    t = time.monotonic()
+    r = http.post("/v1/chat/completions", json={**CHAT, "response_format": fmt})
+    err = _openai_error(r, 400, param="response_format.json_schema.schema.properties.code.pattern")
+    assert "1000000 characters" in err["message"] and time.monotonic() - t < 1.0
+    err = _openai_error(http.post("/v1/completions", json={**COMPLETION, "guided_regex": pattern}), 400,
+                        param="guided_regex")
+    # patterns of ordinary size still constrain
+    r = http.post("/v1/completions", json={**COMPLETION, "guided_regex": "[a-z]{1,5}( [a-z]{1,5}){0,3}"})
+    assert r.status_code == 200, r.text
+
+
+def test_a_stop_string_is_bounded(http):
+    err = _openai_error(http.post("/v1/chat/completions", json={**CHAT, "stop": "x" * 1_000_000}), 400, param="stop")
+    assert "1000000 characters long; a stop string has at most 1024" in err["message"]
+    _openai_error(http.post("/v1/completions", json={**COMPLETION, "stop": ["\n", "y" * 2000]}), 400, param="stop[1]")
+    r = http.post("/v1/messages", json={**MESSAGES, "stop_sequences": ["z" * 1025]})
+    assert r.status_code == 400 and "stop_sequences[0]" in r.json()["error"]["message"]
+    assert http.post("/v1/chat/completions", json={**CHAT, "stop": ["x" * 1024]}).status_code == 200
+
+
+TOOL_TURNS = [{"role": "user", "content": "Weather in Paris?"},
+              {"role": "assistant", "content": None, "tool_calls": [
+                  {"id": "call_1", "type": "function",
+                   "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+              {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
+                                             "parameters": {"type": "object",
+                                                            "properties": {"city": {"type": "string"}}}}}]
+
+
+def test_tokenize_counts_a_conversation_with_tool_calls_as_the_chat_route_does(http):
+    for extra in ({}, {"tools": WEATHER}):
+        r = http.post("/v1/chat/completions", json={**CHAT, "messages": TOOL_TURNS, **extra})
+        assert r.status_code == 200, r.text
+        counted = http.post("/tokenize", json={"model": MODEL_ID, "messages": TOOL_TURNS, **extra}).json()["count"]
+        assert counted == r.json()["usage"]["prompt_tokens"], extra
 
 
 def test_still_serving_after_all_that(http, srv):

@@ -3,6 +3,7 @@ strangers, the Host allowlist, exact-origin CORS, and the refusal to bind beyond
 without a key."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -83,12 +84,64 @@ def test_cors_allows_exactly_the_given_origin(srv):
     assert "x-colibri-queue-wait-ms" in r.headers["access-control-expose-headers"]
     r = httpx.post(srv.url + "/v1/chat/completions", json=CHAT, headers={"origin": "http://evil.example",
                                                                           "x-api-key": KEY})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
     assert "access-control-allow-origin" not in r.headers
+
+
+def test_a_keyless_server_runs_no_request_another_web_page_sends(server):
+    """A page on any site may POST to a local server without a CORS preflight when the body is
+    text/plain, a form or untyped (a "simple request"), so the server itself must refuse it."""
+    url = server.url + "/v1/chat/completions"
+    body = json.dumps(CHAT).encode()
+    for headers in ({"content-type": "text/plain", "origin": "http://evil.example"},
+                    {"content-type": "application/json", "origin": "http://evil.example"},
+                    {"content-type": "application/json", "origin": "null"}):
+        r = httpx.post(url, content=body, headers=headers)
+        assert (r.status_code, r.json()["error"]["code"]) == (403, "origin_not_allowed"), headers
+    r = httpx.request("DELETE", server.url + "/v1/responses/resp_1", headers={"origin": "http://evil.example"})
+    assert r.status_code == 403
+    for given in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None):
+        r = httpx.post(url, content=body, headers={"content-type": given} if given else {})
+        err = r.json()["error"]
+        assert (r.status_code, err["code"], err["param"]) == (415, "unsupported_media_type", "content-type"), given
+    r = httpx.post(server.url + "/v1/messages", content=body, headers={"content-type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error"]["type"] == "invalid_request_error"
+    # the server's own page (the dashboard) and clients that send JSON as JSON are served
+    own = {"origin": server.url, "content-type": "application/json; charset=utf-8"}
+    assert httpx.post(url, content=body, headers=own).status_code == 200
+    assert httpx.get(server.url + "/v1/models", headers={"origin": "http://evil.example"}).status_code == 200
+
+
+def test_allow_any_content_type_accepts_untyped_bodies(start_server):
+    srv = start_server("--max-tokens", "1", "--allow-any-content-type", "--cors-origin", ORIGIN, "--no-persist")
+    body = json.dumps(CHAT).encode()
+    r = httpx.post(srv.url + "/v1/chat/completions", content=body, headers={"content-type": "text/plain"}, timeout=60)
+    assert r.status_code == 200, r.text
+    r = httpx.post(srv.url + "/v1/chat/completions", content=body, headers={"origin": ORIGIN}, timeout=60)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+    r = httpx.post(srv.url + "/v1/chat/completions", content=body, headers={"origin": "http://evil.example"})
+    assert r.status_code == 403  # the flag widens the body types, never the origins
+
+
+def test_content_length_with_transfer_encoding_is_refused_and_the_connection_closed(server):
+    """RFC 9112 6.3: a proxy reading the other framing would see the pipelined request below as
+    part of this one's body (request smuggling)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\ncontent-type: application/json\r\n"
+                  b"content-length: 5\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n"
+                  b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"connection: close" in head.lower(), reply
+    assert json.loads(body)["error"]["code"] == "ambiguous_framing"
+    assert reply.count(b"HTTP/1.1") == 1  # the pipelined request was not answered
 
 
 def test_oversize_body_is_refused_before_auth_reads_it(srv):
     r = httpx.post(srv.url + "/v1/chat/completions", content=b"x" * (4 * 1024 * 1024 + 1),
-                   headers={"x-api-key": KEY})
+                   headers={"x-api-key": KEY, "content-type": "application/json"})
     assert r.status_code == 413
 
 

@@ -88,11 +88,12 @@ def device_name() -> str:
 
 def free_bytes() -> int:
     """Device memory free now (the CUDA API's figure); under the simulator, whose "device
-    memory" is host memory, the host's available memory."""
+    memory" is host memory, the host's available memory: MemAvailable, which counts the page
+    cache the kernel would drop (free pages alone can be near zero after a large write)."""
     if simulated():
-        import os
+        from colibri.memory import available_memory
 
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return available_memory()
     free, _total = cuda.current_context().get_memory_info()
     return int(free)
 
