@@ -76,7 +76,7 @@ class RecurrentCache(KVCache):
     def decoded(self) -> None:
         """After a decode step: keep the state every SNAPSHOT_EVERY generated tokens too, so a
         next turn whose re-rendered answer differs near its end reuses most of it (a copy of the
-        state per SNAPSHOT_EVERY tokens: ~0.1% of their decode time at Qwen3.6-35B-A3B's shapes)."""
+        state per SNAPSHOT_EVERY tokens: 1.9 ms at Qwen3.6-35B-A3B's shapes, docs/benchmarks.md)."""
         if self.length - self._last_snapshot >= SNAPSHOT_EVERY:
             self.snapshot()
 
