@@ -63,7 +63,7 @@ def _cache_in_user_dir():
 
 # Every module holding kernels is imported here, inside the block (tests/test_warmup.py checks).
 with _cache_in_user_dir():
-    from . import attention, decode, idot, moe, ops, team
+    from . import attention, decode, delta_rule, idot, moe, ops, team
     from .cpu import embedding, matvec
     from .gemm import matmul
 from colibri.formats.qtensor import (

@@ -187,6 +187,11 @@ class DeviceKVCache:
     def truncate(self, n: int) -> None:
         self.length = min(self.length, n)
 
+    def rewind(self, n: int) -> int:
+        """Prefix reuse keeps any number of positions of a KV cache (models/cache.py KVCache.rewind)."""
+        self.truncate(n)
+        return self.length
+
     @property
     def bytes_per_token(self) -> int:
         kvh, dk, dv = self._dims
