@@ -6,7 +6,8 @@ same numbers, as a GGUF llama.cpp runs, so the two engines are compared on ident
 colibri's int4 g64 (a float scale per 64 weights, byte k of a group holding weights k and
 k + 32) is rewritten as pairs of Q4_0 blocks (an f16 scale per 32 weights, byte j holding
 weights j and j + 16) with the nibbles reordered; both cost 4.5 bits per weight and the
-generator's scales are f16-exact, so every weight is the same. q8_0 maps block for block. The
+generator's scales are f16-exact, so every weight is the same. q8_0 maps block for block where
+its scales are f16 values; the embedding's (1/60) are not, and it goes as F32. The
 tensors stream to the file one at a time (a 17 GB model never sits in memory). Architectures:
 olmoe, qwen3moe, qwen35moe and qwen3next (llama.cpp's names for colibri's olmoe, qwen3_moe,
 qwen3_5_moe and qwen3_next families). The hybrids get the transforms llama.cpp's converter
@@ -26,7 +27,7 @@ import numpy as np
 
 from colibri.errors import ColibriError
 from colibri.io.container import Container
-from colibri.formats.qtensor import QTensor
+from colibri.formats.qtensor import QTensor, dequantize
 
 ARCH = {"olmoe": "olmoe", "qwen3_moe": "qwen3moe", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}
 HYBRID_ARCHS = ("qwen35moe", "qwen3next")  # Gated DeltaNet + gated attention (models/linear_attention.py)
@@ -261,9 +262,13 @@ def write_gguf(path: Path, container_dir: Path) -> Path:
     _metadata(w, arch, cfg)
     _copy_tokenizer(w, cfg["vocab_size"])
     entries = _entries(c, arch)
+    # Q8_0 holds f16 scales: a q8_0 tensor whose scales are not f16 values (the generator's
+    # embedding, 1/60 per block) goes as its exact F32 values instead.
+    widened = {e.source for e in entries if c.manifest["tensors"].get(e.source, {}).get("scheme") == "q8_0"
+               and not _f16_scales(c.tensor(e.source))}
     # Shapes first (the header lists every tensor), computed without materializing them.
     for e in entries:
-        shape, qtype = _shape_of(c, e)
+        shape, qtype = _shape_of(c, e, e.source in widened)
         f32 = qtype == gguf.GGMLQuantizationType.F32
         w.add_tensor_info(e.name, shape, np.dtype(np.float32 if f32 else np.uint8),
                           int(np.prod(shape)) * (4 if f32 else 1), raw_dtype=qtype)
@@ -275,6 +280,8 @@ def write_gguf(path: Path, container_dir: Path) -> Path:
         for e in entries:
             if e.name.endswith("_exps.weight"):
                 w.write_tensor_data(_stacked_experts(c, e.source, e.projection))
+            elif e.source in widened:
+                w.write_tensor_data(np.ascontiguousarray(dequantize(c.tensor(e.source)), np.float32))
             else:
                 w.write_tensor_data(_encode(_transformed(c, e))[0])
             bar.advance(task)
@@ -323,8 +330,13 @@ def _metadata(w, arch: str, cfg: dict) -> None:
         w.add_rope_dimension_sections((list(rope.get("mrope_section", [11, 11, 10])) + [0] * 4)[:4])
 
 
-def _shape_of(c: Container, e: Entry):
-    """(byte shape, GGML type) of one tensor, from the manifest."""
+def _f16_scales(t: QTensor) -> bool:
+    return bool(np.array_equal(t.scales.astype(np.float16).astype(np.float32), t.scales))
+
+
+def _shape_of(c: Container, e: Entry, widened: bool = False):
+    """(byte shape, GGML type) of one tensor, from the manifest; `widened`: a q8_0 tensor
+    written as F32."""
     import gguf
 
     Q = gguf.GGMLQuantizationType
@@ -342,7 +354,7 @@ def _shape_of(c: Container, e: Entry):
         shape[0] = shape[0] - z if e.transform == "qkvz_qkv" else z
     if spec["scheme"] == "int4_g64":
         return (shape[0], shape[1] // 32 * 18), Q.Q4_0
-    if spec["scheme"] == "q8_0":
+    if spec["scheme"] == "q8_0" and not widened:
         return (shape[0], shape[1] // 32 * 34), Q.Q8_0
     return tuple(shape), Q.F32
 
