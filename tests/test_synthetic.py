@@ -385,7 +385,8 @@ def test_hybrid_twin_is_the_layout_llama_cpp_loads(tmp_path, preset, arch):
                  K.SSM.CONV_KERNEL: cfg["linear_conv_kernel_dim"], K.SSM.STATE_SIZE: cfg["linear_key_head_dim"],
                  K.SSM.GROUP_COUNT: cfg["linear_num_key_heads"], K.SSM.TIME_STEP_RANK: cfg["linear_num_value_heads"],
                  K.SSM.INNER_SIZE: cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"],
-                 K.LLM.FULL_ATTENTION_INTERVAL: 4, K.Rope.DIMENSION_COUNT: cfg["head_dim"] // 4}
+                 K.LLM.FULL_ATTENTION_INTERVAL: 4, K.Rope.DIMENSION_COUNT: cfg["head_dim"] // 4,
+                 "{arch}.attention.recurrent_layers": [True, True, True, False]}
     if arch == "qwen35moe":  # the loader requires the M-RoPE sections
         want_meta[K.Rope.DIMENSION_SECTIONS] = [11, 11, 10, 0]
     for key, value in want_meta.items():

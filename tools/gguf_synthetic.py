@@ -322,8 +322,10 @@ def _metadata(w, arch: str, cfg: dict) -> None:
     w.add_ssm_group_count(cfg["linear_num_key_heads"])
     w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
     w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
-    if cfg.get("layer_types") is not None:
-        w.add_array(f"{arch}.attention.recurrent_layers", [t == "linear_attention" for t in cfg["layer_types"]])
+    # transformers fills layer_types in from the interval when a config has none, so the
+    # converter always writes the per-layer flags
+    full = _full_attention_layers(cfg)
+    w.add_array(f"{arch}.attention.recurrent_layers", [i not in full for i in range(cfg["num_hidden_layers"])])
     w.add_full_attention_interval(cfg.get("full_attention_interval", 4))
     w.add_rope_dimension_count(int(Dh * rope.get("partial_rotary_factor", 0.25)))
     if arch == "qwen35moe":  # _Qwen35MRopeMixin: the loader requires the M-RoPE sections
