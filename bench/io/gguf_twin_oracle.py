@@ -2,7 +2,9 @@
 out as the Hugging Face checkpoint it stands for (every tensor's float32 values, experts one per
 tensor, the container's config.json and tokenizer), convert_hf_to_gguf.py turns that into an F32
 GGUF, and its tensor names, GGUF dims, values and `<arch>.*` metadata are compared with the
-twin's (whose Q4_0 blocks hold the same values exactly).
+twin's (whose Q4_0 blocks hold the same values exactly). colibri then runs llama.cpp's file in
+place (colibri/io/gguf_link.py) against the container: the largest logit difference on a prompt
+(float32 kernels against int4 ones over the same values).
 
     python -m bench.io.gguf_twin_oracle --llama-cpp /path/to/llama.cpp [--preset qwen3.6-35b-a3b ...] [--json]
 
@@ -107,6 +109,18 @@ def compare(theirs: Path, ours: Path) -> dict:
             "ssm_a_ulps": ulps, "same": not (tensors or meta)}
 
 
+def colibri_difference(container: Path, gguf: Path, linked: Path) -> float:
+    from colibri import Engine
+    from colibri.io.gguf_link import link_gguf
+
+    ids = np.random.default_rng(1).integers(100, 49000, size=24).tolist()
+    if linked.exists():
+        shutil.rmtree(linked)
+    want = Engine.load(container, stream_experts=False).logits(ids)
+    got = Engine.load(link_gguf(gguf, linked, progress=False), stream_experts=False).logits(ids)
+    return float(np.abs(got - want).max())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-cpp", type=Path, help="llama.cpp source directory (with convert_hf_to_gguf.py)")
@@ -147,10 +161,13 @@ def main() -> None:
                 print(f"{preset:20s} llama.cpp's converter failed: {tail}")
                 continue
             r = compare(theirs, twin)
+            r["colibri_on_llama_cpp_file_max_logit_diff"] = colibri_difference(container, theirs, d / "linked")
             report[preset] = r
             print(f"{preset:20s} {r['arch']:10s} {'SAME' if r['same'] else 'DIFFERENT'}: {r['tensors_compared']} "
                   f"tensors compared; {len(r['tensors'])} tensor, {len(r['metadata'])} metadata differences; "
-                  f"ssm_a within {max(r['ssm_a_ulps'].values(), default=0)} ulp in {len(r['ssm_a_ulps'])} tensors")
+                  f"ssm_a within {max(r['ssm_a_ulps'].values(), default=0)} ulp in {len(r['ssm_a_ulps'])} tensors; "
+                  f"colibri on llama.cpp's file: logits within {r['colibri_on_llama_cpp_file_max_logit_diff']:.2g} "
+                  "of the container's")
             for line in r["tensors"] + r["metadata"]:
                 print(f"                     {line}")
     write_json(a.json, {"presets": report}, args=a)
