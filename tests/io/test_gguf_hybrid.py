@@ -2,8 +2,10 @@
 container (tools/gguf_synthetic.py, llama.cpp's converter layout: 1 + w norms, ssm_a = -exp(A_log),
 qwen35moe's value heads tiled, qwen3next's in_proj_qkvz split) read back by colibri gives the
 container's config, every tensor (A_log up to its float32 exp, which is what the model uses)
-and, run in place as `-m FILE.gguf` does, the container's logits exactly. bench/io/gguf_twin_logits.py
-checks the same twins against llama.cpp."""
+and, run in place as `-m FILE.gguf` does, the container's logits exactly; a block-quantized ssm_out
+regroups its value heads; a tiny transformers model in the converter's layout (tools/gguf_writer)
+decodes as its checkpoint. bench/io/gguf_twin_logits.py checks the same twins against llama.cpp,
+bench/io/gguf_twin_oracle.py against its converter."""
 import numpy as np
 import pytest
 
@@ -131,3 +133,43 @@ def test_block_quantized_ssm_out_regroups_its_value_heads(twins, tmp_path, qtype
     want[:, tiled] = gguf.quants.dequantize(raw, qtype).reshape(rows, cols)  # tiled[:, c] = grouped[:, tiled[c]]
     assert got.scheme == scheme
     np.testing.assert_array_equal(dequantize(got), want)
+
+
+HF_CONFIGS = {  # tiny transformers models, two value heads per key head
+    "qwen35moe": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", {}),
+    "qwen3next": ("Qwen3NextForCausalLM", "Qwen3NextConfig", {"intermediate_size": 96}),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(HF_CONFIGS))
+def test_converter_layout_decodes_like_the_hf_checkpoint(arch, tmp_path):
+    """A tiny transformers model written in llama.cpp's converter layout (tools/gguf_writer, which
+    bench/io/gguf_layout_oracle.py finds byte-identical to convert_hf_to_gguf.py) decodes in
+    colibri as the checkpoint itself does."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import sys
+    from pathlib import Path
+
+    from colibri.io.convert import convert
+    from tools.gguf_writer import save_fixture_tokenizer, write_gguf
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    from harness import make_hf_model, prompts_for
+
+    cls, cfg_cls, extra = HF_CONFIGS[arch]
+    cfg = getattr(transformers, cfg_cls)(
+        vocab_size=320, hidden_size=64, max_position_embeddings=256, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4, **extra)
+    hf = make_hf_model(getattr(transformers, cls), cfg, 7, tmp_path / "hf")
+    save_fixture_tokenizer(hf)
+    (path,) = write_gguf(hf, tmp_path / "m.gguf")
+    ours = Engine.load(convert(path, tmp_path / "from_gguf", progress=False))
+    ref = Engine.load(convert(hf, tmp_path / "from_hf", bits=32, progress=False))
+    for prompt in prompts_for(320, 5, lengths=(1, 9)):
+        got = ours.generate(prompt, max_tokens=12, stop_at_eos=False).token_ids
+        want = ref.generate(prompt, max_tokens=12, stop_at_eos=False).token_ids
+        assert got == want, f"{arch} {prompt}: {got} != {want}"
+        np.testing.assert_allclose(ours.logits(prompt + got)[-1], ref.logits(prompt + want)[-1], rtol=0, atol=1e-5)
