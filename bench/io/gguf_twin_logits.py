@@ -8,6 +8,10 @@ matmuls.
     python -m bench.io.gguf_twin_logits --llama-python /work/peer-venv/bin/python \
         [--preset qwen3.6-35b-a3b --layers 4 --width-divisor 8 --tokens 40] [--json OUT]
 
+--container DIR --gguf FILE compare an existing container with any GGUF of it instead, e.g. the
+F32 file llama.cpp's converter writes in bench/io/gguf_twin_oracle.py's --workdir: there no
+activation is quantized, and the difference is float rounding alone.
+
 llama.cpp runs in a child process under --llama-python (a venv with llama-cpp-python; set
 LLAMA_CPP_LIB_PATH to use another build of libllama). Without --llama-python the script says
 so and exits 0 (nothing to compare against).
@@ -57,6 +61,8 @@ def main() -> None:
                     help="8 keeps Qwen3.6's two value heads per key head (16 drops it to one)")
     ap.add_argument("--tokens", type=int, default=40)
     ap.add_argument("--workdir", type=Path, help="keep the model and its twin here (default: a temporary directory)")
+    ap.add_argument("--container", type=Path, help="an existing container (with --gguf)")
+    ap.add_argument("--gguf", type=Path, help="the GGUF llama.cpp runs (with --container)")
     ap.add_argument("--child-llama", nargs=3, metavar=("GGUF", "IDS_JSON", "OUT_NPY"), help=argparse.SUPPRESS)
     add_json_arg(ap)
     a = ap.parse_args()
@@ -75,11 +81,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = a.workdir or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
-        model = root / f"{a.preset}-l{a.layers}-w{a.width_divisor}"
+        model = a.container or root / f"{a.preset}-l{a.layers}-w{a.width_divisor}"
         if not (model / "config.json").exists():
             synthetic_moe.write_container(model, a.preset, layers=a.layers, width_divisor=a.width_divisor,
                                           vocab=gguf_synthetic.TOKENIZER_VOCAB, progress=False)
-        twin = model.parent / f"{model.name}.gguf"
+        twin = a.gguf or model.parent / f"{model.name}.gguf"
         if not twin.exists():
             gguf_synthetic.write_gguf(twin, model)
         ids = prompt(a.tokens)
@@ -92,8 +98,10 @@ def main() -> None:
             sys.exit(f"llama.cpp failed on {twin.name}: {' | '.join(p.stderr.strip().splitlines()[-5:])}")
         r = compare(ours, np.load(out))
         arch = gguf_synthetic.ARCH[json.loads((model / "config.json").read_text())["model_type"]]
-    r.update(preset=a.preset, arch=arch, layers=a.layers, width_divisor=a.width_divisor)
-    print(f"{a.preset} as {arch} ({a.layers} layers, width / {a.width_divisor}), {r['positions']} positions: "
+    r.update(preset=a.preset, arch=arch, layers=a.layers, width_divisor=a.width_divisor, gguf=str(twin))
+    what = f"{model.name} against llama.cpp on {twin.name}" if a.gguf else \
+        f"{a.preset} as {arch} ({a.layers} layers, width / {a.width_divisor})"
+    print(f"{what}, {r['positions']} positions: "
           f"max |colibri - llama.cpp| = {r['max_abs_diff']:.3g} of max |logit| {r['max_abs_logit']:.3g} "
           f"(relative {r['rel_max_diff']:.2e}; worst position {r['rel_max_diff_worst_position']:.2e}); "
           f"greedy tokens agree at {100 * r['greedy_agree']:.0f}% of positions")
