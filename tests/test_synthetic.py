@@ -3,6 +3,7 @@ decode, placement never changes tokens, routing is skewed and token-dependent, b
 clear error that leaves nothing behind, and the GGUF twin holds the same weights."""
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -323,3 +324,115 @@ def test_gguf_twin_file_holds_the_containers_weights(tmp_path):
     with pytest.raises(ColibriError, match="smaller than SmolLM2's tokenizer"):
         gguf_synthetic.write_gguf(tmp_path / "s.gguf", small)
     assert not (tmp_path / "s.gguf").exists()
+
+
+def _hybrid_twin_dims(meta: dict, arch: str, layer: int, full: bool) -> dict[str, tuple]:
+    """GGUF dims (innermost first) of one layer's tensors as llama.cpp's loader creates them from
+    the metadata (src/models/qwen35moe.cpp, qwen3next.cpp load_arch_tensors)."""
+    g = lambda k: int(meta[f"{arch}.{k}"])
+    d, h, kv, dh = g("embedding_length"), g("attention.head_count"), g("attention.head_count_kv"), g("attention.key_length")
+    s, hk, hv, inner = g("ssm.state_size"), g("ssm.group_count"), g("ssm.time_step_rank"), g("ssm.inner_size")
+    e, i, i_sh = g("expert_count"), g("expert_feed_forward_length"), g("expert_shared_feed_forward_length")
+    b = f"blk.{layer}"
+    dims = {f"{b}.attn_norm.weight": (d,), f"{b}.post_attention_norm.weight": (d,),
+            f"{b}.ffn_gate_inp.weight": (d, e), f"{b}.ffn_gate_inp_shexp.weight": (d, 1),
+            f"{b}.ffn_gate_exps.weight": (d, i, e), f"{b}.ffn_up_exps.weight": (d, i, e),
+            f"{b}.ffn_down_exps.weight": (i, d, e), f"{b}.ffn_gate_shexp.weight": (d, i_sh),
+            f"{b}.ffn_up_shexp.weight": (d, i_sh), f"{b}.ffn_down_shexp.weight": (i_sh, d)}
+    if full:
+        dims.update({f"{b}.attn_q.weight": (d, 2 * h * dh), f"{b}.attn_k.weight": (d, kv * dh),
+                     f"{b}.attn_v.weight": (d, kv * dh), f"{b}.attn_output.weight": (h * dh, d),
+                     f"{b}.attn_q_norm.weight": (dh,), f"{b}.attn_k_norm.weight": (dh,)})
+    else:
+        dims.update({f"{b}.attn_qkv.weight": (d, 2 * hk * s + inner), f"{b}.attn_gate.weight": (d, inner),
+                     f"{b}.ssm_conv1d.weight": (g("ssm.conv_kernel"), 2 * hk * s + inner),
+                     f"{b}.ssm_dt.bias": (hv,), f"{b}.ssm_a": (hv,), f"{b}.ssm_norm.weight": (s,),
+                     f"{b}.ssm_out.weight": (inner, d)})
+        if arch == "qwen35moe":
+            dims.update({f"{b}.ssm_beta.weight": (d, hv), f"{b}.ssm_alpha.weight": (d, hv)})
+        else:
+            dims[f"{b}.ssm_ba.weight"] = (d, 2 * hv)
+    return dims
+
+
+@pytest.mark.parametrize("preset, arch", [("qwen3.6-35b-a3b", "qwen35moe"), ("qwen3-next-80b-a3b", "qwen3next")])
+def test_hybrid_twin_is_the_layout_llama_cpp_loads(tmp_path, preset, arch):
+    """A Gated DeltaNet hybrid slice (two value heads per key head) as its GGUF twin: exactly the
+    tensor names of gguf-py's list for the arch, the dims llama.cpp's loader asks of them, the
+    metadata keys it reads, and the converter's transforms on the weights (1 + w norms,
+    ssm_a = -exp(A_log); qwen35moe's value heads tiled, qwen3next's in_proj_qkvz split).
+    bench/io/gguf_twin_logits.py runs llama.cpp on it."""
+    import gguf
+    from tools import gguf_synthetic
+
+    from colibri.formats.qtensor import dequantize
+    from colibri.io.container import Container
+    from colibri.io.gguf.reader import _metadata
+
+    model = synthetic_moe.write_container(tmp_path / "m", preset, progress=False, layers=4,
+                                          width_divisor=8, vocab=49152)
+    r = gguf.GGUFReader(str(gguf_synthetic.write_gguf(tmp_path / "m.gguf", model)))
+    meta = _metadata(r)
+    c = Container(model)
+    cfg = c.config
+    assert meta["general.architecture"] == arch
+    K = gguf.Keys
+    want_meta = {K.LLM.BLOCK_COUNT: 4, K.LLM.EMBEDDING_LENGTH: cfg["hidden_size"],
+                 K.Attention.HEAD_COUNT: cfg["num_attention_heads"], K.Attention.HEAD_COUNT_KV: cfg["num_key_value_heads"],
+                 K.Attention.KEY_LENGTH: cfg["head_dim"], K.LLM.EXPERT_COUNT: cfg["num_experts"],
+                 K.LLM.EXPERT_USED_COUNT: cfg["num_experts_per_tok"],
+                 K.LLM.EXPERT_FEED_FORWARD_LENGTH: cfg["moe_intermediate_size"],
+                 K.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH: cfg["shared_expert_intermediate_size"],
+                 K.SSM.CONV_KERNEL: cfg["linear_conv_kernel_dim"], K.SSM.STATE_SIZE: cfg["linear_key_head_dim"],
+                 K.SSM.GROUP_COUNT: cfg["linear_num_key_heads"], K.SSM.TIME_STEP_RANK: cfg["linear_num_value_heads"],
+                 K.SSM.INNER_SIZE: cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"],
+                 K.LLM.FULL_ATTENTION_INTERVAL: 4, K.Rope.DIMENSION_COUNT: cfg["head_dim"] // 4,
+                 "{arch}.attention.recurrent_layers": [True, True, True, False]}
+    if arch == "qwen35moe":  # the loader requires the M-RoPE sections
+        want_meta[K.Rope.DIMENSION_SECTIONS] = [11, 11, 10, 0]
+    for key, value in want_meta.items():
+        assert meta[key.format(arch=arch)] == value, key
+    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    assert hv == 2 * hk  # the value-head reorder is exercised
+
+    allowed = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[gguf.MODEL_ARCH[arch.upper()]]}
+    tensors = {t.name: t for t in r.tensors}
+    for name in tensors:
+        stem = name if name.endswith("ssm_a") else name.rpartition(".")[0]
+        assert re.sub(r"^blk\.\d+\.", "blk.{bid}.", stem) in allowed, name
+    want_dims = {"token_embd.weight": (cfg["hidden_size"], 49152), "output.weight": (cfg["hidden_size"], 49152),
+                 "output_norm.weight": (cfg["hidden_size"],)}
+    for i in range(4):
+        want_dims.update(_hybrid_twin_dims(meta, arch, i, full=i == 3))
+    assert {n: tuple(int(x) for x in t.shape) for n, t in tensors.items()} == want_dims
+
+    def values(name):
+        t = tensors[name]
+        return gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(int(x) for x in reversed(t.shape)))
+
+    src = lambda n: c.tensor(f"model.layers.{n}")
+    tiled = gguf_synthetic.tiled_order(hk, hv // hk, cfg["linear_value_head_dim"])
+    np.testing.assert_array_equal(values("blk.0.attn_norm.weight"), np.float32(1) + src("0.input_layernorm.weight"))
+    np.testing.assert_array_equal(values("blk.3.attn_q_norm.weight"), np.float32(1) + src("3.self_attn.q_norm.weight"))
+    np.testing.assert_array_equal(values("blk.0.ssm_norm.weight"), src("0.linear_attn.norm.weight"))
+    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    key, conv = 2 * hk * dk, src("0.linear_attn.conv1d.weight").q.reshape(-1, cfg["linear_conv_kernel_dim"])
+    a_log = -np.exp(src("1.linear_attn.A_log"))
+    if arch == "qwen3next":  # value heads stay grouped; in_proj_qkvz's groups split into [q | k | v] and z
+        np.testing.assert_array_equal(values("blk.1.ssm_a"), a_log)
+        np.testing.assert_array_equal(values("blk.0.ssm_conv1d.weight"), conv)
+        qkvz = dequantize(src("2.linear_attn.in_proj_qkvz.weight")).reshape(hk, 2 * dk + 2 * hv // hk * dv, -1)
+        vz = hv // hk * dv
+        q, k, v, z = np.split(qkvz, [dk, 2 * dk, 2 * dk + vz], axis=1)
+        qkv = np.concatenate([q.reshape(hk * dk, -1), k.reshape(hk * dk, -1), v.reshape(hk * vz, -1)])
+        np.testing.assert_array_equal(values("blk.2.attn_qkv.weight"), qkv)
+        np.testing.assert_array_equal(values("blk.2.attn_gate.weight"), z.reshape(hk * vz, -1))
+        return
+    heads = gguf_synthetic.tiled_order(hk, hv // hk, 1)
+    np.testing.assert_array_equal(values("blk.1.ssm_a"), a_log[heads])
+    np.testing.assert_array_equal(values("blk.1.ssm_dt.bias"), src("1.linear_attn.dt_bias")[heads])
+    out = dequantize(src("2.linear_attn.out_proj.weight"))
+    np.testing.assert_array_equal(values("blk.2.ssm_out.weight"), out[:, tiled])
+    z = dequantize(src("2.linear_attn.in_proj_z.weight"))
+    np.testing.assert_array_equal(values("blk.2.attn_gate.weight"), z[tiled])
+    np.testing.assert_array_equal(values("blk.0.ssm_conv1d.weight"), np.concatenate([conv[:key], conv[key:][tiled]]))

@@ -6,23 +6,31 @@ same numbers, as a GGUF llama.cpp runs, so the two engines are compared on ident
 colibri's int4 g64 (a float scale per 64 weights, byte k of a group holding weights k and
 k + 32) is rewritten as pairs of Q4_0 blocks (an f16 scale per 32 weights, byte j holding
 weights j and j + 16) with the nibbles reordered; both cost 4.5 bits per weight and the
-generator's scales are f16-exact, so every weight is the same. q8_0 maps block for block. The
+generator's scales are f16-exact, so every weight is the same. q8_0 maps block for block where
+its scales are f16 values; the embedding's (1/60) are not, and it goes as F32. The
 tensors stream to the file one at a time (a 17 GB model never sits in memory). Architectures:
-olmoe and qwen3moe (llama.cpp's names for colibri's olmoe and qwen3_moe families).
+olmoe, qwen3moe, qwen35moe and qwen3next (llama.cpp's names for colibri's olmoe, qwen3_moe,
+qwen3_5_moe and qwen3_next families). The hybrids get the transforms llama.cpp's converter
+applies (conversion/qwen.py): zero-centred norms written as 1 + w, A_log as ssm_a = -exp(A_log),
+qwen35moe's value heads reordered from grouped by key head to tiled (whole rows, whole 64-column
+groups of ssm_out: Q4_0 blocks move intact), qwen3next's in_proj_qkvz split into attn_qkv and
+attn_gate; bench/io/gguf_twin_logits.py runs llama.cpp on the result.
 """
 from __future__ import annotations
 
 import os
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from colibri.errors import ColibriError
 from colibri.io.container import Container
-from colibri.formats.qtensor import QTensor
+from colibri.formats.qtensor import QTensor, dequantize
 
-ARCH = {"olmoe": "olmoe", "qwen3_moe": "qwen3moe"}
+ARCH = {"olmoe": "olmoe", "qwen3_moe": "qwen3moe", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}
+HYBRID_ARCHS = ("qwen35moe", "qwen3next")  # Gated DeltaNet + gated attention (models/linear_attention.py)
 TOKENIZER_VOCAB = 49152  # SmolLM2's, which the twin carries
 _ATTN = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
          "q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}
@@ -68,22 +76,152 @@ def _encode(t) -> tuple[np.ndarray, object]:
     raise ColibriError(f"no GGUF encoding for scheme {t.scheme}")
 
 
-def _tensors(c: Container):
-    """(gguf name, producer of the encoded array) in file order."""
+class Entry(NamedTuple):
+    """One tensor of the twin: its GGUF name, the container tensor it comes from and the
+    transform llama.cpp's converter applies on the way (`_transformed`)."""
+
+    name: str
+    source: str                   # a tensor's name, or a MoE block's prefix for stacked experts
+    transform: str | None = None
+    projection: str | None = None  # stacked experts: gate_proj, up_proj or down_proj
+
+
+def _entries(c: Container, arch: str) -> list[Entry]:
+    """The twin's tensors in file order."""
     cfg = c.config
-    out = [("token_embd.weight", lambda: c.tensor("model.embed_tokens.weight")),
-           ("output_norm.weight", lambda: c.tensor("model.norm.weight")),
-           ("output.weight", lambda: c.tensor("lm_head.weight"))]
+    hybrid = arch in HYBRID_ARCHS
+    norm = "unit_offset" if hybrid else None  # zero-centred norms: the converter writes 1 + w
+    out = [Entry("token_embd.weight", "model.embed_tokens.weight"),
+           Entry("output_norm.weight", "model.norm.weight", norm),
+           Entry("output.weight", "lm_head.weight")]
+    full = _full_attention_layers(cfg) if hybrid else range(cfg["num_hidden_layers"])
     for i in range(cfg["num_hidden_layers"]):
         p, b = f"model.layers.{i}", f"blk.{i}"
-        for src, dst in _ATTN.items():
-            out.append((f"{b}.{dst}.weight", lambda n=f"{p}.self_attn.{src}.weight": c.tensor(n)))
-        out.append((f"{b}.attn_norm.weight", lambda n=f"{p}.input_layernorm.weight": c.tensor(n)))
-        out.append((f"{b}.ffn_norm.weight", lambda n=f"{p}.post_attention_layernorm.weight": c.tensor(n)))
-        out.append((f"{b}.ffn_gate_inp.weight", lambda n=f"{p}.mlp.gate.weight": c.tensor(n)))
-        for proj, dst in _EXPERTS.items():
-            out.append((f"{b}.{dst}.weight", lambda pre=f"{p}.mlp", pr=proj: _stacked_experts(c, pre, pr)))
+        if i in full:
+            for src, dst in _ATTN.items():
+                out.append(Entry(f"{b}.{dst}.weight", f"{p}.self_attn.{src}.weight",
+                                 norm if src.endswith("_norm") else None))
+        else:
+            out += _linear_attention(b, f"{p}.linear_attn", arch)
+        out.append(Entry(f"{b}.attn_norm.weight", f"{p}.input_layernorm.weight", norm))
+        post = "post_attention_norm" if hybrid else "ffn_norm"
+        out.append(Entry(f"{b}.{post}.weight", f"{p}.post_attention_layernorm.weight", norm))
+        out.append(Entry(f"{b}.ffn_gate_inp.weight", f"{p}.mlp.gate.weight"))
+        if hybrid:
+            out.append(Entry(f"{b}.ffn_gate_inp_shexp.weight", f"{p}.mlp.shared_expert_gate.weight"))
+            out += [Entry(f"{b}.ffn_{proj}_shexp.weight", f"{p}.mlp.shared_expert.{proj}_proj.weight")
+                    for proj in ("gate", "up", "down")]
+        out += [Entry(f"{b}.{dst}.weight", f"{p}.mlp", projection=proj) for proj, dst in _EXPERTS.items()]
     return out
+
+
+def _full_attention_layers(cfg: dict) -> set[int]:
+    types = cfg.get("layer_types")
+    if types is None:
+        interval = cfg.get("full_attention_interval", 4)
+        return {i for i in range(cfg["num_hidden_layers"]) if (i + 1) % interval == 0}
+    return {i for i, t in enumerate(types) if t == "full_attention"}
+
+
+def _linear_attention(b: str, p: str, arch: str) -> list[Entry]:
+    """A Gated DeltaNet layer as the converter writes it (conversion/qwen.py Qwen3NextModel,
+    _LinearAttentionVReorderBase): A_log as ssm_a = -exp(A_log), dt_bias as ssm_dt.bias, the
+    conv kernel squeezed to [C, K]; qwen35moe's value heads reordered from grouped by key head
+    to tiled (`v_tiled*`); qwen3next's grouped in_proj_qkvz split into [q | k | v] and z."""
+    v = arch == "qwen35moe"
+    if v:
+        proj = [Entry(f"{b}.attn_qkv.weight", f"{p}.in_proj_qkv.weight", "v_tiled_qkv"),
+                Entry(f"{b}.attn_gate.weight", f"{p}.in_proj_z.weight", "v_tiled_rows"),
+                Entry(f"{b}.ssm_beta.weight", f"{p}.in_proj_b.weight", "v_tiled_heads"),
+                Entry(f"{b}.ssm_alpha.weight", f"{p}.in_proj_a.weight", "v_tiled_heads")]
+    else:
+        proj = [Entry(f"{b}.attn_qkv.weight", f"{p}.in_proj_qkvz.weight", "qkvz_qkv"),
+                Entry(f"{b}.attn_gate.weight", f"{p}.in_proj_qkvz.weight", "qkvz_z"),
+                Entry(f"{b}.ssm_ba.weight", f"{p}.in_proj_ba.weight")]
+    return proj + [
+        Entry(f"{b}.ssm_conv1d.weight", f"{p}.conv1d.weight", "v_tiled_conv" if v else "squeeze"),
+        Entry(f"{b}.ssm_a", f"{p}.A_log", "neg_exp_tiled" if v else "neg_exp"),
+        Entry(f"{b}.ssm_dt.bias", f"{p}.dt_bias", "v_tiled_heads" if v else None),
+        Entry(f"{b}.ssm_norm.weight", f"{p}.norm.weight"),  # the gated norm: a plain weight
+        Entry(f"{b}.ssm_out.weight", f"{p}.out_proj.weight", "v_tiled_cols" if v else None)]
+
+
+def tiled_order(n_k_heads: int, per_key: int, dim: int) -> np.ndarray:
+    """Rows (of `dim` each) of value heads grouped by key head [g0v0 g0v1 .. g1v0 ..] -> tiled
+    [g0v0 g1v0 .. g0v1 g1v1 ..] (the converter's _reorder_v_heads): tiled = grouped[order]."""
+    n = n_k_heads * per_key * dim
+    return np.arange(n).reshape(n_k_heads, per_key, dim).transpose(1, 0, 2).reshape(n)
+
+
+def _transformed(c: Container, e: Entry):
+    """The container tensor of `e` after the converter's transform, still a QTensor where it
+    was one (rows and 32-column blocks move whole, so Q4_0 stays exact)."""
+    t = c.tensor(e.source)
+    cfg = c.config
+    hk, hv = cfg.get("linear_num_key_heads"), cfg.get("linear_num_value_heads")
+    dk, dv = cfg.get("linear_key_head_dim"), cfg.get("linear_value_head_dim")
+    kind = e.transform
+    if kind is None:
+        return t
+    if kind == "unit_offset":
+        return (np.float32(1.0) + t).astype(np.float32)
+    if kind in ("neg_exp", "neg_exp_tiled"):
+        a = (-np.exp(t.astype(np.float32))).astype(np.float32)
+        return a[tiled_order(hk, hv // hk, 1)] if kind == "neg_exp_tiled" else a
+    if kind == "squeeze":
+        return np.ascontiguousarray(_values(t).reshape(t.shape[0], -1))
+    if kind in ("qkvz_qkv", "qkvz_z"):
+        order = _qkvz_order(hk, hv, dk, dv)
+        conv = 2 * hk * dk + hv * dv
+        return _rows(t, order[:conv] if kind == "qkvz_qkv" else order[conv:])
+    key = 2 * hk * dk
+    v_rows = tiled_order(hk, hv // hk, dv)
+    if kind == "v_tiled_qkv":
+        return _rows(t, np.concatenate([np.arange(key), key + v_rows]))
+    if kind == "v_tiled_rows":
+        return _rows(t, v_rows)
+    if kind == "v_tiled_heads":
+        order = tiled_order(hk, hv // hk, 1)
+        return t[order] if isinstance(t, np.ndarray) else _rows(t, order)
+    if kind == "v_tiled_conv":
+        w = _values(t).reshape(t.shape[0], -1)
+        return np.ascontiguousarray(w[np.concatenate([np.arange(key), key + v_rows])])
+    if kind == "v_tiled_cols":
+        return _column_blocks(t, tiled_order(hk, hv // hk, dv))
+    raise ValueError(kind)
+
+
+def _qkvz_order(hk: int, hv: int, dk: int, dv: int) -> np.ndarray:
+    """Qwen3-Next's in_proj_qkvz rows, grouped per key head as [q_g | k_g | v_g | z_g]: the row
+    order giving [q | k | v | z] (the converter's split of ssm_in into attn_qkv and attn_gate)."""
+    vz = hv // hk * dv
+    base = np.arange(hk)[:, None] * (2 * dk + 2 * vz)
+    parts = [base + np.arange(dk), base + dk + np.arange(dk), base + 2 * dk + np.arange(vz),
+             base + 2 * dk + vz + np.arange(vz)]
+    return np.concatenate([q.reshape(-1) for q in parts])
+
+
+def _values(t) -> np.ndarray:
+    return np.asarray(t.q if isinstance(t, QTensor) else t, np.float32)
+
+
+def _rows(t: QTensor, order: np.ndarray) -> QTensor:
+    pick = lambda a: None if a is None else np.ascontiguousarray(a[order])
+    return QTensor(t.scheme, (len(order), t.shape[1]), pick(t.q), pick(t.scales), pick(t.mins))
+
+
+def _column_blocks(t: QTensor, order: np.ndarray) -> QTensor:
+    """t with its columns in `order`, which must move whole 64-column groups (int4_g64)."""
+    if t.scheme != "int4_g64":
+        raise ColibriError(f"column reorder of a {t.scheme} tensor is not supported in the twin")
+    groups = order.reshape(-1, 64)
+    if np.any(groups[:, 0] % 64) or np.any(groups - groups[:, :1] != np.arange(64)):
+        raise ColibriError("the value heads are not whole 64-column groups; write the model with a "
+                           "linear_value_head_dim that is a multiple of 64")
+    g = groups[:, 0] // 64
+    rows = t.shape[0]
+    q = t.q.reshape(rows, -1, 32)[:, g].reshape(rows, -1)
+    return QTensor(t.scheme, t.shape, np.ascontiguousarray(q), np.ascontiguousarray(t.scales[:, g]))
 
 
 def _stacked_experts(c: Container, prefix: str, proj: str) -> np.ndarray:
@@ -120,80 +258,107 @@ def write_gguf(path: Path, container_dir: Path) -> Path:
         raise ColibriError(f"the model's vocabulary ({cfg['vocab_size']}) is smaller than SmolLM2's tokenizer "
                            f"({TOKENIZER_VOCAB} tokens): llama.cpp needs one embedding row per token; write the "
                            "model with --vocab 49152 or more")
-    D, H = cfg["hidden_size"], cfg["num_attention_heads"]
-    Dh = cfg.get("head_dim") or D // H
-    I = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_name(f"colibri-synthetic-{cfg.get('colibri_synthetic', {}).get('preset', arch)}")
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(D)
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_expert_feed_forward_length(I)
-    w.add_head_count(H)
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_key_length(Dh)
-    w.add_value_length(Dh)
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg["rope_theta"])
-    w.add_expert_count(cfg.get("num_experts") or cfg["n_routed_experts"])
-    w.add_expert_used_count(cfg["num_experts_per_tok"])
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    _metadata(w, arch, cfg)
     _copy_tokenizer(w, cfg["vocab_size"])
-    tensors = _tensors(c)
+    entries = _entries(c, arch)
+    # Q8_0 holds f16 scales: a q8_0 tensor whose scales are not f16 values (the generator's
+    # embedding, 1/60 per block) goes as its exact F32 values instead.
+    widened = {e.source for e in entries if c.manifest["tensors"].get(e.source, {}).get("scheme") == "q8_0"
+               and not _f16_scales(c.tensor(e.source))}
     # Shapes first (the header lists every tensor), computed without materializing them.
-    for name, make in tensors:
-        shape, qtype = _shape_of(c, name, make)
-        nbytes = int(np.prod(shape))
-        w.add_tensor_info(name, shape, np.dtype(np.uint8) if qtype != gguf.GGMLQuantizationType.F32
-                          else np.dtype(np.float32), nbytes if qtype != gguf.GGMLQuantizationType.F32 else 4 * nbytes,
-                          raw_dtype=qtype)
+    for e in entries:
+        shape, qtype = _shape_of(c, e, e.source in widened)
+        f32 = qtype == gguf.GGMLQuantizationType.F32
+        w.add_tensor_info(e.name, shape, np.dtype(np.float32 if f32 else np.uint8),
+                          int(np.prod(shape)) * (4 if f32 else 1), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     with Progress(transient=True) as bar:
-        task = bar.add_task(f"writing {path.name}", total=len(tensors))
-        for _, make in tensors:
-            t = make()
-            w.write_tensor_data(t if isinstance(t, np.ndarray) and t.ndim == 3 else _encode(t)[0])
+        task = bar.add_task(f"writing {path.name}", total=len(entries))
+        for e in entries:
+            if e.name.endswith("_exps.weight"):
+                w.write_tensor_data(_stacked_experts(c, e.source, e.projection))
+            elif e.source in widened:
+                w.write_tensor_data(np.ascontiguousarray(dequantize(c.tensor(e.source)), np.float32))
+            else:
+                w.write_tensor_data(_encode(_transformed(c, e))[0])
             bar.advance(task)
     w.close()
     return path
 
 
-def _shape_of(c: Container, name: str, make):
-    """(byte shape, GGML type) of one tensor, from the manifest."""
+def _metadata(w, arch: str, cfg: dict) -> None:
+    """The keys the converter's set_gguf_parameters writes for the family (TextModel's, then
+    Qwen2MoeModel's expert lengths and Qwen3NextModel's ssm keys for the hybrids)."""
+    import gguf
+
+    D, H = cfg["hidden_size"], cfg["num_attention_heads"]
+    Dh = cfg.get("head_dim") or D // H
+    I = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    w.add_name(f"colibri-synthetic-{cfg.get('colibri_synthetic', {}).get('preset', arch)}")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(D)
+    if cfg.get("intermediate_size") is not None:  # Qwen3.5 MoE's config has none
+        w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(H)
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    rope = cfg.get("rope_parameters") or {}
+    w.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta")))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_expert_count(cfg.get("num_experts") or cfg["n_routed_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_key_length(Dh)
+    w.add_value_length(Dh)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    w.add_expert_feed_forward_length(I)
+    if arch not in HYBRID_ARCHS:
+        return
+    w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+    w.add_ssm_state_size(cfg["linear_key_head_dim"])
+    w.add_ssm_group_count(cfg["linear_num_key_heads"])
+    w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
+    w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+    # transformers fills layer_types in from the interval when a config has none, so the
+    # converter always writes the per-layer flags
+    full = _full_attention_layers(cfg)
+    w.add_array(f"{arch}.attention.recurrent_layers", [i not in full for i in range(cfg["num_hidden_layers"])])
+    w.add_full_attention_interval(cfg.get("full_attention_interval", 4))
+    w.add_rope_dimension_count(int(Dh * rope.get("partial_rotary_factor", 0.25)))
+    if arch == "qwen35moe":  # _Qwen35MRopeMixin: the loader requires the M-RoPE sections
+        w.add_rope_dimension_sections((list(rope.get("mrope_section", [11, 11, 10])) + [0] * 4)[:4])
+
+
+def _f16_scales(t: QTensor) -> bool:
+    return bool(np.array_equal(t.scales.astype(np.float16).astype(np.float32), t.scales))
+
+
+def _shape_of(c: Container, e: Entry, widened: bool = False):
+    """(byte shape, GGML type) of one tensor, from the manifest; `widened`: a q8_0 tensor
+    written as F32."""
     import gguf
 
     Q = gguf.GGMLQuantizationType
-    if name.endswith("_exps.weight"):
-        layer = int(name.split(".")[1])
-        proj = {v: k for k, v in _EXPERTS.items()}[name.split(".")[2]]
-        layout = c.expert_layouts[f"model.layers.{layer}.mlp"]
-        rows, cols = layout.projections[proj]["shape"]
+    if e.name.endswith("_exps.weight"):
+        layout = c.expert_layouts[e.source]
+        rows, cols = layout.projections[e.projection]["shape"]
         return (layout.num_experts, rows, cols // 32 * 18), Q.Q4_0
-    src = _source_name(name)
-    spec = c.manifest["tensors"][src]
-    shape = spec["shape"]
+    spec = c.manifest["tensors"][e.source]
+    shape = list(spec["shape"])
+    cfg = c.config
+    if e.transform in ("squeeze", "v_tiled_conv"):
+        shape = [shape[0], int(np.prod(shape[1:]))]
+    elif e.transform in ("qkvz_qkv", "qkvz_z"):
+        z = cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
+        shape[0] = shape[0] - z if e.transform == "qkvz_qkv" else z
     if spec["scheme"] == "int4_g64":
         return (shape[0], shape[1] // 32 * 18), Q.Q4_0
-    if spec["scheme"] == "q8_0":
+    if spec["scheme"] == "q8_0" and not widened:
         return (shape[0], shape[1] // 32 * 34), Q.Q8_0
     return tuple(shape), Q.F32
-
-
-def _source_name(gguf_name: str) -> str:
-    fixed = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-             "output.weight": "lm_head.weight"}
-    if gguf_name in fixed:
-        return fixed[gguf_name]
-    _, layer, part, _ = gguf_name.split(".")
-    p = f"model.layers.{layer}"
-    attn = {v: k for k, v in _ATTN.items()}
-    if part in attn:
-        return f"{p}.self_attn.{attn[part]}.weight"
-    return {"attn_norm": f"{p}.input_layernorm.weight", "ffn_norm": f"{p}.post_attention_layernorm.weight",
-            "ffn_gate_inp": f"{p}.mlp.gate.weight"}[part]
 
 
 def _copy_tokenizer(w, vocab: int) -> None:

@@ -7,7 +7,9 @@ Per architecture (llama.cpp's conversion/*.py, which bench/io/gguf_layout_oracle
 against tensor for tensor): tensor names through gguf-py's TensorNameMap, routed experts stacked
 per layer into blk.N.ffn_{gate,up,down}_exps ([E, rows, cols]), llama's q/k rope permutation,
 deepseek2's kv_b_proj split into attn_k_b (transposed per head) / attn_v_b with its MTP layers
-dropped, glm4moe's MTP layers kept (block_count includes them), the metadata keys of each
+dropped, glm4moe's MTP layers kept (block_count includes them), the Gated DeltaNet hybrids'
+transforms (qwen35moe, qwen3next: 1 + w norms, ssm_a = -exp(A_log), tiled value heads, the
+in_proj_qkvz split), the metadata keys of each
 family's set_gguf_parameters, and llama.cpp's type rule (1-D tensors, norms, routers, biases
 F32; everything else --type, F16 where a row is not whole blocks).
 
@@ -29,9 +31,11 @@ import numpy as np
 from colibri.errors import ColibriError
 
 ARCH_OF = {"llama": "llama", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
-           "olmoe": "olmoe", "glm4_moe": "glm4moe", "deepseek_v3": "deepseek2"}
+           "olmoe": "olmoe", "glm4_moe": "glm4moe", "deepseek_v3": "deepseek2", "qwen3_5_moe": "qwen35moe",
+           "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next"}
 PRE_OF = {"llama": "llama-bpe", "qwen2moe": "qwen2", "qwen3moe": "qwen2", "olmoe": "olmo",
-          "glm4moe": "glm4", "deepseek2": "deepseek-v3"}
+          "glm4moe": "glm4", "deepseek2": "deepseek-v3", "qwen35moe": "qwen35", "qwen3next": "qwen2"}
+HYBRIDS = ("qwen35moe", "qwen3next")
 # gguf-py quantizes the first ones; the K and IQ4 types go through colibri's own numpy
 # quantizers (formats/ggml_blocks.py, ports of ggml's reference ones).
 TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4",
@@ -165,6 +169,9 @@ def _hf_tensors(arch: str, cfg: dict, state: dict[str, np.ndarray]):
             w = _permute(w, cfg["num_attention_heads"], cfg["num_attention_heads"])
         if arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = _permute(w, cfg["num_attention_heads"], cfg["num_key_value_heads"])
+        if arch in HYBRIDS and (".linear_attn." in name or name.endswith("norm.weight")):
+            out += _hybrid_tensor(arch, cfg, name, w)
+            continue
         if m := _EXPERT.match(name):  # model.layers.N.<block>.experts.E.<proj>.weight
             proj = _MOE_EXPERTS.get(m["proj"], m["proj"])
             experts.setdefault(layer, {}).setdefault(proj, {})[int(m["e"])] = w
@@ -189,6 +196,67 @@ def _hf_tensors(arch: str, cfg: dict, state: dict[str, np.ndarray]):
     return out
 
 
+def tiled_order(n_k_heads: int, per_key: int, dim: int) -> np.ndarray:
+    """Rows (of `dim` each) of value heads grouped by key head [g0v0 g0v1 .. g1v0 ..] -> tiled
+    [g0v0 g1v0 .. g0v1 g1v1 ..] (the converter's _reorder_v_heads): tiled = grouped[order]."""
+    n = n_k_heads * per_key * dim
+    return np.arange(n).reshape(n_k_heads, per_key, dim).transpose(1, 0, 2).reshape(n)
+
+
+def _hybrid_tensor(arch: str, cfg: dict, name: str, w: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """A Gated DeltaNet hybrid's norm or linear-attention tensor as the converter writes it
+    (conversion/qwen.py Qwen3NextModel, _LinearAttentionVReorderBase.modify_tensors)."""
+    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    key = 2 * hk * dk
+    if arch == "qwen35moe" and hv != hk:  # value heads grouped by key head -> tiled
+        v, heads = tiled_order(hk, hv // hk, dv), tiled_order(hk, hv // hk, 1)
+        if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+            w = np.concatenate([w[:key], w[key:][v]])
+        elif name.endswith("in_proj_z.weight"):
+            w = w[v]
+        elif name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+            w = w[heads]
+        elif name.endswith("out_proj.weight"):
+            w = w[:, v]
+    if name.endswith(".A_log"):  # torch's float32 exp, as the converter computes it (numpy's differs by ulps)
+        import torch
+
+        return [(name, (-torch.exp(torch.from_numpy(np.ascontiguousarray(w)))).numpy())]
+    if name.endswith(".dt_bias"):
+        return [(name.replace(".dt_bias", ".dt_proj.bias"), w)]
+    if "conv1d" in name:
+        return [(name, np.ascontiguousarray(w.reshape(w.shape[0], -1)))]
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        return [(name, w + np.float32(1.0))]
+    if name.endswith("in_proj_qkvz.weight"):  # per key head [q k v z] -> attn_qkv [q | k | v], attn_gate z
+        vz = hv // hk * dv
+        q, k, v, z = np.split(w.reshape(hk, 2 * dk + 2 * vz, -1), [dk, 2 * dk, 2 * dk + vz], axis=1)
+        qkv = np.concatenate([q.reshape(hk * dk, -1), k.reshape(hk * dk, -1), v.reshape(hk * vz, -1)])
+        return [(name.replace("in_proj_qkvz", "in_proj_qkv"), qkv),
+                (name.replace("in_proj_qkvz", "in_proj_z"), np.ascontiguousarray(z.reshape(hk * vz, -1)))]
+    return [(name, w)]
+
+
+def hybrid_metadata(w, arch: str, cfg: dict, full_attention: set[int]) -> None:
+    """Qwen3NextModel.set_gguf_parameters' keys (and _Qwen35MRopeMixin's M-RoPE sections)."""
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    rope = cfg.get("rope_parameters") or {}
+    w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+    w.add_ssm_state_size(cfg["linear_key_head_dim"])
+    w.add_ssm_group_count(cfg["linear_num_key_heads"])
+    w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
+    w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+    # transformers fills layer_types in from the interval when a config has none, so the
+    # converter always writes the per-layer flags
+    w.add_array(f"{arch}.attention.recurrent_layers",
+                [i not in full_attention for i in range(cfg["num_hidden_layers"])])
+    w.add_full_attention_interval(cfg.get("full_attention_interval", 4))
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))))
+    if arch == "qwen35moe":  # the loader requires the M-RoPE sections
+        w.add_rope_dimension_sections((list(rope.get("mrope_section", [11, 11, 10])) + [0] * 4)[:4])
+
+
 def _layer(name: str) -> int | None:
     parts = name.split(".")
     for p in parts:
@@ -210,7 +278,7 @@ def _qtype(gguf_name: str, ndim: int, qtype):
     stem = gguf_name.rsplit(".", 1)[0]
     if ndim <= 1 or gguf_name.endswith("_norm.weight") or not gguf_name.endswith(".weight"):
         return Q.F32
-    if stem.endswith((".ffn_gate_inp", ".ffn_gate_inp_shexp")):
+    if stem.endswith((".ffn_gate_inp", ".ffn_gate_inp_shexp", ".ssm_conv1d")):
         return Q.F32
     return qtype
 
@@ -228,7 +296,8 @@ def _metadata(w, arch: str, cfg: dict, qtype_name: str) -> None:
     w.add_block_count(blocks)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
+    if cfg.get("intermediate_size") is not None:  # Qwen3.5 MoE's config has none
+        w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(1 if arch == "deepseek2" else cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
     kind = rope.get("rope_type") or rope.get("type")
@@ -274,11 +343,16 @@ def _metadata(w, arch: str, cfg: dict, qtype_name: str) -> None:
     if arch == "llama":
         w.add_vocab_size(cfg["vocab_size"])
         w.add_rope_dimension_count(head_dim or cfg["hidden_size"] // cfg["num_attention_heads"])
-    elif arch in ("qwen2moe", "qwen3moe"):
+    elif arch in ("qwen2moe", "qwen3moe") + HYBRIDS:
         if cfg.get("moe_intermediate_size") is not None:
             w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
         if cfg.get("shared_expert_intermediate_size") is not None:
             w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+        if arch in HYBRIDS:
+            interval = cfg.get("full_attention_interval", 4)
+            types = cfg.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                               for i in range(n_layers)]
+            hybrid_metadata(w, arch, cfg, {i for i, t in enumerate(types) if t == "full_attention"})
     elif arch == "glm4moe":
         rope_dim = head_dim or cfg["hidden_size"] // cfg["num_attention_heads"]
         w.add_rope_dimension_count(int(rope_dim * rope.get("partial_rotary_factor",

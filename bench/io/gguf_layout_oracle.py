@@ -1,5 +1,6 @@
 """tools/gguf_writer against llama.cpp's own converter: for a tiny random transformers model of
-each MoE architecture colibri imports from GGUF, both write an f32 GGUF, and every tensor (name,
+each MoE architecture colibri imports from GGUF (the hybrids qwen35moe and qwen3next converted
+with --no-mtp: the tiny models have no MTP block), both write an f32 GGUF, and every tensor (name,
 GGUF dims, type, bytes), the metadata keys colibri reads (`<arch>.*`, `tokenizer.ggml.*`) and
 the config colibri's importer derives from each file are compared.
 
@@ -26,6 +27,9 @@ from bench.common import add_json_arg, machine_line, write_json
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
         "mscale": 0.7, "mscale_all_dim": 0.7, "beta_fast": 32.0, "beta_slow": 1.0}
+_HYBRID = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
+               num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+               linear_num_key_heads=2, linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4)
 # arch -> (HF class, config class, config kwargs, routing bias, MTP layer)
 MODELS = {
     "qwen3moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
@@ -54,6 +58,9 @@ MODELS = {
                        topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
                        norm_topk_prob=True, rope_parameters=YARN, scoring_func="sigmoid",
                        topk_method="noaux_tc"), True, True),
+    "qwen35moe": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", dict(_HYBRID, linear_num_value_heads=4), False, False),
+    "qwen3next": ("Qwen3NextForCausalLM", "Qwen3NextConfig", dict(_HYBRID, linear_num_value_heads=4,
+                                                                   intermediate_size=96), False, False),
 }
 VOCAB = 320
 GGUF_ARCH = {"mixtral": "llama"}  # Mixtral is llama.cpp's llama with experts
@@ -107,9 +114,10 @@ def tiny_model(arch: str, out: Path, seed: int = 0) -> Path:
     return out
 
 
-def run_llama_cpp(llama: Path, hf: Path, out: Path, pre: str) -> subprocess.CompletedProcess:
+def run_llama_cpp(llama: Path, hf: Path, out: Path, pre: str, no_mtp: bool = False) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", _RUNNER, str(llama), pre, str(hf), "--outfile", str(out),
-                           "--outtype", "f32"], capture_output=True, text=True, timeout=600)
+                           "--outtype", "f32", *(["--no-mtp"] if no_mtp else [])],
+                          capture_output=True, text=True, timeout=600)
 
 
 def _meta(reader) -> dict:
@@ -180,7 +188,8 @@ def main() -> None:
             (ours,) = write_gguf(hf, d / "ours.gguf")
             theirs = d / "llama_cpp.gguf"
             gguf_arch = GGUF_ARCH.get(arch, arch)
-            p = run_llama_cpp(a.llama_cpp, hf, theirs, PRE_OF[gguf_arch])
+            # the hybrids' converter counts an MTP block unless told there is none
+            p = run_llama_cpp(a.llama_cpp, hf, theirs, PRE_OF[gguf_arch], no_mtp=arch in ("qwen35moe", "qwen3next"))
             if p.returncode != 0:
                 tail = " | ".join(p.stderr.strip().splitlines()[-3:])
                 report[arch] = {"same": False, "error": f"convert_hf_to_gguf.py failed: {tail}"}

@@ -81,14 +81,25 @@ def _ref_of(spec: dict, paths: list[Path]) -> TensorRef:
 
 
 class _Dense:
-    def __init__(self, ref: TensorRef, rope_heads: int | None = None, as_matrix: bool = False):
+    """One GGUF tensor as the HF tensor it came from. `untile_rows` / `untile_cols`
+    ([key heads, value heads per key head, head dim, first row or column]): qwen35moe's value
+    heads, which the converter reordered from grouped by key head to tiled, put back in groups.
+    `value`: "unit_offset" (a zero-centred norm the converter wrote as 1 + w: w again) or "a_log"
+    (ssm_a = -exp(A_log): A_log again)."""
+
+    def __init__(self, ref: TensorRef, rope_heads: int | None = None, as_matrix: bool = False,
+                 untile_rows: list | None = None, untile_cols: list | None = None, value: str | None = None):
         self.ref, self.rope_heads, self.as_matrix = ref, rope_heads, as_matrix
+        self.untile_rows, self.untile_cols, self.value = untile_rows, untile_cols, value
         self.type_name = ref.type_name
         rows = ref.ne[-1] if len(ref.ne) == 2 else ref.ne[0]
         self.rows_order = None if rope_heads is None else _rope_unpermutation(rows, rope_heads)
+        if untile_rows is not None:
+            self.rows_order = _untiled_order(rows, *untile_rows)
 
     def spec(self, file_index: dict[Path, int]) -> dict:
-        return {"ref": _ref_spec(self.ref, file_index), "rope_heads": self.rope_heads, "as_matrix": self.as_matrix}
+        return {"ref": _ref_spec(self.ref, file_index), "rope_heads": self.rope_heads, "as_matrix": self.as_matrix,
+                "untile_rows": self.untile_rows, "untile_cols": self.untile_cols, "value": self.value}
 
     def load(self) -> QTensor | np.ndarray:
         ref = self.ref
@@ -97,8 +108,101 @@ class _Dense:
             vec = dequantized(raw, ref.type_name, ref.shape)
             if self.rows_order is not None:
                 vec = vec[self.rows_order]
+            vec = _undo_value(self.value, vec)
             return QTensor("f32", (1, vec.size), vec[None, :]) if self.as_matrix else vec
-        return matrix(raw, ref.type_name, ref.ne[1], ref.ne[0], self.rows_order)
+        rows, cols = ref.ne[1], ref.ne[0]
+        if self.untile_cols is not None:
+            order = _untiled_order(cols, *self.untile_cols)
+            moved = _column_blocks(raw, ref.type_name, rows, cols, order)
+            if moved is None:  # the heads split the type's blocks: the values themselves, exactly
+                values = dequantized(raw, ref.type_name, (rows, cols))[:, order]
+                if self.rows_order is not None:
+                    values = values[self.rows_order]
+                return QTensor("f32", (rows, cols), np.ascontiguousarray(values))
+            raw = moved
+        return matrix(raw, ref.type_name, rows, cols, self.rows_order)
+
+
+def _untiled_order(n: int, key_heads: int, per_key: int, dim: int, start: int) -> np.ndarray:
+    """The order of n rows (or columns) that regroups the value heads from `start` on: the
+    converter's _reorder_v_heads put grouped head (g, j) at tiled position (j, g)."""
+    tiled = np.arange(key_heads * per_key * dim).reshape(key_heads, per_key, dim).transpose(1, 0, 2).reshape(-1)
+    if start + tiled.size != n:
+        raise ColibriError(f"{n} rows do not hold {start} + {key_heads} x {per_key} value heads of {dim}")
+    return np.concatenate([np.arange(start), start + np.argsort(tiled)])
+
+
+def _column_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int, order: np.ndarray) -> np.ndarray | None:
+    """The bytes of a [rows, cols] matrix with its columns in `order`, moving whole blocks of the
+    type; None when `order` splits a block (a head narrower than a K-quant's 256 columns)."""
+    import gguf
+
+    block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+    starts = order.reshape(-1, block)
+    if np.any(starts[:, 0] % block) or np.any(starts - starts[:, :1] != np.arange(block)):
+        return None
+    data = raw.reshape(rows, cols // block, block_bytes)[:, starts[:, 0] // block]
+    return np.ascontiguousarray(data).reshape(-1)
+
+
+def _undo_value(kind: str | None, vec: np.ndarray) -> np.ndarray:
+    if kind is None:
+        return vec
+    if kind == "unit_offset":
+        # exact for 1 + w in [0.5, 2] (Sterbenz), so colibri's 1 + w is the file's value again
+        return (vec - np.float32(1.0)).astype(np.float32)
+    if kind == "a_log":
+        return _a_log(vec)
+    raise ValueError(kind)
+
+
+def _a_log(neg_a: np.ndarray) -> np.ndarray:
+    """ssm_a = -exp(A_log) -> an A_log whose float32 -exp (what the model computes) is ssm_a
+    itself where some float32 has that image: log(-ssm_a), stepped a few ulps if needed."""
+    neg_a = np.ascontiguousarray(neg_a, np.float32)
+    best = np.log(-neg_a.astype(np.float64)).astype(np.float32)
+    found = -np.exp(best) == neg_a
+    down = up = best
+    for _ in range(4):
+        down, up = np.nextafter(down, np.float32(-np.inf)), np.nextafter(up, np.float32(np.inf))
+        for cand in (down, up):
+            hit = ~found & (-np.exp(cand) == neg_a)
+            best, found = np.where(hit, cand, best), found | hit
+    return best.astype(np.float32)
+
+
+class _JoinedQKVZ:
+    """qwen3next's attn_qkv ([q | k | v] over all key heads) and attn_gate (z) -> the
+    checkpoint's in_proj_qkvz, rows grouped per key head as [q_g | k_g | v_g | z_g] (what
+    colibri's Qwen3-Next reads). One type: the rows as stored, moved; two: their values (f32)."""
+
+    def __init__(self, qkv: TensorRef, gate: TensorRef, heads: list):
+        self.qkv, self.gate, self.heads = qkv, gate, heads
+        self.type_name = qkv.type_name if qkv.type_name == gate.type_name else f"{qkv.type_name}+{gate.type_name}"
+
+    def spec(self, file_index: dict[Path, int]) -> dict:
+        return {"qkvz": [_ref_spec(self.qkv, file_index), _ref_spec(self.gate, file_index)], "heads": self.heads}
+
+    def load(self) -> QTensor:
+        a, b = self.qkv, self.gate
+        cols, rows = a.ne[0], a.ne[1] + b.ne[1]
+        order = np.argsort(_qkvz_order(*self.heads))
+        ra, rb = raw_bytes(a.path, a.offset, a.nbytes), raw_bytes(b.path, b.offset, b.nbytes)
+        if a.type_name == b.type_name:
+            return matrix(np.concatenate([ra, rb]), a.type_name, rows, cols, order)
+        values = np.concatenate([dequantized(ra, a.type_name, (a.ne[1], cols)),
+                                 dequantized(rb, b.type_name, (b.ne[1], cols))])[order]
+        return QTensor("f32", (rows, cols), np.ascontiguousarray(values))
+
+
+def _qkvz_order(key_heads: int, value_heads: int, dk: int, dv: int) -> np.ndarray:
+    """in_proj_qkvz's rows grouped per key head -> the order giving [q | k | v | z] (how the
+    converter split it into attn_qkv and attn_gate)."""
+    vz = value_heads // key_heads * dv
+    base = np.arange(key_heads)[:, None] * (2 * dk + 2 * vz)
+    parts = [base + np.arange(dk), base + dk + np.arange(dk), base + 2 * dk + np.arange(vz),
+             base + 2 * dk + vz + np.arange(vz)]
+    return np.concatenate([q.reshape(-1) for q in parts])
 
 
 class _JoinedKVB:
@@ -162,7 +266,10 @@ def tensor_from_spec(spec: dict, paths: list[Path]) -> QTensor | np.ndarray:
     """GGUFTensors.spec(name, paths) -> the tensor, read from the memory-mapped files."""
     if "kvb" in spec:
         return _JoinedKVB(*(_ref_of(r, paths) for r in spec["kvb"])).load()
-    return _Dense(_ref_of(spec["ref"], paths), spec.get("rope_heads"), bool(spec.get("as_matrix"))).load()
+    if "qkvz" in spec:
+        return _JoinedQKVZ(*(_ref_of(r, paths) for r in spec["qkvz"]), spec["heads"]).load()
+    return _Dense(_ref_of(spec["ref"], paths), spec.get("rope_heads"), bool(spec.get("as_matrix")),
+                  spec.get("untile_rows"), spec.get("untile_cols"), spec.get("value")).load()
 
 
 def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
@@ -192,6 +299,9 @@ def _assemble(fname: str, arch: str, config: dict, refs: dict[str, TensorRef]):
     entries: dict = {}
     stacks: dict[int, dict[str, TensorRef]] = defaultdict(dict)
     mla: dict[int, dict[str, TensorRef]] = defaultdict(dict)
+    qkvz: dict[int, dict[str, TensorRef]] = defaultdict(dict)
+    hybrid = arch in N.HYBRIDS
+    untile = _untile_plan(config) if arch == "qwen35moe" else {}
 
     def no_place(ref):
         return ColibriError(f"{fname}: tensor {ref.name} has no place in a {arch} model; colibri cannot import it")
@@ -199,6 +309,18 @@ def _assemble(fname: str, arch: str, config: dict, refs: dict[str, TensorRef]):
     for name, ref in refs.items():
         stem, _, suffix = name.rpartition(".")
         parts = stem.split(".")
+        if hybrid and parts[0] == "blk" and parts[1].isdigit():
+            i, tail = int(parts[1]), name.split(".", 2)[2]
+            if i >= config["num_hidden_layers"]:
+                continue  # the MTP block (nextn): colibri does not run Qwen's multi-token prediction
+            if tail in N.HYBRID_PARAMETERS:  # ssm_a, ssm_dt.bias: 1-D, one value per value head
+                role = tail.split(".")[0]
+                if tuple(ref.ne) != (config["linear_num_value_heads"],):
+                    raise ColibriError(f"{fname}: tensor {name} has GGUF dims {list(ref.ne)} but the metadata "
+                                       f"implies [{config['linear_num_value_heads']}]")
+                entries[f"model.layers.{i}.{N.HYBRID_PARAMETERS[tail]}"] = _Dense(
+                    ref, untile_rows=untile.get("ssm_a"), value="a_log" if role == "ssm_a" else None)
+                continue
         if suffix not in ("weight", "bias"):
             raise no_place(ref)
         role, hf = stem, None
@@ -212,6 +334,8 @@ def _assemble(fname: str, arch: str, config: dict, refs: dict[str, TensorRef]):
                 stacks[i][role] = ref
             elif role in N.MLA_SPLIT and arch == "deepseek2" and suffix == "weight":
                 mla[i][role] = ref
+            elif role in N.QKVZ_SPLIT and arch == "qwen3next" and suffix == "weight":
+                qkvz[i][role] = ref
             elif role == N.ROUTING_BIAS and arch in N.WITH_ROUTING_BIAS and suffix == "bias":
                 hf = f"model.layers.{i}.mlp.gate.e_score_correction_bias"
             elif role in table:
@@ -239,7 +363,9 @@ def _assemble(fname: str, arch: str, config: dict, refs: dict[str, TensorRef]):
             rope_heads = n_head
         if role == "ffn_gate_inp_shexp":
             as_matrix = len(ref.ne) == 1  # HF: [1, D]
-        entries[hf] = _Dense(ref, rope_heads, as_matrix)
+        value = "unit_offset" if hybrid and role in N.UNIT_OFFSET_NORMS else None
+        rows, cols = untile.get(role), untile.get(role + ".cols")
+        entries[hf] = _Dense(ref, rope_heads, as_matrix, rows, cols, value)
 
     experts = {}
     for i in sorted(stacks):
@@ -254,10 +380,31 @@ def _assemble(fname: str, arch: str, config: dict, refs: dict[str, TensorRef]):
                                f"({' / '.join(N.MLA_SPLIT)})")
         k, v = mla[i]["attn_k_b"], mla[i]["attn_v_b"]
         entries[f"model.layers.{i}.self_attn.kv_b_proj.weight"] = _JoinedKVB(k, v)
+    for i in sorted(qkvz):
+        if len(qkvz[i]) != 2:
+            raise ColibriError(f"{fname}: layer {i} has {next(iter(qkvz[i]))} but not its other half "
+                               f"({' / '.join(N.QKVZ_SPLIT)})")
+        heads = [config[k] for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                     "linear_value_head_dim")]
+        entries[f"model.layers.{i}.linear_attn.in_proj_qkvz.weight"] = _JoinedQKVZ(
+            qkvz[i]["attn_qkv"], qkvz[i]["attn_gate"], heads)
     if "model.embed_tokens.weight" not in entries:
         raise ColibriError(f"{fname}: GGUF has no token_embd.weight; the file is incomplete")
     _check_moe_layers(fname, arch, config, set(stacks))
     return entries, experts
+
+
+def _untile_plan(config: dict) -> dict[str, list]:
+    """qwen35moe: GGUF stem (".cols": its columns) -> the _untiled_order arguments regrouping its
+    value heads; empty when there is one value head per key head (the converter reorders none)."""
+    hk, hv = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    dv, key = config["linear_value_head_dim"], 2 * hk * config["linear_key_head_dim"]
+    if hv == hk:
+        return {}
+    r = hv // hk
+    return {"attn_qkv": [hk, r, dv, key], "ssm_conv1d": [hk, r, dv, key], "attn_gate": [hk, r, dv, 0],
+            "ssm_beta": [hk, r, 1, 0], "ssm_alpha": [hk, r, 1, 0], "ssm_a": [hk, r, 1, 0],
+            "ssm_out.cols": [hk, r, dv, 0]}
 
 
 def _stack(fname: str, ref: TensorRef) -> GGUFStack:
@@ -278,6 +425,8 @@ def _check_moe_layers(fname: str, arch: str, config: dict, moe_layers: set[int])
         want = set(range(n)) - set(config["mlp_only_layers"])
     elif config["model_type"] in ("olmoe", "mixtral"):
         want = set(range(n))
+    elif config["model_type"] in ("qwen3_5_moe", "qwen3_next"):
+        want = set(range(n)) - set(config.get("mlp_only_layers") or [])
     else:
         want = set()
     got = {i for i in moe_layers if i < n}
@@ -307,6 +456,14 @@ def _expected_dims(config: dict):
                     attn_kv_a_mqa=(d, r + config["qk_rope_head_dim"]))
     else:
         dims.update(attn_q=(d, h * hd), attn_k=(d, kv * hd), attn_v=(d, kv * hd), attn_output=(h * hd, d))
+    if mt in ("qwen3_5_moe", "qwen3_next"):
+        hk, hv = config["linear_num_key_heads"], config["linear_num_value_heads"]
+        conv, inner = 2 * hk * config["linear_key_head_dim"], hv * config["linear_value_head_dim"]
+        conv += inner
+        dims.update(attn_q=(d, 2 * h * hd), attn_q_norm=(hd,), attn_k_norm=(hd,), attn_qkv=(d, conv),
+                    attn_gate=(d, inner), ssm_conv1d=(config["linear_conv_kernel_dim"], conv), ssm_beta=(d, hv),
+                    ssm_alpha=(d, hv), ssm_ba=(d, 2 * hv), ssm_norm=(config["linear_value_head_dim"],),
+                    ssm_out=(inner, d))
 
     def expect(stem: str, suffix: str):
         want = dims.get(stem)

@@ -16,10 +16,12 @@ from colibri.errors import ColibriError
 
 # general.architecture -> colibri / HF model_type
 ARCHITECTURES = {"llama": "llama", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
-                 "glm4moe": "glm4_moe", "deepseek2": "deepseek_v3"}
+                 "glm4moe": "glm4_moe", "deepseek2": "deepseek_v3", "qwen35moe": "qwen3_5_moe",
+                 "qwen3next": "qwen3_next"}
 _HF_CLASS = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
              "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-             "deepseek_v3": "DeepseekV3ForCausalLM"}
+             "deepseek_v3": "DeepseekV3ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+             "qwen3_next": "Qwen3NextForCausalLM"}
 _GATING = {1: "softmax", 2: "sigmoid", 3: "sqrtsoftplus"}  # gguf ExpertGatingFuncType
 
 
@@ -83,7 +85,8 @@ def build_config(path: Path, meta: dict, arch: str, names: set[str]) -> dict:
         "model_type": model_type,
         "architectures": [_HF_CLASS[model_type]],
         "hidden_size": hidden,
-        "intermediate_size": m.one("feed_forward_length", required=True),
+        # Qwen3.5 MoE has no dense feed-forward width (its converter writes none)
+        "intermediate_size": m.one("feed_forward_length", required=arch != "qwen35moe"),
         "num_hidden_layers": blocks - nextn,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
@@ -136,6 +139,16 @@ def build_config(path: Path, meta: dict, arch: str, names: set[str]) -> dict:
             config["qkv_bias"] = config["attention_bias"]
             if head_dim == hidden // heads:
                 del config["head_dim"]  # Qwen2MoeConfig has none
+    elif model_type in ("qwen3_5_moe", "qwen3_next"):
+        config.update(_hybrid(m, blocks - nextn, head_dim, rope_theta))
+        routed = set(layers_with("ffn_gate_inp"))
+        config.update(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_ff,
+                      shared_expert_intermediate_size=m.get("expert_shared_feed_forward_length") or moe_ff,
+                      norm_topk_prob=True)  # llama.cpp: both renormalize the top-k weights
+        if model_type == "qwen3_next":
+            config.update(decoder_sparse_step=1, mlp_only_layers=[i for i in range(blocks - nextn) if i not in routed])
+        else:
+            del config["intermediate_size"]
     elif model_type == "olmoe":
         config.update(num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=False,
                       clip_qkv=m.get("attention.clamp_kqv"))
@@ -160,6 +173,30 @@ def build_config(path: Path, meta: dict, arch: str, names: set[str]) -> dict:
                       qk_rope_head_dim=rope_dim, qk_nope_head_dim=qk_head - rope_dim, v_head_dim=v_head,
                       rope_interleave=True, num_nextn_predict_layers=nextn)
     return config
+
+
+def _hybrid(m: _Meta, layers: int, head_dim: int, rope_theta: float) -> dict:
+    """The Gated DeltaNet fields (Qwen3NextConfig / Qwen3_5MoeTextConfig) from the ssm keys
+    Qwen3NextModel.set_gguf_parameters writes; key and value heads share ssm.state_size in
+    llama.cpp. Text positions are one on every M-RoPE axis, so qwen35moe's sections do not
+    change the rotation: it is the plain partial rope."""
+    value_heads = int(m.need("ssm.time_step_rank"))
+    recurrent = m.get("attention.recurrent_layers")
+    interval = int(m.get("full_attention_interval", 4))
+    if recurrent is None:
+        recurrent = [(i + 1) % interval != 0 for i in range(layers)]
+    factor = m.need("rope.dimension_count") / head_dim
+    return {
+        "linear_conv_kernel_dim": m.need("ssm.conv_kernel"),
+        "linear_key_head_dim": m.need("ssm.state_size"),
+        "linear_value_head_dim": m.need("ssm.inner_size") // value_heads,
+        "linear_num_key_heads": m.need("ssm.group_count"),
+        "linear_num_value_heads": value_heads,
+        "layer_types": ["linear_attention" if r else "full_attention" for r in recurrent[:layers]],
+        "full_attention_interval": interval,
+        "partial_rotary_factor": factor,
+        "rope_parameters": {**_rope_parameters(m, rope_theta), "partial_rotary_factor": factor},
+    }
 
 
 def _check_gating(path: Path, arch: str, gating, allowed: tuple[str, ...]) -> None:
