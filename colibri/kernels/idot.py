@@ -5,9 +5,11 @@ Why: on a machine whose cores are slower than its memory, the exact int4 matvec 
 bound: every 32 weights cost a widening, two int->float conversions and three float
 multiply-adds per row (docs/benchmarks.md: Kernels).
 Quantizing the activations once per call to int8 (one scale per weight group, as llama.cpp's
-Q8 activations do) turns each 64 weight bytes of a row into two integer dot instructions
-(AVX-512 VNNI `vpdpbusd`: unsigned nibble x signed int8, four products summed per 32-bit lane),
-one int->float conversion and one multiply-add.
+Q8 activations do) turns each 64 weight bytes of a row into a few integer instructions, one
+int->float conversion and one multiply-add. The integer form is chosen at compile time by what
+the target CPU has (`ISA`): AVX-512 VNNI `vpdpbusd` (unsigned nibble x signed int8, four
+products summed per 32-bit lane: two per 64 weight bytes), or on AVX2 `vpmaddubsw` + `vpmaddwd`
+(byte pairs into int16, int16 pairs into int32, as llama.cpp's AVX2 path), else portable IR.
 
 The arithmetic, per group g of a row: dot(w_g, x_g) ~ s_w[g] * s_x[g] * isum_g + offset term,
 - symmetric int4 (int4_g64, q4_0; w = (nib - 8) * s): isum_g = sum(nib * xq) - 8 * sum(xq), both
@@ -18,8 +20,8 @@ So the result is the exact dot product of the weights with the int8-rounded acti
 float32 rounding: what this path costs in fidelity is the rounding of x to 8 bits only
 (docs/benchmarks.md: Quality).
 
-Same bits wherever a row is computed: integer sums are exact, so the VNNI instructions and the
-generic LLVM IR used on CPUs without them give the same 32-bit lane sums; the float part is
+Same bits wherever a row is computed: integer sums are exact, so the VNNI instructions, the
+AVX2 pairs and the generic LLVM IR give the same 32-bit lane sums on any CPU; the float part is
 plain IR without fast-math flags (LLVM may not reorder it), identical in every caller, and the
 lane sums are reduced in a fixed tree. A row's value therefore depends only on its data and the
 activations, never on the thread split, the batch, the caller (matvec, matmul, the fused MoE
@@ -83,21 +85,45 @@ def activations(mode: str):
         _mode.reset(token)
 
 
-def _has_vnni() -> bool:
-    """AVX-512 VNNI on the CPU numba compiles for (not when the target CPU is overridden, e.g.
-    NUMBA_CPU_NAME=generic for a portable cache). COLIBRI_IDOT=generic forces the portable IR
-    (the tests compare the two)."""
+# Target CPUs (NUMBA_CPU_NAME) by the integer dot instructions they have: a cache compiled for a
+# named target (bench option --cpu, a portable cache) uses exactly what that target has.
+_VNNI_CPUS = {"cascadelake", "cooperlake", "icelake-client", "icelake-server", "tigerlake", "rocketlake",
+              "sapphirerapids", "emeraldrapids", "graniterapids", "graniterapids-d", "znver4", "znver5"}
+_AVX2_CPUS = _VNNI_CPUS | {"haswell", "broadwell", "skylake", "skylake-avx512", "alderlake", "raptorlake",
+                           "meteorlake", "arrowlake", "lunarlake", "znver1", "znver2", "znver3", "x86-64-v3",
+                           "x86-64-v4"}
+
+
+def _isa() -> str:
+    """The integer dot instructions of the CPU numba compiles for: "vnni" (AVX-512 VNNI
+    `vpdpbusd`), "avx2" (`vpmaddubsw` + `vpmaddwd`, as llama.cpp's AVX2 path) or "generic"
+    (portable IR). A target named by NUMBA_CPU_NAME / NUMBA_CPU_FEATURES is read from the name
+    and the +/- feature list, never from the host. COLIBRI_IDOT=avx2 / generic forces a
+    narrower form (the tests compare them)."""
     from numba.core import config
 
-    if os.environ.get("COLIBRI_IDOT") == "generic" or config.CPU_NAME or config.CPU_FEATURES:
-        return False
-    import llvmlite.binding as llvm
+    forced = os.environ.get("COLIBRI_IDOT")
+    if config.CPU_NAME and config.CPU_NAME != "host" or config.CPU_FEATURES:
+        name = (config.CPU_NAME or "").lower()
+        flags = {f[1:]: f[0] == "+" for f in (config.CPU_FEATURES or "").replace(" ", "").split(",") if f}
+        vnni = flags.get("avx512vnni", name in _VNNI_CPUS) and flags.get("avx512bw", name in _VNNI_CPUS) \
+            and flags.get("avx512vl", name in _VNNI_CPUS)
+        avx2 = flags.get("avx2", name in _AVX2_CPUS)
+    else:
+        import llvmlite.binding as llvm
 
-    f = llvm.get_host_cpu_features()
-    return all(f.get(k, False) for k in ("avx512vnni", "avx512vl", "avx512bw"))
+        f = llvm.get_host_cpu_features()
+        vnni = all(f.get(k, False) for k in ("avx512vnni", "avx512vl", "avx512bw"))
+        avx2 = bool(f.get("avx2", False))
+    best = "vnni" if vnni else "avx2" if avx2 else "generic"
+    order = ("generic", "avx2", "vnni")
+    if forced in order and order.index(forced) < order.index(best):
+        return forced
+    return best
 
 
-VNNI = _has_vnni()
+ISA = _isa()
+VNNI = ISA == "vnni"
 
 _F32 = ir.FloatType()
 _I8 = ir.IntType(8)
@@ -117,19 +143,63 @@ def _vec(t, n):
     return ir.VectorType(t, n)
 
 
-def _dot_u8s8(builder, acc, a, b, lanes: int):
-    """acc[i] + sum_{j<4} a[4i+j] * b[4i+j] (a unsigned, b signed bytes; a <4*lanes x i8>)."""
-    if VNNI:
+def _dot2_u8s8(builder, acc, ab1, ab2, lanes: int):
+    """acc[i] + the 4-byte lane sums of a1 * b1 and (when ab2 is given) a2 * b2: the a bytes are
+    nibbles (0..15) and the b bytes int8, so every partial sum below is exact in its width and
+    the three forms give the same integers.
+
+    vnni: one `vpdpbusd` per product. avx2: `vpmaddubsw` sums byte pairs into int16 (at most
+    2 * 15 * 128 per pair, and 4 * 15 * 128 = 7680 for the two products added, far from int16's
+    limit), `vpmaddwd` by ones sums int16 pairs into the 32-bit lanes. generic: widening
+    multiplies in 32-bit lanes."""
+    pairs = [ab1] + ([ab2] if ab2 is not None else [])
+    if ISA == "vnni":
         v = _vec(_I32, lanes)
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v, [v, v, v]),
                                             f"llvm.x86.avx512.vpdpbusd.{32 * lanes}")
-        return builder.call(fn, [acc, builder.bitcast(a, v), builder.bitcast(b, v)])
+        for a, b in pairs:
+            acc = builder.call(fn, [acc, builder.bitcast(a, v), builder.bitcast(b, v)])
+        return acc
+    if ISA == "avx2":
+        return builder.add(acc, _maddubs_lanes(builder, pairs, lanes))
     wide = _vec(_I32, 4 * lanes)
-    p = builder.mul(builder.zext(a, wide), builder.sext(b, wide))
-    for j in range(4):
-        part = builder.shuffle_vector(p, p, ir.Constant(_vec(_I32, lanes), [4 * i + j for i in range(lanes)]))
-        acc = builder.add(acc, part)
+    for a, b in pairs:
+        p = builder.mul(builder.zext(a, wide), builder.sext(b, wide))
+        for j in range(4):
+            part = builder.shuffle_vector(p, p, ir.Constant(_vec(_I32, lanes), [4 * i + j for i in range(lanes)]))
+            acc = builder.add(acc, part)
     return acc
+
+
+def _maddubs_lanes(builder, pairs, lanes: int):
+    """The 4-byte lane sums of sum over pairs of a * b, in 32- or 16-byte pieces of
+    `vpmaddubsw` / `vpmaddwd` (AVX2 or SSSE3 forms), the pieces joined in lane order."""
+    piece = 32 if lanes % 8 == 0 else 16
+    n = piece // 2
+    i8v, i16v, i32v = _vec(_I8, piece), _vec(ir.IntType(16), n), _vec(_I32, n // 2)
+    names = (("llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd") if piece == 32
+             else ("llvm.x86.ssse3.pmadd.ub.sw.128", "llvm.x86.sse2.pmadd.wd"))
+    maddubs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i16v, [i8v, i8v]), names[0])
+    maddwd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32v, [i16v, i16v]), names[1])
+    ones = ir.Constant(i16v, [1] * n)
+    out = []
+    for k in range(4 * lanes // piece):
+        sel = ir.Constant(_vec(_I32, piece), list(range(k * piece, (k + 1) * piece)))
+        s16 = None
+        for a, b in pairs:
+            pa = builder.shuffle_vector(a, a, sel) if piece != 4 * lanes else a
+            pb = builder.shuffle_vector(b, b, sel) if piece != 4 * lanes else b
+            p = builder.call(maddubs, [pa, pb])
+            s16 = p if s16 is None else builder.add(s16, p)
+        out.append(builder.call(maddwd, [s16, ones]))
+    assert len(out) & (len(out) - 1) == 0, "lanes must give a power-of-two count of pieces"
+    while len(out) > 1:  # join the pieces back into one <lanes x i32>, in order
+        joined = []
+        for x, y in zip(out[0::2], out[1::2]):
+            m = x.type.count
+            joined.append(builder.shuffle_vector(x, y, ir.Constant(_vec(_I32, 2 * m), list(range(2 * m)))))
+        out = joined
+    return out[0]
 
 
 def hsum(builder, v):
@@ -259,8 +329,7 @@ def _idot_codegen(nrows: int, half: int, mins: bool, ncols: int | None = None):
                     sw = group_lanes(srows[j], b, lanes)
                     m = group_lanes(mrows[j], b, lanes) if mins else None
                     for c in range(nc):
-                        iacc = _dot_u8s8(builder, init[c], lo, xl[c], lanes)
-                        iacc = _dot_u8s8(builder, iacc, hi, xh[c], lanes)
+                        iacc = _dot2_u8s8(builder, init[c], (lo, xl[c]), (hi, xh[c]), lanes)
                         scale = builder.fmul(sw, sx[c])
                         acc = fma(builder.sitofp(iacc, vf), scale, builder.load(accs[j][c]))
                         if mins:

@@ -1,7 +1,7 @@
 """int4 weights x int8 activations (colibri/kernels/idot.py, `--activations int8`): the integer
 dot equals the dot of the weights with the int8-rounded activations (a float64 reference)
 within float32 rounding; a row's bits never depend on the caller (matvec, matmul, the fused
-MoE kernel), the thread split or the instruction set (VNNI against the portable IR)."""
+MoE kernel), the thread split or the instruction set (VNNI, AVX2 pairs, the portable IR)."""
 from __future__ import annotations
 
 import os
@@ -106,24 +106,26 @@ for scheme, n in (("int4_g64", 640), ("q4_0", 576), ("q4_1", 576)):
     t = quantize(rng.standard_normal((45, n)).astype(np.float32), scheme)
     out.append(idot.matvec_q(t, rng.standard_normal(n).astype(np.float32)))
 np.save(__import__("sys").argv[1], np.concatenate(out))
-print(idot.VNNI)
+print(idot.ISA)
 """
 
 
-@pytest.mark.skipif(not idot.VNNI, reason="this CPU has no AVX-512 VNNI: only the portable IR runs here")
-def test_vnni_and_portable_ir_give_the_same_bits(tmp_path):
+@pytest.mark.skipif(idot.ISA == "generic", reason="this CPU has neither AVX2 nor AVX-512 VNNI: only the portable IR runs here")
+def test_every_integer_form_gives_the_same_bits(tmp_path):
+    """The target's integer dot instructions (VNNI, AVX2 pairs) against the portable IR, and on a
+    VNNI CPU its AVX2 form too: each compiled in its own process and cache."""
+    forms = {"vnni": ("vnni", "avx2", "generic"), "avx2": ("avx2", "generic")}[idot.ISA]
     results = {}
-    for mode in ("vnni", "generic"):
-        env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / f"cache-{mode}")}
-        if mode == "generic":
-            env["COLIBRI_IDOT"] = "generic"
+    for mode in forms:
+        env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / f"cache-{mode}"), "COLIBRI_IDOT": mode}
         f = tmp_path / f"{mode}.npy"
         p = subprocess.run([sys.executable, "-c", _SCRIPT, str(f)], env=env, capture_output=True, text=True,
                            timeout=600)
         assert p.returncode == 0, p.stderr[-2000:]
-        assert p.stdout.strip() == str(mode == "vnni")
+        assert p.stdout.strip() == mode
         results[mode] = np.load(f)
-    np.testing.assert_array_equal(results["vnni"], results["generic"])
+    for mode in forms[1:]:
+        np.testing.assert_array_equal(results[forms[0]], results[mode])
 
 
 def test_mode_is_scoped_and_checked():
