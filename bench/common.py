@@ -109,6 +109,48 @@ def machine_line(m: dict | None = None) -> str:
             f"{m['ram_gib']} GiB RAM; {m['python']}, numpy {m['numpy']}, numba {m['numba']}; {m['date']}")
 
 
+# -- a named CPU target ----------------------------------------------------------------------
+
+def add_target_args(ap) -> None:
+    """--cpu / --llama-lib: measure another CPU class on the machine at hand (issue: every CPU
+    class), colibri's kernels compiled for it and llama.cpp built for it, side by side."""
+    ap.add_argument("--cpu", metavar="NAME",
+                    help="compile colibri's kernels for this LLVM CPU (NUMBA_CPU_NAME), e.g. haswell or znver2 for "
+                         "an AVX2-only machine, znver4, skylake-avx512; its own numba cache. It must be a subset "
+                         "of this CPU's instructions")
+    ap.add_argument("--llama-lib", metavar="DIR",
+                    help="directory of a libllama built for the same target (LLAMA_CPP_LIB_PATH), e.g. "
+                         "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF for the AVX2 row")
+
+
+def target_env(env: dict, a) -> dict:
+    """`env` for the children of a run with `add_target_args`: NUMBA_CPU_NAME and a cache of its
+    own for colibri (a cache compiled for one target is never loaded for another), the named
+    libllama for llama.cpp."""
+    env = dict(env)
+    if getattr(a, "cpu", None):
+        env["NUMBA_CPU_NAME"] = a.cpu
+        env.pop("NUMBA_CPU_FEATURES", None)
+        env["NUMBA_CACHE_DIR"] = str(Path(env.get("NUMBA_CACHE_DIR") or Path.home() / ".cache" / "colibri" / "numba")
+                                     / f"target-{a.cpu}")
+    if getattr(a, "llama_lib", None):
+        env["LLAMA_CPP_LIB_PATH"] = str(Path(a.llama_lib).resolve())
+    return env
+
+
+def target_line(a) -> str:
+    """How the kernels were compiled, for the report: the host, or the named target and the
+    integer-dot form it gets (kernels/idot.py)."""
+    if not getattr(a, "cpu", None):
+        return "kernels compiled for this CPU (host)"
+    import subprocess
+
+    form = subprocess.run([sys.executable, "-c", "from colibri.kernels.idot import _isa; print(_isa())"],
+                          capture_output=True, text=True, env={**os.environ, "NUMBA_CPU_NAME": a.cpu}).stdout.strip()
+    lib = f"; llama.cpp from {a.llama_lib}" if getattr(a, "llama_lib", None) else "; llama.cpp as installed"
+    return f"kernels compiled for --cpu {a.cpu} (integer dot: {form or '?'}){lib}"
+
+
 # -- interleaved repeats ---------------------------------------------------------------------
 
 def interleaved(variants: Iterable, repeats: int, run: Callable, *, alternate: bool = False,

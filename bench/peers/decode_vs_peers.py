@@ -22,7 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import add_json_arg, child_env, interleaved, machine_line, median, module_command, write_json
+from bench.common import (add_json_arg, add_target_args, child_env, interleaved, machine_line, median, module_command,
+                          target_env, target_line, write_json)
 
 SHORT = "What is the capital of France?"
 
@@ -248,6 +249,7 @@ def main() -> None:
     ap.add_argument("--baseline-tree", metavar="DIR",
                     help="also colibri from another checkout (e.g. `git worktree add /tmp/base HEAD~1`), run "
                          "by that tree's copy of this script, as colibri-base: an A/B of two versions in one run")
+    add_target_args(ap)
     add_json_arg(ap)
     ap.add_argument("--child", choices=["colibri", "colibri-int8", "colibri-f16kv", "colibri-rows", "llama",
                                         "transformers"])
@@ -275,8 +277,10 @@ def main() -> None:
     from bench.membw import read_bandwidth
 
     print(machine_line())
+    print("# " + target_line(a))
     bw = read_bandwidth(a.threads)
-    env = child_env({**os.environ, "NUMBA_NUM_THREADS": str(a.threads), "OMP_NUM_THREADS": str(a.threads)})
+    env = target_env(child_env({**os.environ, "NUMBA_NUM_THREADS": str(a.threads),
+                                "OMP_NUM_THREADS": str(a.threads)}), a)
     engines = [("colibri", sys.executable)]
     if a.baseline_tree:
         engines.append(("colibri-base", sys.executable))

@@ -26,7 +26,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import add_json_arg, child_env, interleaved, machine_line, median, module_command, write_json
+from bench.common import (add_json_arg, add_target_args, child_env, interleaved, machine_line, median, module_command,
+                          target_env, target_line, write_json)
 
 
 # colibri: the fused routed-experts kernel; -int8: the same with --activations int8;
@@ -105,6 +106,7 @@ def main() -> None:
     ap.add_argument("--child", choices=ENGINES)
     ap.add_argument("--engines", default="colibri,colibri-int8,llama",
                     help=f"comma-separated, from {', '.join(ENGINES)} (llama needs --gguf and --llama-python)")
+    add_target_args(ap)
     add_json_arg(ap)
     a = ap.parse_args()
     if a.model.suffix == ".gguf":  # colibri reads the file in place (its index in the cache)
@@ -130,7 +132,8 @@ def main() -> None:
     engines = [(name, sys.executable) for name in wanted if name != "llama"]
     if "llama" in wanted and a.gguf and a.llama_python:
         engines.append(("llama", a.llama_python))
-    env = child_env({**os.environ, "NUMBA_NUM_THREADS": str(a.threads), "OMP_NUM_THREADS": str(a.threads)})
+    env = target_env(child_env({**os.environ, "NUMBA_NUM_THREADS": str(a.threads),
+                                "OMP_NUM_THREADS": str(a.threads)}), a)
     args = ["--model", str(a.model), "--tokens", str(a.tokens), "--threads", str(a.threads)]
     if a.gguf:
         args += ["--gguf", str(a.gguf)]
@@ -151,6 +154,7 @@ def main() -> None:
         if a.json == "-":
             return
     print(machine_line())
+    print("# " + target_line(a))
     print(f"{a.model.name}: {per_token / 1e9:.2f} GB read per token ({experts / 1e9:.2f} GB of experts); "
           f"read bandwidth {bw / 1e9:.1f} GB/s on {a.threads} threads -> roof {roof:.2f} tok/s")
     llama = [r["tok_s"] for r in rows.get("llama", []) if "tok_s" in r]

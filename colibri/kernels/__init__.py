@@ -41,8 +41,10 @@ def _sources_digest() -> str:
     formats = here.parent / "formats"
     for f in [*sorted(here.rglob("*.py")), formats / "qtensor.py", formats / "ggml_blocks.py"]:
         h.update(str(f.relative_to(here.parent)).encode() + f.read_bytes())
-    # A forced integer-dot form (idot.py) compiles different code from the same sources.
-    h.update(os.environ.get("COLIBRI_IDOT", "").encode())
+    # A forced integer-dot form or a named target CPU (idot.py reads both) compiles different
+    # code from the same sources.
+    for var in ("COLIBRI_IDOT", "NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES"):
+        h.update(os.environ.get(var, "").encode())
     return f"kernels-{h.hexdigest()[:12]}"
 
 

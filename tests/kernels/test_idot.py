@@ -136,3 +136,22 @@ def test_mode_is_scoped_and_checked():
     with pytest.raises(ValueError, match="activations must be one of"):
         with idot.activations("int4"):
             pass
+
+
+@pytest.mark.parametrize("name, features, form", [
+    ("haswell", "", "avx2"), ("znver3", "", "avx2"), ("skylake-avx512", "", "avx2"), ("znver4", "", "vnni"),
+    ("icelake-server", "", "vnni"), ("x86-64", "", "generic"), ("znver4", "-avx512vnni", "avx2"),
+    ("x86-64", "+avx2", "avx2"), ("sapphirerapids", "", "vnni")])
+def test_a_named_target_gets_the_integer_form_it_has(monkeypatch, name, features, form):
+    """A cache compiled for another CPU (bench --cpu, NUMBA_CPU_NAME) uses what that CPU has,
+    never the host's instructions; COLIBRI_IDOT only narrows."""
+    from numba.core import config
+
+    monkeypatch.setattr(config, "CPU_NAME", name)
+    monkeypatch.setattr(config, "CPU_FEATURES", features)
+    monkeypatch.delenv("COLIBRI_IDOT", raising=False)
+    assert idot._isa() == form
+    monkeypatch.setenv("COLIBRI_IDOT", "generic")
+    assert idot._isa() == "generic"
+    monkeypatch.setenv("COLIBRI_IDOT", "vnni")  # cannot widen past the target
+    assert idot._isa() == form
