@@ -154,9 +154,10 @@ def build_plan(model: ModelFacts, machine: Machine, ram_gb: float | None = None,
         warn("info", "every expert fits in memory: the disk leaves the decode path after warm-up")
     if fits and bottleneck == "compute":
         warn("info", "compute-bound: `--activations int8` does the int4 matrix products in integer arithmetic "
-                     "(measured 1.13-1.24x faster decode on a 2-core AVX-512 VNNI machine and 1.16-1.41x on a 2-core "
-                     "AVX2-only AMD EPYC, docs/benchmarks.md: Quality, Qwen3-30B-A3B shapes), at a small fidelity cost (SmolLM2: KL 1.8e-3 against the exact path, "
-                     "perplexity +0.2%) and slower prefill; it changes tokens, so it stays opt-in")
+                     "(measured 1.13-1.24x faster decode on a 2-core AVX-512 VNNI machine and 1.16-1.41x on a "
+                     "2-core AVX2-only AMD EPYC, docs/benchmarks.md: Quality, Qwen3-30B-A3B shapes), at a small "
+                     "fidelity cost (SmolLM2: KL 1.8e-3 against the exact path, perplexity +0.2%) and slower "
+                     "prefill; it changes tokens, so it stays opt-in")
     per_conversation = model.kv_bytes_per_token * context
     if (not model.config.get("kv_lora_rank") and not dense_in_vram
             and per_conversation >= KV_F16_HINT_SHARE * model.dense_bytes):
