@@ -143,12 +143,10 @@ def target_line(a) -> str:
     integer-dot form it gets (kernels/idot.py)."""
     if not getattr(a, "cpu", None):
         return "kernels compiled for this CPU (host)"
-    import subprocess
+    from colibri.kernels.idot import isa_of
 
-    form = subprocess.run([sys.executable, "-c", "from colibri.kernels.idot import _isa; print(_isa())"],
-                          capture_output=True, text=True, env={**os.environ, "NUMBA_CPU_NAME": a.cpu}).stdout.strip()
     lib = f"; llama.cpp from {a.llama_lib}" if getattr(a, "llama_lib", None) else "; llama.cpp as installed"
-    return f"kernels compiled for --cpu {a.cpu} (integer dot: {form or '?'}){lib}"
+    return f"kernels compiled for --cpu {a.cpu} (integer dot: {isa_of(a.cpu)}){lib}"
 
 
 # -- interleaved repeats ---------------------------------------------------------------------

@@ -94,28 +94,32 @@ _AVX2_CPUS = _VNNI_CPUS | {"haswell", "broadwell", "skylake", "skylake-avx512", 
                            "x86-64-v4"}
 
 
+def isa_of(cpu_name: str, cpu_features: str = "") -> str:
+    """The integer-dot form ("vnni", "avx2" or "generic") numba's code for the LLVM CPU
+    `cpu_name` with the +/- feature list `cpu_features` (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES)
+    gets: read from the name and the list, never from the host."""
+    name = cpu_name.lower()
+    flags = {f[1:]: f[0] == "+" for f in cpu_features.replace(" ", "").split(",") if f}
+    vnni = all(flags.get(k, name in _VNNI_CPUS) for k in ("avx512vnni", "avx512bw", "avx512vl"))
+    return "vnni" if vnni else "avx2" if flags.get("avx2", name in _AVX2_CPUS) else "generic"
+
+
 def _isa() -> str:
     """The integer dot instructions of the CPU numba compiles for: "vnni" (AVX-512 VNNI
     `vpdpbusd`), "avx2" (`vpmaddubsw` + `vpmaddwd`, as llama.cpp's AVX2 path) or "generic"
-    (portable IR). A target named by NUMBA_CPU_NAME / NUMBA_CPU_FEATURES is read from the name
-    and the +/- feature list, never from the host. COLIBRI_IDOT=avx2 / generic forces a
-    narrower form (the tests compare them)."""
+    (portable IR); a named target by `isa_of`. COLIBRI_IDOT=avx2 / generic forces a narrower
+    form (the tests compare them)."""
     from numba.core import config
 
-    forced = os.environ.get("COLIBRI_IDOT")
     if config.CPU_NAME and config.CPU_NAME != "host" or config.CPU_FEATURES:
-        name = (config.CPU_NAME or "").lower()
-        flags = {f[1:]: f[0] == "+" for f in (config.CPU_FEATURES or "").replace(" ", "").split(",") if f}
-        vnni = flags.get("avx512vnni", name in _VNNI_CPUS) and flags.get("avx512bw", name in _VNNI_CPUS) \
-            and flags.get("avx512vl", name in _VNNI_CPUS)
-        avx2 = flags.get("avx2", name in _AVX2_CPUS)
+        best = isa_of(config.CPU_NAME or "", config.CPU_FEATURES or "")
     else:
         import llvmlite.binding as llvm
 
         f = llvm.get_host_cpu_features()
         vnni = all(f.get(k, False) for k in ("avx512vnni", "avx512vl", "avx512bw"))
-        avx2 = bool(f.get("avx2", False))
-    best = "vnni" if vnni else "avx2" if avx2 else "generic"
+        best = "vnni" if vnni else "avx2" if f.get("avx2", False) else "generic"
+    forced = os.environ.get("COLIBRI_IDOT")
     order = ("generic", "avx2", "vnni")
     if forced in order and order.index(forced) < order.index(best):
         return forced
@@ -123,7 +127,6 @@ def _isa() -> str:
 
 
 ISA = _isa()
-VNNI = ISA == "vnni"
 
 _F32 = ir.FloatType()
 _I8 = ir.IntType(8)
@@ -143,16 +146,15 @@ def _vec(t, n):
     return ir.VectorType(t, n)
 
 
-def _dot2_u8s8(builder, acc, ab1, ab2, lanes: int):
-    """acc[i] + the 4-byte lane sums of a1 * b1 and (when ab2 is given) a2 * b2: the a bytes are
-    nibbles (0..15) and the b bytes int8, so every partial sum below is exact in its width and
-    the three forms give the same integers.
+def _dot_u8s8(builder, acc, pairs, lanes: int):
+    """acc[i] + the 4-byte lane sums of a * b over the (a, b) `pairs` (at most two): the a bytes
+    are nibbles (0..15) and the b bytes int8, so every partial sum below is exact in its width
+    and the three forms give the same integers.
 
     vnni: one `vpdpbusd` per product. avx2: `vpmaddubsw` sums byte pairs into int16 (at most
     2 * 15 * 128 per pair, and 4 * 15 * 128 = 7680 for the two products added, far from int16's
     limit), `vpmaddwd` by ones sums int16 pairs into the 32-bit lanes. generic: widening
     multiplies in 32-bit lanes."""
-    pairs = [ab1] + ([ab2] if ab2 is not None else [])
     if ISA == "vnni":
         v = _vec(_I32, lanes)
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v, [v, v, v]),
@@ -329,7 +331,7 @@ def _idot_codegen(nrows: int, half: int, mins: bool, ncols: int | None = None):
                     sw = group_lanes(srows[j], b, lanes)
                     m = group_lanes(mrows[j], b, lanes) if mins else None
                     for c in range(nc):
-                        iacc = _dot2_u8s8(builder, init[c], (lo, xl[c]), (hi, xh[c]), lanes)
+                        iacc = _dot_u8s8(builder, init[c], ((lo, xl[c]), (hi, xh[c])), lanes)
                         scale = builder.fmul(sw, sx[c])
                         acc = fma(builder.sitofp(iacc, vf), scale, builder.load(accs[j][c]))
                         if mins:
