@@ -37,7 +37,7 @@ from numba import njit, prange
 
 from colibri.formats.expert_blob import FusedExperts, StackedExperts
 
-from .cpu.blocks import ELEMENTS, GROUP, HAS_OFFSET, NBYTES, block_rows8, block_scratch, sums16, x_sums
+from .cpu.blocks import ELEMENTS, NBYTES, block_rows8, block_scratch, x_prep_into, x_prep_len, x_sums
 from .idot import marker, prepare, prepare_rows, row_of, rows8_into
 from .ops import silu_gate_into
 
@@ -174,10 +174,10 @@ def routed_block_experts(x, memory, layout, tcs, slots, weights, nthreads):
             for j in range(min(8, I - r)):
                 u[k, r + j] = d[j]
     a = np.empty((K, I), np.float32)
-    xs_d = np.empty((K, I // GROUP if HAS_OFFSET[tcs[2]] else 0), np.float32)  # as x_sums(tcs[2], a[k])
+    xs_d = np.empty((K, x_prep_len(tcs[2], I)), np.float32)  # as x_sums(tcs[2], a[k])
     for k in range(K):
         silu_gate_into(g[k], u[k], a[k])
-        sums16(a[k], xs_d[k])
+        x_prep_into(tcs[2], a[k], xs_d[k])
     out = np.zeros(D, np.float32)
     nblk = (D + 7) // 8
     per = (nblk + nthreads - 1) // nthreads

@@ -50,6 +50,7 @@ from .codegen import (
     with_offsets8,
     with_offsets_tile,
 )
+from .kquant_tiles import FUSED, prepare_x_fused, q4k_dot8, q5k_dot8, q6k_dot8
 
 # scheme -> the kernels' type code; the tables below are indexed by it.
 TYPE_CODE = {s: i for i, s in enumerate(BLOCK_SCHEMES)}
@@ -59,6 +60,8 @@ ELEMENTS = np.array([BLOCK_TYPES[s].elements for s in BLOCK_SCHEMES], np.int64)
 NBYTES = np.array([BLOCK_TYPES[s].nbytes for s in BLOCK_SCHEMES], np.int64)
 # Types with a per-sub-block offset (a min): their matvec adds the offset term.
 HAS_OFFSET = np.array([s in ("q2_k", "q4_k", "q5_k", "q5_1") for s in BLOCK_SCHEMES], np.bool_)
+# scheme code -> its fused tile's index in kquant_tiles.FUSED (-1: decoded, then dotted)
+FUSED_KIND = np.array([FUSED.index(s) if s in FUSED else -1 for s in BLOCK_SCHEMES], np.int64)
 GROUP = 16  # weights per decoded scale: the smallest sub-block (Q2_K, Q3_K, Q6_K)
 
 _KV_IQ4 = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
@@ -417,10 +420,31 @@ def sums16(x, xs):
 
 
 @njit(cache=True)
+def x_prep_len(tc, n):
+    """The length of what type tc's row dots need of an x of n elements besides x itself
+    (x_prep_into)."""
+    if FUSED_KIND[tc] >= 0:
+        return n + n // GROUP
+    return n // GROUP if HAS_OFFSET[tc] else 0
+
+
+@njit(cache=True)
+def x_prep_into(tc, x, xs):
+    """xs [x_prep_len]: the fused tiles (Q4_K, Q5_K, Q6_K) take x laid out for them and x's
+    16-wide sums (kquant_tiles.prepare_x_fused); the other offset types x's 16-wide sums; the
+    rest nothing."""
+    n = x.shape[0]
+    if FUSED_KIND[tc] >= 0:
+        prepare_x_fused(FUSED_KIND[tc], x, xs[:n], xs[n:])
+    else:
+        sums16(x, xs)
+
+
+@njit(cache=True)
 def x_sums(tc, x):
-    """x's 16-wide sums where type tc has offsets, else an empty array (no offset term)."""
-    xs = np.empty(x.shape[0] // GROUP if HAS_OFFSET[tc] else 0, np.float32)
-    sums16(x, xs)
+    """x_prep_into's array for x."""
+    xs = np.empty(x_prep_len(tc, x.shape[0]), np.float32)
+    x_prep_into(tc, x, xs)
     return xs
 
 
@@ -448,8 +472,20 @@ def dot_rows8(codes, sc, of, x, xs, d):
 
 @njit(cache=True)
 def block_rows8(tc, q, r, x, xs, codes, sc, of, d):
-    """d[0:8] = rows r .. r+7 of dequantize(q) @ x (rows past the end: garbage). Shared by
-    matvec_blocks and the fused MoE kernel (moe.py)."""
+    """d[0:8] = rows r .. r+7 of dequantize(q) @ x (rows past the end: garbage; xs: x_sums).
+    Shared by matvec_blocks, matmul_rows_blocks and the fused MoE kernel (moe.py). Q4_K, Q5_K
+    and Q6_K read their bytes in one fused tile (kquant_tiles.py); the other types are decoded,
+    then dotted."""
+    n = x.shape[0]
+    if tc == Q4_K:
+        q4k_dot8(q, r, r + 8, xs[:n], xs[n:], d)
+        return
+    if tc == Q6_K:
+        q6k_dot8(q, r, r + 8, xs[:n], xs[n:], d)
+        return
+    if tc == Q5_K:
+        q5k_dot8(q, r, r + 8, xs[:n], xs[n:], d)
+        return
     decode_rows8(tc, q, r, codes, sc, of)
     dot_rows8(codes, sc, of, x, xs, d)
 
@@ -490,16 +526,23 @@ def matmul_rows_blocks(tc, q, x, y, nthreads):
     matvec_blocks(x[a]) bit for bit (the same decode, the same per-pair tile operations),
     each 8-row block decoded once for all B tokens."""
     out, B, n = q.shape[0], x.shape[0], x.shape[1]
-    xs = np.empty((B, n // GROUP if HAS_OFFSET[tc] else 0), np.float32)
+    xs = np.empty((B, x_prep_len(tc, n)), np.float32)
     for a in range(B):
-        sums16(x[a], xs[a])
+        x_prep_into(tc, x[a], xs[a])
     nblk = (out + 7) // 8
     per = (nblk + nthreads - 1) // nthreads
     for t in prange(nthreads):
         codes, sc, of = block_scratch(n)
         d = np.empty((TILE_A, TILE_W), np.float32)
+        d8 = np.empty(8, np.float32)
         for blk in range(t * per, min(nblk, (t + 1) * per)):
             r = 8 * blk
+            if FUSED_KIND[tc] >= 0:  # the fused tile per token, the rows in cache for the next
+                for a in range(B):
+                    block_rows8(tc, q, r, x[a], xs[a], codes, sc, of, d8)
+                    for j in range(min(8, out - r)):
+                        y[a, r + j] = d8[j]
+                continue
             decode_rows8(tc, q, r, codes, sc, of)
             for w0 in range(0, 8, TILE_W):
                 if r + w0 >= out:

@@ -63,28 +63,37 @@ def bf16_f32(typingctx, h):
     return types.float32(types.uint16), codegen
 
 
-@intrinsic
-def f16_f32(typingctx, h):
-    """Raw IEEE half bits (uint16) -> float32, exact for every input (numba has no float16).
+def f16_bits_f32(builder, h):
+    """IR: raw IEEE half bits zero-extended to i32 (a scalar or a vector of them) -> float32
+    of the same shape, exact for every input (numba has no float16).
 
     Integer-only (no F16C dependence, no libcall): rebias the exponent; half subnormals are
     renormalised by subtracting 2^-14 in float32 (exact, and never touches float32
     subnormals); inf/NaN get the float32 all-ones exponent.
     """
+    ity, fty = h.type, ir.FloatType()
+    if isinstance(ity, ir.VectorType):
+        fty = ir.VectorType(fty, ity.count)
+
+    def c(v, t=ity):
+        return ir.Constant(t, [v] * t.count) if isinstance(t, ir.VectorType) else ir.Constant(t, v)
+    o = builder.shl(builder.and_(h, c(0x7FFF)), c(13))
+    exp = builder.and_(o, c(0x0F800000))
+    o = builder.add(o, c(112 << 23))
+    o_special = builder.add(o, c(112 << 23))
+    o_sub = builder.fsub(builder.bitcast(builder.add(o, c(1 << 23)), fty), c(2.0 ** -14, fty))
+    o_sub = builder.bitcast(o_sub, ity)
+    o = builder.select(builder.icmp_unsigned("==", exp, c(0x0F800000)), o_special, o)
+    o = builder.select(builder.icmp_unsigned("==", exp, c(0)), o_sub, o)
+    o = builder.or_(o, builder.shl(builder.and_(h, c(0x8000)), c(16)))
+    return builder.bitcast(o, fty)
+
+
+@intrinsic
+def f16_f32(typingctx, h):
+    """Raw IEEE half bits (uint16) -> float32, exact for every input (f16_bits_f32)."""
     def codegen(context, builder, sig, args):
-        f32 = ir.FloatType()
-        h = builder.zext(args[0], _I32)
-        o = builder.shl(builder.and_(h, _i32(0x7FFF)), _i32(13))
-        exp = builder.and_(o, _i32(0x0F800000))
-        o = builder.add(o, _i32(112 << 23))
-        o_special = builder.add(o, _i32(112 << 23))
-        o_sub = builder.fsub(builder.bitcast(builder.add(o, _i32(1 << 23)), f32),
-                             ir.Constant(f32, 2.0 ** -14))
-        o_sub = builder.bitcast(o_sub, _I32)
-        o = builder.select(builder.icmp_unsigned("==", exp, _i32(0x0F800000)), o_special, o)
-        o = builder.select(builder.icmp_unsigned("==", exp, _i32(0)), o_sub, o)
-        o = builder.or_(o, builder.shl(builder.and_(h, _i32(0x8000)), _i32(16)))
-        return builder.bitcast(o, f32)
+        return f16_bits_f32(builder, builder.zext(args[0], _I32))
     return types.float32(types.uint16), codegen
 
 

@@ -1,0 +1,324 @@
+"""Q4_K rows read straight from their GGUF bytes: one fused IR tile, no decoded scratch.
+
+The general block path (blocks.py) decodes eight rows into int8 codes and float scales, then
+runs q8_0's tile over them: two passes and ~10 small calls a super-block. Q4_K, the bulk of
+every Q4_K_M file, is int4 with a scale and a min per 32 weights, so it takes int4_g64's
+approach instead (codegen.py, _int4_block): its 128 quant bytes a super-block are read as two
+64-byte blocks of sixteen 32-bit lanes; nibble k of every lane is masked in place (n * 16^k,
+exact) and converted, and multiplies x laid out and scaled by 16^-k beforehand
+(prepare_x_fused), so each product is the n * x the unprepared x gives.
+
+Q4_K's bytes: per super-block of 256 weights, d and dmin (f16), 12 bytes of 6-bit sub-block
+scales and mins, then 4 chunks of 32 bytes, chunk c holding sub-block 2c in its low nibbles and
+2c + 1 in its high ones. In a 64-byte block (chunks 2h, 2h + 1) lane l's bytes lie in chunk
+2h + l // 8, so its even nibbles belong to one sub-block and its odd ones to the next:
+
+    t_even = sum_{k even} n_k x'_k,  t_odd = sum_{k odd} n_k x'_k            (per lane)
+    acc = fmuladd(t_even, d * sc[even sub-block of the lane], acc), then t_odd likewise
+
+and the mins leave the inner loop: acc = fmuladd(-(dmin * m) spread over 16-weight groups,
+x's 16-wide sums, acc) once a super-block. A row is the lane sum of acc (codegen.hsum's tree).
+Every (weight row, x) pair gets these operations in this order whichever entry point calls
+it (matvec, matvec_rows, the fused MoE kernel) and with any thread count, so the invariants of
+the other kernels hold: a row's bits depend on its bytes and x only.
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .codegen import f16_bits_f32, hsum
+
+Q4K_BYTES = 144  # a super-block: d, dmin, scales[12], qs[128]
+Q6K_BYTES = 210  # ql[128], qh[64], scales[16] (int8), d
+Q5K_BYTES = 176  # d, dmin, scales[12], qh[32], qs[128]
+
+_F32, _I8, _I16, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_V16F = ir.VectorType(_F32, 16)
+_V16I = ir.VectorType(_I32, 16)
+_V8F = ir.VectorType(_F32, 8)
+_V8I = ir.VectorType(_I32, 8)
+_V16B = ir.VectorType(_I8, 16)
+
+
+def _c(ty, vals):
+    return ir.Constant(ty, list(vals))
+
+
+def _i64(v):
+    return ir.Constant(_I64, v)
+
+
+# --- x laid out for the tile ---------------------------------------------------------------
+
+
+def _q4k_source(m: int) -> int:
+    """Q4_K: the weight (of a 64-byte block's 128) that prepared position m = 16 k + l
+    multiplies: nibble k of lane l, i.e. byte 4 (l % 8) + k // 2 of chunk l // 8, low nibble for
+    even k. Nibbles 0..6 are masked in place (n * 16^k); nibble 7 is shifted down (n)."""
+    k, lane = m >> 4, m & 15
+    return 64 * (lane >> 3) + 32 * (k & 1) + 4 * (lane & 7) + (k >> 1)
+
+
+def _q6k_source(m: int) -> int:
+    """Q6_K: position m = 64 part + 16 k + l multiplies byte k of lane l's codes, weight
+    64 part + 4 l + k (of a half's 128), masked in place (c * 256^k)."""
+    part, k, lane = m >> 6, (m >> 4) & 3, m & 15
+    return 64 * part + 4 * lane + k
+
+
+def _q5k_source(m: int) -> int:
+    """Q5_K: position m = 64 part + 16 k + l multiplies byte k of lane l's codes: weight
+    64 (l // 8) + 32 part + 4 (l % 8) + k of a half's 128 (low nibbles part 0, high part 1)."""
+    part, k, lane = m >> 6, (m >> 4) & 3, m & 15
+    return 64 * (lane >> 3) + 32 * part + 4 * (lane & 7) + k
+
+
+FUSED = ("q4_k", "q6_k", "q5_k")  # the schemes with a fused tile, in the tables' order
+_ORDER = np.array([[f(m) for m in range(128)] for f in (_q4k_source, _q6k_source, _q5k_source)], np.int64)
+_SCALE = np.array([[2.0 ** (-4 * k) for k in range(7)] + [1.0],
+                   [2.0 ** (-8 * (k & 3)) for k in range(8)],
+                   [2.0 ** (-8 * (k & 3)) for k in range(8)]], np.float32)
+
+
+@njit(cache=True)
+def prepare_x_fused(kind, x, xp, xs):
+    """For FUSED[kind]'s tile: xp [n] x in the tile's order and scales (powers of two: exact);
+    xs [n / 16] x's 16-wide sums, in blocks.sums16's order (the offset term)."""
+    n = x.shape[0]
+    order, scale = _ORDER[kind], _SCALE[kind]
+    for b in range(0, n, 128):
+        for m in range(128):
+            xp[b + m] = x[b + order[m]] * scale[m >> 4]
+    for g in range(xs.shape[0]):
+        x0 = 16 * g
+        a0 = x[x0] + x[x0 + 8]
+        a1 = x[x0 + 1] + x[x0 + 9]
+        a2 = x[x0 + 2] + x[x0 + 10]
+        a3 = x[x0 + 3] + x[x0 + 11]
+        a4 = x[x0 + 4] + x[x0 + 12]
+        a5 = x[x0 + 5] + x[x0 + 13]
+        a6 = x[x0 + 6] + x[x0 + 14]
+        a7 = x[x0 + 7] + x[x0 + 15]
+        xs[g] = ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))
+
+
+# --- the tile ------------------------------------------------------------------------------
+
+_MASKS = [_c(_V16I, [15 << (4 * k)] * 16) for k in range(7)]
+
+
+def _splat(builder, value, vty):
+    v = builder.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), _c(ir.VectorType(_I32, vty.count), [0] * vty.count))
+
+
+def _k4_fields(builder, s12):
+    """The 8 sub-block scales and mins (<8 x i32> each) of the 12 bytes s (a <16 x i8> whose
+    first 12 are them; ggml's get_scale_min_k4): sc j<4 = s[j] & 63, j>=4 = (s[j+4] & 15) |
+    (s[j-4] >> 6) << 4; m j<4 = s[j+4] & 63, j>=4 = (s[j+4] >> 4) | (s[j] >> 6) << 4."""
+    def pick(idx):
+        return builder.zext(builder.shuffle_vector(s12, s12, _c(_V8I, idx)), _V8I)
+    lo4, hi4 = range(4), range(4, 8)
+    sc_lo = pick([j for j in lo4] + [j + 4 for j in hi4])            # s[j] | s[j+4]
+    mn_lo = pick([j + 4 for j in lo4] + [j + 4 for j in hi4])        # s[j+4]
+    sc_hi = pick([0] * 4 + [j - 4 for j in hi4])                     # s[j-4] (j >= 4)
+    mn_hi = pick([0] * 4 + [j for j in hi4])                         # s[j]   (j >= 4)
+    keep_lo = _c(_V8I, [63] * 4 + [15] * 4)
+    keep_hi = _c(_V8I, [0] * 4 + [0x30] * 4)
+    two = _c(_V8I, [2] * 8)
+    sc = builder.or_(builder.and_(sc_lo, keep_lo), builder.and_(builder.lshr(sc_hi, two), keep_hi))
+    mn = builder.or_(builder.and_(builder.lshr(mn_lo, _c(_V8I, [0] * 4 + [4] * 4)), keep_lo),
+                     builder.and_(builder.lshr(mn_hi, two), keep_hi))
+    return sc, mn
+
+
+def _q4k_superblock(builder, blk, load):
+    """Q4_K: (<8 x float> d * sc, -(dmin * m) over the 16 groups of 16) of the block at blk."""
+    dd = load(blk, ir.VectorType(_I16, 2), 1)
+    dd = f16_bits_f32(builder, builder.zext(dd, ir.VectorType(_I32, 2)))
+    sc, mn = _k4_fields(builder, load(builder.gep(blk, [_i64(4)]), _V16B, 1))
+    d = _splat(builder, builder.extract_element(dd, ir.Constant(_I32, 0)), _V8F)
+    dmin = _splat(builder, builder.extract_element(dd, ir.Constant(_I32, 1)), _V8F)
+    m = builder.fneg(builder.fmul(dmin, builder.sitofp(mn, _V8F)))
+    return builder.fmul(d, builder.sitofp(sc, _V8F)), builder.shuffle_vector(m, m, _c(_V16I, [i // 2 for i in range(16)]))
+
+
+def _q4k_half(builder, blk, h, sv, xs, load, fma):
+    """Q4_K's 64-byte block h of a super-block . x: nibble k of lane l is weight
+    64 (l // 8) + 32 (k % 2) + 4 (l % 8) + k // 2, so lanes 0-7 take sub-blocks 4h (even k) and
+    4h + 1 (odd k), lanes 8-15 sub-blocks 4h + 2 and 4h + 3 (sv: the 8 sub-block scales)."""
+    raw = load(builder.gep(blk, [_i64(16 + 64 * h)]), _V16I, 1)
+    ns = [builder.sitofp(builder.and_(raw, mk), _V16F) for mk in _MASKS]
+    ns.append(builder.sitofp(builder.lshr(raw, _c(_V16I, [28] * 16)), _V16F))
+    t_even = builder.fmul(ns[0], xs[0])
+    t_odd = builder.fmul(ns[1], xs[1])
+    for k in range(2, 8, 2):
+        t_even = builder.call(fma, [ns[k], xs[k], t_even])
+        t_odd = builder.call(fma, [ns[k + 1], xs[k + 1], t_odd])
+    s_even = builder.shuffle_vector(sv, sv, _c(_V16I, [4 * h] * 8 + [4 * h + 2] * 8))
+    s_odd = builder.shuffle_vector(sv, sv, _c(_V16I, [4 * h + 1] * 8 + [4 * h + 3] * 8))
+    return (t_even, s_even), (t_odd, s_odd)
+
+
+def _q6k_superblock(builder, blk, load):
+    """Q6_K: (<16 x float> d * sc of the 16 groups, -32 d sc: the codes' offset) of the block
+    at blk (ql[128] qh[64] scales[16] d)."""
+    dh = builder.zext(load(builder.gep(blk, [_i64(208)]), _I16, 1), _I32)
+    d = _splat(builder, f16_bits_f32(builder, dh), _V16F)
+    sc = builder.fmul(d, builder.sitofp(load(builder.gep(blk, [_i64(192)]), _V16B, 1), _V16F))
+    return sc, builder.fmul(sc, _c(_V16F, [-32.0] * 16))
+
+
+_LOW4 = _c(_V16I, [0x0F0F0F0F] * 16)
+_LOW2 = _c(_V16I, [0x03030303] * 16)
+_CODE_MASKS = [_c(_V16I, [63 << (8 * k)] * 16) for k in range(4)]
+
+
+def _q6k_half(builder, blk, h, sv, xs, load, fma):
+    """Q6_K's weights 128h .. 128h+127 . x: lane l's four bytes of ql[64h:] hold the low 4 bits
+    of weights 4l .. 4l+3 (low nibbles) and 64 + 4l .. (high ones); their 2 high bits sit in
+    qh[32h + (w % 32)] at bit 2 (w // 32). Whole 6-bit codes are assembled in the bytes of each
+    lane, then masked in place (c * 256^k, exact) against x scaled by 256^-k. Lane l's four
+    weights lie in group 8h + l // 4 (low) and 8h + 4 + l // 4 (high)."""
+    ql = load(builder.gep(blk, [_i64(64 * h)]), _V16I, 1)
+    qh = load(builder.gep(blk, [_i64(128 + 32 * h)]), _V8I, 1)
+    qh = builder.shuffle_vector(qh, qh, _c(_V16I, list(range(8)) * 2))
+    four = _c(_V16I, [4] * 16)
+
+    def codes(nib, shift):
+        high = builder.and_(builder.lshr(qh, _c(_V16I, [shift] * 8 + [shift + 2] * 8)), _LOW2)
+        return builder.or_(builder.and_(nib, _LOW4), builder.shl(high, four))
+    out = []
+    for part, c in enumerate((codes(ql, 0), codes(builder.lshr(ql, four), 4))):
+        ns = [builder.sitofp(builder.and_(c, mk), _V16F) for mk in _CODE_MASKS]
+        t = builder.fmul(ns[0], xs[4 * part])
+        for k in range(1, 4):
+            t = builder.call(fma, [ns[k], xs[4 * part + k], t])
+        s = builder.shuffle_vector(sv, sv, _c(_V16I, [8 * h + 4 * part + l // 4 for l in range(16)]))
+        out.append((t, s))
+    return out
+
+
+_LOW1 = _c(_V16I, [0x01010101] * 16)
+
+
+def _q5k_half(builder, blk, h, sv, xs, load, fma):
+    """Q5_K's weights 128h .. 128h+127 . x: qs[64h:] as Q4_K's (lane l's bytes in chunk
+    2h + l // 8, low nibbles sub-block 2 (2h + l // 8), high ones the next), the fifth bit of
+    weight 64c + p in bit 2c of qh[p] (low) or 2c + 1 (high). Codes assembled per byte as in
+    _q6k_half."""
+    ql = load(builder.gep(blk, [_i64(48 + 64 * h)]), _V16I, 1)
+    qh = load(builder.gep(blk, [_i64(16)]), _V8I, 1)
+    qh = builder.shuffle_vector(qh, qh, _c(_V16I, list(range(8)) * 2))
+    four = _c(_V16I, [4] * 16)
+
+    def codes(nib, bit):
+        high = builder.and_(builder.lshr(qh, _c(_V16I, [4 * h + bit] * 8 + [4 * h + 2 + bit] * 8)), _LOW1)
+        return builder.or_(builder.and_(nib, _LOW4), builder.shl(high, four))
+    out = []
+    for part, c in enumerate((codes(ql, 0), codes(builder.lshr(ql, four), 1))):
+        ns = [builder.sitofp(builder.and_(c, mk), _V16F) for mk in _CODE_MASKS]
+        t = builder.fmul(ns[0], xs[4 * part])
+        for k in range(1, 4):
+            t = builder.call(fma, [ns[k], xs[4 * part + k], t])
+        s = builder.shuffle_vector(sv, sv, _c(_V16I, [4 * h + part] * 8 + [4 * h + 2 + part] * 8))
+        out.append((t, s))
+    return out
+
+
+# type -> (block bytes, per super-block decode, per half dot); Q5_K's header is Q4_K's
+_KINDS = {"q4_k": (Q4K_BYTES, _q4k_superblock, _q4k_half), "q6_k": (Q6K_BYTES, _q6k_superblock, _q6k_half),
+          "q5_k": (Q5K_BYTES, _q4k_superblock, _q5k_half)}
+
+
+def _fused_codegen(kind: str, wrows: int):
+    """The tile over `wrows` weight rows of type `kind` x one prepared x: per super-block and
+    row, its scales decoded and the offset term added (acc = fmuladd(offsets, x's 16-wide
+    sums, acc)); then per 128-weight half the 8 prepared x vectors, loaded once for all rows,
+    and per row two (t, lane scales) pairs: acc = fmuladd(t, s, acc) in that order; a row's
+    result is hsum(acc)."""
+    nbytes, superblock, half = _KINDS[kind]
+
+    def codegen(context, builder, sig, args):
+        qty, _, _, xpty, xsty, dty = sig.args
+        qa = context.make_array(qty)(context, builder, args[0])
+        r, rn = args[1], args[2]
+        xpa = context.make_array(xpty)(context, builder, args[3])
+        xsa = context.make_array(xsty)(context, builder, args[4])
+        da = context.make_array(dty)(context, builder, args[5])
+        nrows, _ = cgutils.unpack_tuple(builder, qa.shape, 2)
+        qstride = cgutils.unpack_tuple(builder, qa.strides, 2)[0]
+        n = cgutils.unpack_tuple(builder, xpa.shape, 1)[0]
+        nsb = builder.lshr(n, _i64(8))
+        qbase = builder.bitcast(qa.data, _I8.as_pointer())
+        xpbase = builder.bitcast(xpa.data, _F32.as_pointer())
+        xsbase = builder.bitcast(xsa.data, _F32.as_pointer())
+        dbase = builder.bitcast(da.data, _F32.as_pointer())
+        last = builder.sub(nrows, _i64(1))
+
+        def row_ptr(row, j):  # rows past the matrix read its last row (their results are discarded)
+            rr = builder.add(row, _i64(j))
+            rr = builder.select(builder.icmp_signed(">", rr, last), last, rr)
+            return builder.gep(qbase, [builder.mul(rr, qstride)])
+
+        rows = [row_ptr(r, j) for j in range(wrows)]
+        nexts = [row_ptr(rn, j) for j in range(wrows)]
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * 16)) for _ in range(wrows)]
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fmuladd.v16f32")
+        pf = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0")
+
+        def load(ptr, ty, align):
+            return builder.load(builder.bitcast(ptr, ty.as_pointer()), align=align)
+
+        with cgutils.for_range(builder, nsb) as loop:
+            sb = loop.index
+            b = builder.mul(sb, _i64(nbytes))
+            e = builder.shl(sb, _i64(8))
+            xs16 = load(builder.gep(xsbase, [builder.lshr(e, _i64(4))]), _V16F, 4)
+            scales = []
+            for j in range(wrows):
+                sv, offs = superblock(builder, builder.gep(rows[j], [b]), load)
+                scales.append(sv)
+                builder.store(builder.call(fma, [offs, xs16, builder.load(accs[j])]), accs[j])
+                for off in range(0, nbytes, 64):  # the next block of rows' same super-block
+                    at = builder.gep(nexts[j], [builder.add(b, _i64(off))])
+                    builder.call(pf, [at, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+            for h in range(2):
+                xo = builder.add(e, _i64(128 * h))
+                xs = [load(builder.gep(xpbase, [builder.add(xo, _i64(16 * k))]), _V16F, 4) for k in range(8)]
+                for j in range(wrows):
+                    acc = builder.load(accs[j])
+                    for t, s in half(builder, builder.gep(rows[j], [b]), h, scales[j], xs, load, fma):
+                        acc = builder.call(fma, [t, s, acc])
+                    builder.store(acc, accs[j])
+        for j in range(wrows):
+            builder.store(hsum(builder, builder.load(accs[j])), builder.gep(dbase, [_i64(j)]))
+        return context.get_dummy_value()
+    return codegen
+
+
+@intrinsic
+def q4k_dot8(typingctx, q, r, rn, xp, xs, d):
+    """d[0:8] = rows r .. r+7 of the Q4_K matrix q (uint8 [rows, row bytes], C order) . x, from
+    x's prepare_x_fused (xp, xs); rows past the end give garbage. Rows rn.. are prefetched."""
+    sig = types.void(q, types.intp, types.intp, xp, xs, d)
+    return sig, _fused_codegen("q4_k", 8)
+
+
+@intrinsic
+def q6k_dot8(typingctx, q, r, rn, xp, xs, d):
+    """q4k_dot8 for a Q6_K matrix."""
+    sig = types.void(q, types.intp, types.intp, xp, xs, d)
+    return sig, _fused_codegen("q6_k", 8)
+
+
+@intrinsic
+def q5k_dot8(typingctx, q, r, rn, xp, xs, d):
+    """q4k_dot8 for a Q5_K matrix."""
+    sig = types.void(q, types.intp, types.intp, xp, xs, d)
+    return sig, _fused_codegen("q5_k", 8)
