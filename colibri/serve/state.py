@@ -278,10 +278,15 @@ class Turn:
 
     async def _next(self, timeout: float | None):
         get = asyncio.ensure_future(self.job.events.get())
-        done, _ = await asyncio.wait({get, self._gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            done, _ = await asyncio.wait({get, self._gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            # Also when this wait is cancelled (Starlette cancels a stream whose client left): a
+            # get left pending on the queue is destroyed by the garbage collector, with errors in the log.
+            if not get.done():
+                get.cancel()
         if get in done:
             return get.result()
-        get.cancel()
         if self._gone in done:
             raise ClientGone
         return None
