@@ -36,7 +36,6 @@ time, then 16 at a time for the rest (a row is a whole number of 16-byte groups 
 """
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -49,6 +48,7 @@ from numba.extending import intrinsic, overload
 from colibri.formats.qtensor import QTensor
 
 from .cpu.checks import checked_x
+from .cpu.target import isa_of, target_isa  # noqa: F401 (isa_of: bench.common's report)
 from .cpu.codegen import q_row_ptrs
 from .cpu.matvec import (
     group_sums,
@@ -85,45 +85,9 @@ def activations(mode: str):
         _mode.reset(token)
 
 
-# Target CPUs (NUMBA_CPU_NAME) by the integer dot instructions they have: a cache compiled for a
-# named target (bench option --cpu, a portable cache) uses exactly what that target has.
-_VNNI_CPUS = {"cascadelake", "cooperlake", "icelake-client", "icelake-server", "tigerlake", "rocketlake",
-              "sapphirerapids", "emeraldrapids", "graniterapids", "graniterapids-d", "znver4", "znver5"}
-_AVX2_CPUS = _VNNI_CPUS | {"haswell", "broadwell", "skylake", "skylake-avx512", "alderlake", "raptorlake",
-                           "meteorlake", "arrowlake", "lunarlake", "znver1", "znver2", "znver3", "x86-64-v3",
-                           "x86-64-v4"}
-
-
-def isa_of(cpu_name: str, cpu_features: str = "") -> str:
-    """The integer-dot form ("vnni", "avx2" or "generic") numba's code for the LLVM CPU
-    `cpu_name` with the +/- feature list `cpu_features` (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES)
-    gets: read from the name and the list, never from the host."""
-    name = cpu_name.lower()
-    flags = {f[1:]: f[0] == "+" for f in cpu_features.replace(" ", "").split(",") if f}
-    vnni = all(flags.get(k, name in _VNNI_CPUS) for k in ("avx512vnni", "avx512bw", "avx512vl"))
-    return "vnni" if vnni else "avx2" if flags.get("avx2", name in _AVX2_CPUS) else "generic"
-
-
 def _isa() -> str:
-    """The integer dot instructions of the CPU numba compiles for: "vnni" (AVX-512 VNNI
-    `vpdpbusd`), "avx2" (`vpmaddubsw` + `vpmaddwd`, as llama.cpp's AVX2 path) or "generic"
-    (portable IR); a named target by `isa_of`. COLIBRI_IDOT=avx2 / generic forces a narrower
-    form (the tests compare them)."""
-    from numba.core import config
-
-    if config.CPU_NAME and config.CPU_NAME != "host" or config.CPU_FEATURES:
-        best = isa_of(config.CPU_NAME or "", config.CPU_FEATURES or "")
-    else:
-        import llvmlite.binding as llvm
-
-        f = llvm.get_host_cpu_features()
-        vnni = all(f.get(k, False) for k in ("avx512vnni", "avx512vl", "avx512bw"))
-        best = "vnni" if vnni else "avx2" if f.get("avx2", False) else "generic"
-    forced = os.environ.get("COLIBRI_IDOT")
-    order = ("generic", "avx2", "vnni")
-    if forced in order and order.index(forced) < order.index(best):
-        return forced
-    return best
+    """The integer dot instructions of the CPU numba compiles for (cpu/target.py)."""
+    return target_isa()
 
 
 ISA = _isa()

@@ -31,6 +31,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .codegen import f16_bits_f32, hsum
+from .target import F16C
 
 Q4K_BYTES = 144  # a super-block: d, dmin, scales[12], qs[128]
 Q6K_BYTES = 210  # ql[128], qh[64], scales[16] (int8), d
@@ -117,40 +118,43 @@ def _splat(builder, value, vty):
 
 
 def _k4_fields(builder, s12):
-    """The 8 sub-block scales and mins (<8 x i32> each) of the 12 bytes s (a <16 x i8> whose
-    first 12 are them; ggml's get_scale_min_k4): sc j<4 = s[j] & 63, j>=4 = (s[j+4] & 15) |
-    (s[j-4] >> 6) << 4; m j<4 = s[j+4] & 63, j>=4 = (s[j+4] >> 4) | (s[j] >> 6) << 4."""
+    """The 8 sub-block scales (lanes 0-7) and mins (lanes 8-15) of the 12 bytes s (a <16 x i8>
+    whose first 12 are them; ggml's get_scale_min_k4), as <16 x i32>: sc j<4 = s[j] & 63,
+    j>=4 = (s[j+4] & 15) | (s[j-4] >> 6) << 4; m j<4 = s[j+4] & 63, j>=4 = (s[j+4] >> 4) |
+    (s[j] >> 6) << 4. Two byte shuffles and one widening each, then 16-lane integer work."""
     def pick(idx):
-        return builder.zext(builder.shuffle_vector(s12, s12, _c(_V8I, idx)), _V8I)
-    lo4, hi4 = range(4), range(4, 8)
-    sc_lo = pick([j for j in lo4] + [j + 4 for j in hi4])            # s[j] | s[j+4]
-    mn_lo = pick([j + 4 for j in lo4] + [j + 4 for j in hi4])        # s[j+4]
-    sc_hi = pick([0] * 4 + [j - 4 for j in hi4])                     # s[j-4] (j >= 4)
-    mn_hi = pick([0] * 4 + [j for j in hi4])                         # s[j]   (j >= 4)
-    keep_lo = _c(_V8I, [63] * 4 + [15] * 4)
-    keep_hi = _c(_V8I, [0] * 4 + [0x30] * 4)
-    two = _c(_V8I, [2] * 8)
-    sc = builder.or_(builder.and_(sc_lo, keep_lo), builder.and_(builder.lshr(sc_hi, two), keep_hi))
-    mn = builder.or_(builder.and_(builder.lshr(mn_lo, _c(_V8I, [0] * 4 + [4] * 4)), keep_lo),
-                     builder.and_(builder.lshr(mn_hi, two), keep_hi))
-    return sc, mn
+        return builder.zext(builder.shuffle_vector(s12, s12, _c(_V16I, idx)), _V16I)
+    lo = pick([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11])   # sc: s[j] | s[j+4]; m: s[j+4]
+    hi = pick([0, 0, 0, 0, 0, 1, 2, 3, 0, 0, 0, 0, 4, 5, 6, 7])       # j >= 4: sc s[j-4], m s[j]
+    keep_lo = _c(_V16I, ([63] * 4 + [15] * 4) * 2)
+    keep_hi = _c(_V16I, ([0] * 4 + [0x30] * 4) * 2)
+    lo = builder.and_(builder.lshr(lo, _c(_V16I, [0] * 12 + [4] * 4)), keep_lo)
+    return builder.or_(lo, builder.and_(builder.lshr(hi, _c(_V16I, [2] * 16)), keep_hi))
+
+
+def _halves(builder, ptr, n: int, load):
+    """<n x float> of the n IEEE halves at ptr: F16C's vcvtph2ps where the target has it (every
+    AVX2 CPU), else integer IR (codegen.f16_bits_f32); both exact, so the same bits."""
+    h = load(ptr, ir.VectorType(_I16, n), 1)
+    if F16C:
+        return builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), n)), ir.VectorType(_F32, n))
+    return f16_bits_f32(builder, builder.zext(h, ir.VectorType(_I32, n)))
 
 
 def _q4k_superblock(builder, blk, load):
-    """Q4_K: (<8 x float> d * sc, -(dmin * m) over the 16 groups of 16) of the block at blk."""
-    dd = load(blk, ir.VectorType(_I16, 2), 1)
-    dd = f16_bits_f32(builder, builder.zext(dd, ir.VectorType(_I32, 2)))
-    sc, mn = _k4_fields(builder, load(builder.gep(blk, [_i64(4)]), _V16B, 1))
-    d = _splat(builder, builder.extract_element(dd, ir.Constant(_I32, 0)), _V8F)
-    dmin = _splat(builder, builder.extract_element(dd, ir.Constant(_I32, 1)), _V8F)
-    m = builder.fneg(builder.fmul(dmin, builder.sitofp(mn, _V8F)))
-    return builder.fmul(d, builder.sitofp(sc, _V8F)), builder.shuffle_vector(m, m, _c(_V16I, [i // 2 for i in range(16)]))
+    """Q4_K (and Q5_K): (<16 x float> whose lanes 0-7 are d * sc of the 8 sub-blocks,
+    -(dmin * m) over the 16 groups of 16) of the block at blk: d, dmin, then the 6-bit fields."""
+    dd = builder.fmul(_halves(builder, blk, 2, load), _c(ir.VectorType(_F32, 2), [1.0, -1.0]))  # -dmin: exact
+    dd = builder.shuffle_vector(dd, dd, _c(_V16I, [0] * 8 + [1] * 8))  # so (-dmin) m is -(dmin m)
+    v = builder.fmul(dd, builder.sitofp(_k4_fields(builder, load(builder.gep(blk, [_i64(4)]), _V16B, 1)), _V16F))
+    return v, builder.shuffle_vector(v, v, _c(_V16I, [8 + i // 2 for i in range(16)]))
 
 
 def _q4k_half(builder, blk, h, sv, xs, load, fma):
     """Q4_K's 64-byte block h of a super-block . x: nibble k of lane l is weight
     64 (l // 8) + 32 (k % 2) + 4 (l % 8) + k // 2, so lanes 0-7 take sub-blocks 4h (even k) and
-    4h + 1 (odd k), lanes 8-15 sub-blocks 4h + 2 and 4h + 3 (sv: the 8 sub-block scales)."""
+    4h + 1 (odd k), lanes 8-15 sub-blocks 4h + 2 and 4h + 3 (sv: its lanes 0-7 the
+    sub-block scales)."""
     raw = load(builder.gep(blk, [_i64(16 + 64 * h)]), _V16I, 1)
     ns = [builder.sitofp(builder.and_(raw, mk), _V16F) for mk in _MASKS]
     ns.append(builder.sitofp(builder.lshr(raw, _c(_V16I, [28] * 16)), _V16F))
@@ -167,8 +171,8 @@ def _q4k_half(builder, blk, h, sv, xs, load, fma):
 def _q6k_superblock(builder, blk, load):
     """Q6_K: (<16 x float> d * sc of the 16 groups, -32 d sc: the codes' offset) of the block
     at blk (ql[128] qh[64] scales[16] d)."""
-    dh = builder.zext(load(builder.gep(blk, [_i64(208)]), _I16, 1), _I32)
-    d = _splat(builder, f16_bits_f32(builder, dh), _V16F)
+    dh = _halves(builder, builder.gep(blk, [_i64(208)]), 1, load)
+    d = builder.shuffle_vector(dh, dh, _c(_V16I, [0] * 16))
     sc = builder.fmul(d, builder.sitofp(load(builder.gep(blk, [_i64(192)]), _V16B, 1), _V16F))
     return sc, builder.fmul(sc, _c(_V16F, [-32.0] * 16))
 
