@@ -1,7 +1,8 @@
 """Gated DeltaNet's recurrent kernels (Qwen3-Next / Qwen3.5 linear attention): the short causal
 convolution over q/k/v, the gated delta rule one token at a time (decode) and its chunked
 form (prefill), after transformers' torch_recurrent_gated_delta_rule and
-torch_chunk_gated_delta_rule (Yang et al. 2024, "Gated Delta Networks").
+torch_chunk_gated_delta_rule (Yang et al. 2024, "Gated Delta Networks"); and Kimi Delta
+Attention (Kimi Linear), the same rule with a decay per key channel (kda_step, kda_chunked).
 
 Per value head h the state S [Dk, Dv] maps keys to values. For each token, with q and k
 L2-normalized (and q scaled by Dk^-1/2):
@@ -219,4 +220,163 @@ def gated_rms_norm(x, gate, w, eps):
         inv = np.float32(1.0 / math.sqrt(s / D + eps))
         for i in range(D):
             out[r, i] = w[i] * (x[r, i] * inv) * _silu(gate[r, i])
+    return out
+
+
+# ----------------------------------------------------------------------------- Kimi Delta Attention
+# KDA (Kimi Linear): the gated delta rule with a decay per key channel instead of one per head,
+# after transformers' recurrent_kimi_delta_attention / chunk_kimi_delta_attention
+# (models/kimi_linear/modeling_kimi_linear.py). Per head, with g [Dk] the token's log decays:
+#
+#     S <- diag(exp(g)) S;   S <- S + k (beta (v - S^T k))^T;   o = S^T q
+#
+# q, k and v have the same heads (H). Shape letters as above, H heads, Dk = Dv = the head dim
+# in Kimi Linear (the kernels take any Dv).
+
+
+@njit(cache=True, parallel=True, fastmath=FAST)
+def kda_step(state, q, k, v, g, beta):
+    """One token: state [H, Dk, Dv] updated in place; q, k [H, Dk] as projected (normalized
+    here), v [H, Dv], g [H, Dk] (log decay per key channel, <= 0), beta [H] -> o [H, Dv]. Two
+    passes over the state, as delta_step: S^T (e^g k) read alone, then the decayed update and
+    the output together."""
+    H, Dk, Dv = state.shape
+    out = np.empty((H, Dv), np.float32)
+    qscale = np.float32(Dk ** -0.5)
+    for h in prange(H):
+        qn = _unit(q[h], L2_EPS) * qscale
+        kn = _unit(k[h], L2_EPS)
+        S = state[h]
+        decay = np.empty(Dk, np.float32)
+        mem = np.zeros(Dv, np.float32)
+        for i in range(Dk):
+            decay[i] = expf(g[h, i])
+            ki = k[h, i] * kn * decay[i]
+            for j in range(Dv):
+                mem[j] += S[i, j] * ki
+        delta = np.empty(Dv, np.float32)
+        for j in range(Dv):
+            delta[j] = (v[h, j] - mem[j]) * beta[h]
+        o = np.zeros(Dv, np.float32)
+        for i in range(Dk):
+            ki = k[h, i] * kn
+            qi = q[h, i] * qn
+            di = decay[i]
+            for j in range(Dv):
+                x = S[i, j] * di + ki * delta[j]
+                S[i, j] = x
+                o[j] += x * qi
+        out[h] = o
+    return out
+
+
+@njit(cache=True, parallel=True, fastmath=FAST)
+def kda_chunked(state, q, k, v, g, beta):
+    """L tokens, CHUNK at a time: state [H, Dk, Dv] in place; q, k [L, H, Dk], v [L, H, Dv],
+    g [L, H, Dk], beta [L, H] -> o [L, H, Dv]. delta_chunked's UT form with the cumulative log
+    decay c [n, Dk] a vector per token (c_i = g_0 + ... + g_i within the chunk, per channel):
+
+        T = I + strictly_lower(beta_i sum_d k_id k_md e^(c_id - c_md))
+        U = T^-1 (beta v),   W = T^-1 (beta e^c * k)
+        V' = U - W S
+        o  = (e^c * q) S + lower(sum_d q_id k_md e^(c_id - c_md)) V'
+        S <- diag(e^(c_last)) S + (e^(c_last - c) * k)^T V'
+
+    With a scalar decay the pair factor e^(c_i - c_m) leaves the dot product; per channel it
+    cannot, so each pair's factors are computed inside the dot product, from the difference
+    c_id - c_md (<= 0 for m <= i), never as e^c_i * e^-c_m: e^-c overflows float32 within a
+    chunk once the decays are strong (a channel decaying by e^-2 per token passes e^88 in 44
+    tokens), while every exponent here is <= 0, so every factor is in [0, 1] and the form is
+    as sound in float32 as the token loop. It costs n(n+1)/2 Dk exponentials per chunk and head
+    (expf vectorizes), about the work of the chunk's state products at Dk = Dv."""
+    L, H, Dk = k.shape
+    Dv = v.shape[2]
+    out = np.zeros((L, H, Dv), np.float32)
+    qscale = np.float32(Dk ** -0.5)
+    for h in prange(H):
+        S = state[h]
+        Q = np.empty((CHUNK, Dk), np.float32)
+        Kn = np.empty((CHUNK, Dk), np.float32)
+        C = np.empty((CHUNK, Dk), np.float32)     # cumulative log decay per channel
+        b = np.empty(CHUNK, np.float32)
+        U = np.empty((CHUNK, Dv), np.float32)
+        W = np.empty((CHUNK, Dk), np.float32)
+        A = np.empty((CHUNK, CHUNK), np.float32)  # sum_d q_id k_md e^(c_id - c_md), m <= i
+        T = np.empty((CHUNK, CHUNK), np.float32)  # beta_i sum_d k_id k_md e^(c_id - c_md), m < i
+        for t0 in range(0, L, CHUNK):
+            n = min(CHUNK, L - t0)
+            for i in range(n):
+                t = t0 + i
+                qs = _unit(q[t, h], L2_EPS) * qscale
+                ks = _unit(k[t, h], L2_EPS)
+                for d in range(Dk):
+                    Q[i, d] = q[t, h, d] * qs
+                    Kn[i, d] = k[t, h, d] * ks
+                    C[i, d] = (C[i - 1, d] if i > 0 else np.float32(0.0)) + g[t, h, d]
+                b[i] = beta[t, h]
+            for i in range(n):
+                for m in range(i + 1):
+                    a = np.float32(0.0)
+                    s = np.float32(0.0)
+                    for d in range(Dk):
+                        kd = Kn[m, d] * expf(C[i, d] - C[m, d])
+                        a += Q[i, d] * kd
+                        s += Kn[i, d] * kd
+                    A[i, m] = a
+                    T[i, m] = b[i] * s
+            # U = T^-1 (beta v) and W = T^-1 (beta e^c k), row by row (forward substitution).
+            for i in range(n):
+                for j in range(Dv):
+                    U[i, j] = v[t0 + i, h, j] * b[i]
+                for d in range(Dk):
+                    W[i, d] = Kn[i, d] * b[i] * expf(C[i, d])
+                for m in range(i):
+                    tim = T[i, m]
+                    for j in range(Dv):
+                        U[i, j] -= tim * U[m, j]
+                    for d in range(Dk):
+                        W[i, d] -= tim * W[m, d]
+            # V' = U - W S (in U); o = (e^c Q) S + A V'
+            for i in range(n):
+                oi = out[t0 + i, h]
+                for d in range(Dk):
+                    w_d = W[i, d]
+                    q_d = Q[i, d] * expf(C[i, d])
+                    for j in range(Dv):
+                        s_dj = S[d, j]
+                        U[i, j] -= w_d * s_dj
+                        oi[j] += q_d * s_dj
+            for i in range(n):
+                oi = out[t0 + i, h]
+                for m in range(i + 1):
+                    a = A[i, m]
+                    for j in range(Dv):
+                        oi[j] += a * U[m, j]
+            # S <- diag(e^(c_last)) S + (e^(c_last - c) k)^T V'
+            last = n - 1
+            for d in range(Dk):
+                el = expf(C[last, d])
+                for j in range(Dv):
+                    S[d, j] *= el
+                for i in range(n):
+                    kd = Kn[i, d] * expf(C[last, d] - C[i, d])
+                    for j in range(Dv):
+                        S[d, j] += kd * U[i, j]
+    return out
+
+
+@njit(cache=True)
+def sigmoid_gated_rms_norm(x, gate, w, eps):
+    """x, gate [N, Dv] -> w * x / rms(x) * sigmoid(gate) (Kimi Linear's RMSNormGated: norm
+    first, then the sigmoid gate)."""
+    N, D = x.shape
+    out = np.empty((N, D), np.float32)
+    one = np.float32(1.0)
+    for r in range(N):
+        s = 0.0
+        for i in range(D):
+            s += x[r, i] * x[r, i]
+        inv = np.float32(1.0 / math.sqrt(s / D + eps))
+        for i in range(D):
+            out[r, i] = w[i] * (x[r, i] * inv) * (one / (one + expf(-gate[r, i])))
     return out

@@ -112,3 +112,97 @@ def test_gated_rms_norm_normalizes_then_gates():
     w = rng.standard_normal(16).astype(np.float32)
     want = w * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6) * silu(z)
     close(delta_rule.gated_rms_norm(x, z, w, np.float32(1e-6)), want, 1e-6)
+
+
+# ----------------------------------------------------------------------------- Kimi Delta Attention
+
+def kda_reference(state, q, k, v, g, beta):
+    """Token by token, as transformers' recurrent_kimi_delta_attention (float64 here): the decay
+    g [L, H, Dk] scales each key channel's row of the state."""
+    Dk = q.shape[-1]
+    S = state.astype(np.float64).copy()
+    q = l2(q.astype(np.float64)) * Dk ** -0.5
+    k = l2(k.astype(np.float64))
+    out = np.zeros(v.shape)
+    for t in range(q.shape[0]):
+        S *= np.exp(g[t].astype(np.float64))[:, :, None]
+        mem = np.einsum("hkv,hk->hv", S, k[t])
+        delta = (v[t] - mem) * beta[t][:, None]
+        S += k[t][:, :, None] * delta[:, None, :]
+        out[t] = np.einsum("hkv,hk->hv", S, q[t])
+    return out, S
+
+
+def kda_inputs(L, H=2, Dk=16, Dv=16, seed=0, strength=1.0):
+    """Kimi Linear's gate: g = -exp(A) softplus(f + dt_bias) per channel; `strength` scales A."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((L, H, Dk)).astype(np.float32)
+    k = rng.standard_normal((L, H, Dk)).astype(np.float32)
+    v = rng.standard_normal((L, H, Dv)).astype(np.float32)
+    a = strength * np.exp(rng.standard_normal(H))[None, :, None]
+    g = (-a * np.log1p(np.exp(rng.standard_normal((L, H, Dk))))).astype(np.float32)
+    beta = (1 / (1 + np.exp(-rng.standard_normal((L, H))))).astype(np.float32)
+    state = (0.1 * rng.standard_normal((H, Dk, Dv))).astype(np.float32)
+    return state, q, k, v, g, beta
+
+
+@pytest.mark.parametrize("H,Dk,Dv", [(2, 16, 16), (1, 32, 8), (3, 8, 24)])
+def test_kda_step_and_chunked_forms_give_the_reference(H, Dk, Dv):
+    L = 150  # more than two chunks of 64, the last one partial
+    state, q, k, v, g, beta = kda_inputs(L, H, Dk, Dv)
+    want, want_state = kda_reference(state, q, k, v, g, beta)
+    s = state.copy()
+    steps = np.stack([delta_rule.kda_step(s, q[t], k[t], v[t], g[t], beta[t]) for t in range(L)])
+    close(steps, want)
+    close(s, want_state)
+    s = state.copy()
+    close(delta_rule.kda_chunked(s, q, k, v, g, beta), want)
+    close(s, want_state)
+
+
+def test_kda_chunked_form_is_sound_under_strong_decay():
+    """Decays of e^-30 per token and channel: a factored chunk form (e^c_i * e^-c_m) overflows
+    float32 within a few tokens; the kernel's pairwise differences stay finite and exact."""
+    state, q, k, v, g, beta = kda_inputs(100, seed=4, strength=30.0)
+    assert g.min() < -30 * 64 / 88  # e^-c of a chunk's cumulative decay would pass float32's range
+    want, want_state = kda_reference(state, q, k, v, g, beta)
+    s = state.copy()
+    out = delta_rule.kda_chunked(s, q, k, v, g, beta)
+    assert np.isfinite(out).all() and np.isfinite(s).all()
+    close(out, want)
+    close(s, want_state)
+
+
+def test_kda_chunked_form_split_anywhere_continues_the_state():
+    state, q, k, v, g, beta = kda_inputs(130, seed=3)
+    whole = state.copy()
+    out = delta_rule.kda_chunked(whole, q, k, v, g, beta)
+    parts = state.copy()
+    pieces = [delta_rule.kda_chunked(parts, q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b])
+              for a, b in ((0, 7), (7, 71), (71, 72), (72, 130))]
+    close(np.concatenate(pieces), out)
+    close(parts, whole)
+
+
+def test_kda_thread_count_changes_no_bit():
+    state, q, k, v, g, beta = kda_inputs(100, H=8, seed=5)
+    saved = numba.get_num_threads()
+    runs = []
+    try:
+        for n in (1, saved):
+            numba.set_num_threads(n)
+            s1, s2 = state.copy(), state.copy()
+            runs.append((delta_rule.kda_chunked(s1, q, k, v, g, beta), s1,
+                         delta_rule.kda_step(s2, q[0], k[0], v[0], g[0], beta[0]), s2))
+    finally:
+        numba.set_num_threads(saved)
+    for a, b in zip(*runs):
+        assert np.array_equal(a, b)
+
+
+def test_sigmoid_gated_rms_norm_normalizes_then_gates():
+    rng = np.random.default_rng(6)
+    x, z = rng.standard_normal((2, 6, 16)).astype(np.float32)
+    w = rng.standard_normal(16).astype(np.float32)
+    want = w * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-5) / (1 + np.exp(-z))
+    close(delta_rule.sigmoid_gated_rms_norm(x, z, w, np.float32(1e-5)), want, 1e-6)
