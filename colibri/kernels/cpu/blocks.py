@@ -50,7 +50,7 @@ from .codegen import (
     with_offsets8,
     with_offsets_tile,
 )
-from .kquant_tiles import FUSED, prepare_x_fused, q4k_dot8, q5k_dot8, q6k_dot8
+from .kquant_tiles import FUSED, prepare_x_fused, q2k_dot8, q4k_dot8, q5k_dot8, q6k_dot8
 
 # scheme -> the kernels' type code; the tables below are indexed by it.
 TYPE_CODE = {s: i for i, s in enumerate(BLOCK_SCHEMES)}
@@ -430,7 +430,7 @@ def x_prep_len(tc, n):
 
 @njit(cache=True)
 def x_prep_into(tc, x, xs):
-    """xs [x_prep_len]: the fused tiles (Q4_K, Q5_K, Q6_K) take x laid out for them and x's
+    """xs [x_prep_len]: the fused tiles (Q2_K, Q4_K, Q5_K, Q6_K) take x laid out for them and x's
     16-wide sums (kquant_tiles.prepare_x_fused); the other offset types x's 16-wide sums; the
     rest nothing."""
     n = x.shape[0]
@@ -473,8 +473,8 @@ def dot_rows8(codes, sc, of, x, xs, d):
 @njit(cache=True)
 def block_rows8(tc, q, r, x, xs, codes, sc, of, d):
     """d[0:8] = rows r .. r+7 of dequantize(q) @ x (rows past the end: garbage; xs: x_sums).
-    Shared by matvec_blocks, matmul_rows_blocks and the fused MoE kernel (moe.py). Q4_K, Q5_K
-    and Q6_K read their bytes in one fused tile (kquant_tiles.py); the other types are decoded,
+    Shared by matvec_blocks, matmul_rows_blocks and the fused MoE kernel (moe.py). Q2_K, Q4_K,
+    Q5_K and Q6_K read their bytes in one fused tile (kquant_tiles.py); the other types are decoded,
     then dotted."""
     n = x.shape[0]
     if tc == Q4_K:
@@ -485,6 +485,9 @@ def block_rows8(tc, q, r, x, xs, codes, sc, of, d):
         return
     if tc == Q5_K:
         q5k_dot8(q, r, r + 8, xs[:n], xs[n:], d)
+        return
+    if tc == Q2_K:
+        q2k_dot8(q, r, r + 8, xs[:n], xs[n:], d)
         return
     decode_rows8(tc, q, r, codes, sc, of)
     dot_rows8(codes, sc, of, x, xs, d)

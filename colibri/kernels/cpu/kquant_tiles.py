@@ -36,6 +36,7 @@ from .target import F16C
 Q4K_BYTES = 144  # a super-block: d, dmin, scales[12], qs[128]
 Q6K_BYTES = 210  # ql[128], qh[64], scales[16] (int8), d
 Q5K_BYTES = 176  # d, dmin, scales[12], qh[32], qs[128]
+Q2K_BYTES = 84   # scales[16] (4-bit scale | 4-bit min), qs[64], d, dmin
 
 _F32, _I8, _I16, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _V16F = ir.VectorType(_F32, 16)
@@ -78,11 +79,25 @@ def _q5k_source(m: int) -> int:
     return 64 * (lane >> 3) + 32 * part + 4 * (lane & 7) + k
 
 
-FUSED = ("q4_k", "q6_k", "q5_k")  # the schemes with a fused tile, in the tables' order
-_ORDER = np.array([[f(m) for m in range(128)] for f in (_q4k_source, _q6k_source, _q5k_source)], np.int64)
+def _q2k_source(m: int) -> int:
+    """Q2_K: position m = 16 p + L multiplies field p of lane L (_q2k_half): weight
+    32 (p % 4) + 4 (L % 8) + 2 (L // 8) + p // 4 of a half's 128."""
+    p, lane = m >> 4, m & 15
+    return 32 * (p & 3) + 4 * (lane & 7) + 2 * (lane >> 3) + (p >> 2)
+
+
+def _q2k_shift(p: int) -> int:
+    """The bit where Q2_K's field p sits in its 16-bit lane."""
+    return 8 * (p >> 2) + 2 * (p & 3)
+
+
+FUSED = ("q4_k", "q6_k", "q5_k", "q2_k")  # the schemes with a fused tile, in the tables' order
+_ORDER = np.array([[f(m) for m in range(128)] for f in (_q4k_source, _q6k_source, _q5k_source, _q2k_source)],
+                  np.int64)
 _SCALE = np.array([[2.0 ** (-4 * k) for k in range(7)] + [1.0],
                    [2.0 ** (-8 * (k & 3)) for k in range(8)],
-                   [2.0 ** (-8 * (k & 3)) for k in range(8)]], np.float32)
+                   [2.0 ** (-8 * (k & 3)) for k in range(8)],
+                   [2.0 ** -_q2k_shift(p) for p in range(8)]], np.float32)
 
 
 @njit(cache=True)
@@ -132,11 +147,12 @@ def _k4_fields(builder, s12):
     return builder.or_(lo, builder.and_(builder.lshr(hi, _c(_V16I, [2] * 16)), keep_hi))
 
 
-def _halves(builder, ptr, n: int, load):
+def halves_f32(builder, ptr, n: int, load, f16c: bool = F16C):
     """<n x float> of the n IEEE halves at ptr: F16C's vcvtph2ps where the target has it (every
-    AVX2 CPU), else integer IR (codegen.f16_bits_f32); both exact, so the same bits."""
+    AVX2 CPU), else integer IR (codegen.f16_bits_f32); both exact, so the same bits
+    (tests/kernels/test_kquant_tiles.py)."""
     h = load(ptr, ir.VectorType(_I16, n), 1)
-    if F16C:
+    if f16c:
         return builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), n)), ir.VectorType(_F32, n))
     return f16_bits_f32(builder, builder.zext(h, ir.VectorType(_I32, n)))
 
@@ -144,7 +160,7 @@ def _halves(builder, ptr, n: int, load):
 def _q4k_superblock(builder, blk, load):
     """Q4_K (and Q5_K): (<16 x float> whose lanes 0-7 are d * sc of the 8 sub-blocks,
     -(dmin * m) over the 16 groups of 16) of the block at blk: d, dmin, then the 6-bit fields."""
-    dd = builder.fmul(_halves(builder, blk, 2, load), _c(ir.VectorType(_F32, 2), [1.0, -1.0]))  # -dmin: exact
+    dd = builder.fmul(halves_f32(builder, blk, 2, load), _c(ir.VectorType(_F32, 2), [1.0, -1.0]))  # -dmin: exact
     dd = builder.shuffle_vector(dd, dd, _c(_V16I, [0] * 8 + [1] * 8))  # so (-dmin) m is -(dmin m)
     v = builder.fmul(dd, builder.sitofp(_k4_fields(builder, load(builder.gep(blk, [_i64(4)]), _V16B, 1)), _V16F))
     return v, builder.shuffle_vector(v, v, _c(_V16I, [8 + i // 2 for i in range(16)]))
@@ -171,7 +187,7 @@ def _q4k_half(builder, blk, h, sv, xs, load, fma):
 def _q6k_superblock(builder, blk, load):
     """Q6_K: (<16 x float> d * sc of the 16 groups, -32 d sc: the codes' offset) of the block
     at blk (ql[128] qh[64] scales[16] d)."""
-    dh = _halves(builder, builder.gep(blk, [_i64(208)]), 1, load)
+    dh = halves_f32(builder, builder.gep(blk, [_i64(208)]), 1, load)
     d = builder.shuffle_vector(dh, dh, _c(_V16I, [0] * 16))
     sc = builder.fmul(d, builder.sitofp(load(builder.gep(blk, [_i64(192)]), _V16B, 1), _V16F))
     return sc, builder.fmul(sc, _c(_V16F, [-32.0] * 16))
@@ -234,9 +250,41 @@ def _q5k_half(builder, blk, h, sv, xs, load, fma):
     return out
 
 
+def _q2k_superblock(builder, blk, load):
+    """Q2_K (scales[16] qs[64] d dmin): (d * (scale & 15), -(dmin * (scale >> 4))) of its 16
+    groups of 16."""
+    dd = builder.fmul(halves_f32(builder, builder.gep(blk, [_i64(80)]), 2, load), _c(ir.VectorType(_F32, 2), [1.0, -1.0]))
+    b = builder.zext(load(blk, _V16B, 1), _V16I)
+    sc = builder.sitofp(builder.and_(b, _c(_V16I, [15] * 16)), _V16F)
+    mn = builder.sitofp(builder.lshr(b, _c(_V16I, [4] * 16)), _V16F)
+    d = builder.shuffle_vector(dd, dd, _c(_V16I, [0] * 16))
+    dmin = builder.shuffle_vector(dd, dd, _c(_V16I, [1] * 16))
+    return builder.fmul(d, sc), builder.fmul(dmin, mn)
+
+
+_Q2K_MASKS = [_c(_V16I, [3 << _q2k_shift(p)] * 16) for p in range(8)]
+
+
+def _q2k_half(builder, blk, h, sv, xs, load, fma):
+    """Q2_K's weights 128h .. 128h+127 . x: byte l of qs[32h:] holds weights l, 32 + l, 64 + l,
+    96 + l in its bit pairs 0, 2, 4, 6. The 32 bytes as eight 32-bit lanes, and the same shifted
+    down 16 bits as eight more: each of the 16 lanes holds 8 fields in its low 16 bits (masked
+    in place: v * 2^shift, exact). Field p of lane L is weight 32 (p % 4) + 4 (L % 8) +
+    2 (L // 8) + p // 4, in group 8h + 2 (p % 4) + (L % 8) // 4: one t per p % 4."""
+    q = load(builder.gep(blk, [_i64(16 + 32 * h)]), _V8I, 1)
+    v = builder.shuffle_vector(q, builder.lshr(q, _c(_V8I, [16] * 8)), _c(_V16I, range(16)))
+    ns = [builder.sitofp(builder.and_(v, mk), _V16F) for mk in _Q2K_MASKS]
+    out = []
+    for f in range(4):
+        t = builder.call(fma, [ns[f + 4], xs[f + 4], builder.fmul(ns[f], xs[f])])
+        s = builder.shuffle_vector(sv, sv, _c(_V16I, [8 * h + 2 * f + (lane & 7) // 4 for lane in range(16)]))
+        out.append((t, s))
+    return out
+
+
 # type -> (block bytes, per super-block decode, per half dot); Q5_K's header is Q4_K's
 _KINDS = {"q4_k": (Q4K_BYTES, _q4k_superblock, _q4k_half), "q6_k": (Q6K_BYTES, _q6k_superblock, _q6k_half),
-          "q5_k": (Q5K_BYTES, _q4k_superblock, _q5k_half)}
+          "q5_k": (Q5K_BYTES, _q4k_superblock, _q5k_half), "q2_k": (Q2K_BYTES, _q2k_superblock, _q2k_half)}
 
 
 def _fused_codegen(kind: str, wrows: int):
@@ -326,3 +374,10 @@ def q5k_dot8(typingctx, q, r, rn, xp, xs, d):
     """q4k_dot8 for a Q5_K matrix."""
     sig = types.void(q, types.intp, types.intp, xp, xs, d)
     return sig, _fused_codegen("q5_k", 8)
+
+
+@intrinsic
+def q2k_dot8(typingctx, q, r, rn, xp, xs, d):
+    """q4k_dot8 for a Q2_K matrix."""
+    sig = types.void(q, types.intp, types.intp, xp, xs, d)
+    return sig, _fused_codegen("q2_k", 8)
