@@ -11,7 +11,7 @@ import re
 from colibri.errors import ColibriError
 
 SUPPORTED = ("llama", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "glm_moe_dsa",
-             "qwen3_next", "qwen3_5_moe", "gpt_oss", "minimax_m2")
+             "qwen3_next", "qwen3_5_moe", "gpt_oss", "minimax_m2", "kimi_linear")
 ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3", "qwen3_5_moe_text": "qwen3_5_moe"}
 
 # Multimodal wrappers whose config.json holds the language model's config under a key: convert
@@ -42,6 +42,12 @@ CHECKPOINT_NAMES: dict[str, tuple[tuple[str, str], ...]] = {
                    (r"\.block_sparse_moe\.", ".mlp."),
                    *((rf"(\.experts\.\d+)\.{old}\.weight$", rf"\1.{new}.weight")
                      for old, new in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")))),
+    # Kimi Linear: Mixtral's expert names under `block_sparse_moe` (its routing bias under the gate
+    # already); the forget gate's tensors beside the projections, as the checkpoint keeps them
+    # (transformers' in-memory `forget_gate.` prefix read back the same).
+    "kimi_linear": ((r"\.block_sparse_moe\.", ".mlp."), (r"\.self_attn\.forget_gate\.", ".self_attn."),
+                    *((rf"(\.experts\.\d+)\.{old}\.weight$", rf"\1.{new}.weight")
+                      for old, new in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")))),
     # Kimi-K2.5's language model under `language_model.` (transformers 5 saves its layers as
     # `blocks`, and names them `model.language_model.` in memory).
     "kimi_k25": ((r"^language_model\.model\.(?:blocks|layers)\.", "model.layers."),

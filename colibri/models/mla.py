@@ -82,7 +82,7 @@ def causal_mask(pos0: int, L: int, N: int) -> np.ndarray:
 
 
 class MLAttention:
-    def __init__(self, args: MLAArgs, w, prefix: str, rope: Rope, interleave: bool):
+    def __init__(self, args: MLAArgs, w, prefix: str, rope: Rope | None, interleave: bool):
         self.h, self.r, self.rope_dim = args.num_attention_heads, args.kv_lora_rank, args.qk_rope_head_dim
         self.dn, self.dv = args.qk_nope_head_dim, args.v_head_dim
         self.interleave, self.rope = interleave, rope
@@ -109,6 +109,8 @@ class MLAttention:
         self.w_uv_t = np.ascontiguousarray(w_kv[:, self.dn :].transpose(0, 2, 1))  # [H, r, Dv]
 
     def _rotate(self, x: np.ndarray, cos, sin) -> np.ndarray:
+        if self.rope is None:  # NoPE (Kimi Linear's MLA): the "rope" dims are used as they are
+            return x
         if self.interleave:
             return rope_interleaved(x, cos, sin)
         return apply_rope(x, cos, sin, self.rope_dim)

@@ -42,8 +42,8 @@ class RecurrentCache(KVCache):
 
     def __init__(self, attention_layers: list[int], linear_layers: list[int], num_kv_heads: int, head_dim: int,
                  max_tokens: int, conv_shape: tuple[int, int], state_shape: tuple[int, int, int],
-                 dtype: str = "f32", max_snapshots: int = MAX_SNAPSHOTS):
-        super().__init__(len(attention_layers), num_kv_heads, head_dim, max_tokens, dtype=dtype)
+                 dtype: str = "f32", max_snapshots: int = MAX_SNAPSHOTS, v_dim: int | None = None):
+        super().__init__(len(attention_layers), num_kv_heads, head_dim, max_tokens, v_dim=v_dim, dtype=dtype)
         self.kv_layer = {layer: j for j, layer in enumerate(attention_layers)}
         self.linear_layers = list(linear_layers)
         self._conv_shape, self._state_shape = tuple(conv_shape), tuple(state_shape)
