@@ -11,7 +11,7 @@ Tensor = tuple[str, tuple[int, ...]]
 
 # first_k_dense_replace when a config leaves it out: the families' ModelArgs defaults
 # (moe.GroupedMoEArgs: DeepseekV3Config's 3; glm4_moe: Glm4MoeConfig's 1).
-_FIRST_DENSE_DEFAULT = {"deepseek_v3": 3, "kimi_k2": 3, "glm_moe_dsa": 3, "glm4_moe": 1}
+_FIRST_DENSE_DEFAULT = {"deepseek_v3": 3, "kimi_k2": 3, "glm_moe_dsa": 3, "glm4_moe": 1, "kimi_linear": 1}
 
 
 def num_experts(config: dict) -> int:
@@ -104,9 +104,23 @@ def _gqa_attention(config: dict, p: str) -> list[Tensor]:
 
 
 def is_hybrid(config: dict) -> bool:
-    """A Gated DeltaNet hybrid (Qwen3-Next, Qwen3.5 / 3.6 MoE): linear attention layers with a
-    recurrent state between full attention ones (models/linear_attention.py)."""
-    return bool(config.get("linear_num_value_heads"))
+    """A Gated DeltaNet hybrid (Qwen3-Next, Qwen3.5 / 3.6 MoE) or Kimi Linear: linear attention
+    layers with a recurrent state between full attention ones (models/linear_attention.py,
+    models/kimi_linear.py)."""
+    return bool(config.get("linear_num_value_heads")) or _kimi_linear(config)
+
+
+def _kimi_linear(config: dict) -> bool:
+    return config.get("model_type") == "kimi_linear"
+
+
+def _kda(config: dict) -> tuple[int, int, int]:
+    """Kimi Linear's KDA (heads H, head dim Dk, conv width K): linear_attn_config's, else the
+    flat fields (models/kimi_linear.ModelArgs)."""
+    sub = config.get("linear_attn_config") or {}
+    return (int(sub.get("num_heads") or config.get("linear_num_heads") or 32),
+            int(sub.get("head_dim") or config.get("linear_head_dim") or 128),
+            int(sub.get("short_conv_kernel_size") or config.get("linear_conv_kernel_dim") or 4))
 
 
 def layer_types(config: dict) -> list[str]:
@@ -116,12 +130,20 @@ def layer_types(config: dict) -> list[str]:
     types = config.get("layer_types")
     if types and len(types) >= n:
         return list(types[:n])
+    if _kimi_linear(config):  # linear_attn_config's 1-indexed full layers, else every fourth from the fifth
+        full = (config.get("linear_attn_config") or {}).get("full_attn_layers")
+        if full is not None:
+            return ["full_attention" if i + 1 in full else "linear_attention" for i in range(n)]
+        return ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
     interval = int(config.get("full_attention_interval") or 4)
     return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
 
 
 def linear_state_shapes(config: dict) -> tuple[tuple[int, int], tuple[int, int, int]]:
     """One sequence's state in one linear layer: (conv [K-1, C], delta rule [Hv, Dk, Dv])."""
+    if _kimi_linear(config):  # q, k, v convolved; H heads of Dk for all three
+        H, Dk, K = _kda(config)
+        return (K - 1, 3 * H * Dk), (H, Dk, Dk)
     Hk, Hv = int(config.get("linear_num_key_heads") or 16), int(config["linear_num_value_heads"])
     Dk, Dv = int(config.get("linear_key_head_dim") or 128), int(config.get("linear_value_head_dim") or 128)
     return (int(config.get("linear_conv_kernel_dim") or 4) - 1, 2 * Hk * Dk + Hv * Dv), (Hv, Dk, Dv)
@@ -140,6 +162,18 @@ def _linear_attention(config: dict, p: str) -> list[Tensor]:
                    (f"{p}.norm.weight", (Dv,)), (f"{p}.out_proj.weight", (D, Hv * Dv))]
 
 
+def _kda_attention(config: dict, p: str) -> list[Tensor]:
+    """Kimi Delta Attention as the checkpoint names it: q/k/v and their convolutions, the low-rank
+    forget gate (f_a / f_b, A_log, dt_bias), beta, the low-rank output gate (g_a / g_b)."""
+    D = _need(config, "hidden_size")
+    H, Dk, K = _kda(config)
+    W = H * Dk
+    return ([(f"{p}.{n}_proj.weight", (W, D)) for n in "qkv"] + [(f"{p}.{n}_conv1d.weight", (W, 1, K)) for n in "qkv"]
+            + [(f"{p}.f_a_proj.weight", (Dk, D)), (f"{p}.f_b_proj.weight", (W, Dk)), (f"{p}.A_log", (1, 1, H, 1)),
+               (f"{p}.dt_bias", (W,)), (f"{p}.b_proj.weight", (H, D)), (f"{p}.g_a_proj.weight", (Dk, D)),
+               (f"{p}.g_b_proj.weight", (W, Dk)), (f"{p}.o_norm.weight", (Dk,)), (f"{p}.o_proj.weight", (D, W))])
+
+
 def _gated_attention(config: dict, p: str) -> list[Tensor]:
     """The hybrids' full attention: q_proj also yields the output gate (2 H Dh rows); per-head q/k norm."""
     D, H = _need(config, "hidden_size"), _need(config, "num_attention_heads")
@@ -154,7 +188,10 @@ def layer_tensors(config: dict, i: int, kind: str) -> list[Tensor]:
     norms and the dense MLP, or the router and shared experts; routed experts: expert_tensors."""
     D = _need(config, "hidden_size")
     p = f"model.layers.{i}"
-    if is_hybrid(config):
+    if _kimi_linear(config):
+        linear = layer_types(config)[i] == "linear_attention"
+        attention = (_kda_attention if linear else _mla_attention)(config, f"{p}.self_attn")
+    elif is_hybrid(config):
         linear = layer_types(config)[i] == "linear_attention"
         attention = _linear_attention(config, f"{p}.linear_attn") if linear else _gated_attention(config, f"{p}.self_attn")
     else:
@@ -169,9 +206,10 @@ def layer_tensors(config: dict, i: int, kind: str) -> list[Tensor]:
                       (f"{p}.mlp.experts.gate_proj.bias", (E, inner)), (f"{p}.mlp.experts.up_proj.bias", (E, inner)),
                       (f"{p}.mlp.experts.down_proj.bias", (E, D))]
     out.append((f"{p}.mlp.gate.weight", (E, D)))
-    if config.get("n_routed_experts"):  # grouped routing (DeepSeek, Kimi, GLM): a routing bias, shared experts
+    if config.get("n_routed_experts") or _kimi_linear(config):  # grouped routing (DeepSeek, Kimi, GLM): a routing bias, shared experts
         out.append((f"{p}.mlp.gate.e_score_correction_bias", (E,)))
-        shared = int(config.get("n_shared_experts") or 0)
+        shared = int(config.get("n_shared_experts") or config.get("num_shared_experts")
+                     or (1 if _kimi_linear(config) else 0))  # (KimiLinearConfig's default)
         if shared:
             out += _swiglu(f"{p}.mlp.shared_experts", D, expert_width(config) * shared)
     elif config.get("model_type") == "minimax_m2":  # the routing bias alone: no groups, no shared expert

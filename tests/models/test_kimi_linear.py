@@ -124,3 +124,49 @@ def test_unimplemented_config_fields_are_rejected(container, tmp_path, field, va
     (out / "config.json").write_text(json.dumps({**cfg, field: value}))
     with pytest.raises(ColibriError, match=field):
         Engine.load(out)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_planner_sizes_what_the_engine_builds(tmp_path, case):
+    """colibri plan on config.json alone and on the checkpoint gives the converted container's
+    dense bytes, its MLA latent per token and its KDA state per slot (models/recurrent.py)."""
+    from colibri.plan.facts import analyze_model
+    from colibri.plan.shapes import mlp_kinds
+    from colibri.workspace import STATE_SNAPSHOTS
+
+    hf = make_hf_model(MODEL, config(case), 3, tmp_path / "hf")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((hf / "config.json").read_text())
+    container = convert(hf, tmp_path / "c", bits=4, progress=False)
+    engine = Engine.load(container)
+    cache = engine.model.new_cache(16)
+    args = engine.model.args
+    converted = analyze_model(container)
+    for facts in (analyze_model(bare), analyze_model(hf), converted):
+        assert facts.kv_bytes_per_token == cache.bytes_per_token
+        assert facts.state_bytes_per_slot == cache.state_bytes * (1 + STATE_SNAPSHOTS)
+        assert facts.dense_bytes == converted.dense_bytes, facts.kind
+        assert [(l.num_experts, l.expert_bytes) for l in facts.expert_layers] == \
+            [(l.num_experts, l.expert_bytes) for l in converted.expert_layers]
+    n = args.num_hidden_layers
+    assert mlp_kinds(converted.config, n) == [args.mlp_kind(i) for i in range(n)]
+
+
+def test_the_planner_reads_the_layer_rules_the_model_reads():
+    """Which layers are KDA / MLA and dense / MoE, from an original checkpoint's config.json
+    (linear_attn_config, first_k_dense_replace, the MoE fields' own names) or from defaults."""
+    from colibri.models.kimi_linear import ModelArgs
+    from colibri.plan.shapes import layer_types, linear_state_shapes, mlp_kinds
+
+    base = {"model_type": "kimi_linear", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
+            "vocab_size": 256, "num_hidden_layers": 9, "num_experts": 8, "num_experts_per_token": 2}
+    configs = [base, {**base, "first_k_dense_replace": 3},
+               {**base, "linear_attn_config": {"full_attn_layers": [4, 8, 9], "kda_layers": [1, 2, 3, 5, 6, 7],
+                                               "num_heads": 3, "head_dim": 16, "short_conv_kernel_size": 3}}]
+    for config in configs:
+        args = ModelArgs.from_dict(config)
+        assert layer_types(config) == args.layer_types
+        assert mlp_kinds(config, 9) == [args.mlp_kind(i) for i in range(9)]
+    assert layer_types(base)[4] == "full_attention" and layer_types(configs[2])[8] == "full_attention"
+    assert linear_state_shapes(configs[2]) == ((2, 3 * 3 * 16), (3, 16, 16))
