@@ -287,8 +287,9 @@ def kda_chunked(state, q, k, v, g, beta):
     c_id - c_md (<= 0 for m <= i), never as e^c_i * e^-c_m: e^-c overflows float32 within a
     chunk once the decays are strong (a channel decaying by e^-2 per token passes e^88 in 44
     tokens), while every exponent here is <= 0, so every factor is in [0, 1] and the form is
-    as sound in float32 as the token loop. It costs n(n+1)/2 Dk exponentials per chunk and head
-    (expf vectorizes), about the work of the chunk's state products at Dk = Dv."""
+    as sound in float32 as the token loop. The price is n(n+1)/2 Dk exponentials per chunk and
+    head (expf is straight-line code, so these loops vectorize), beside the ~3 n Dk Dv
+    multiply-adds of the chunk's state products."""
     L, H, Dk = k.shape
     Dv = v.shape[2]
     out = np.zeros((L, H, Dv), np.float32)

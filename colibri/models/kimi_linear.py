@@ -91,8 +91,8 @@ class ModelArgs(mla.MLAArgs):
         if self.layer_types is None:
             if sub.get("full_attn_layers") is not None and sub.get("kda_layers") is not None:
                 types = [None] * n
-                for kind, layers in (("full_attention", sub["full_attn_layers"]), ("linear_attention", sub["kda_layers"])):
-                    for i in layers:  # 1-indexed in the checkpoint's config
+                for kind, key in (("full_attention", "full_attn_layers"), ("linear_attention", "kda_layers")):
+                    for i in sub[key]:  # 1-indexed in the checkpoint's config
                         if not 1 <= i <= n:
                             raise ColibriError(f"config field linear_attn_config names layer {i}, the model has {n}")
                         types[i - 1] = kind

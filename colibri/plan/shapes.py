@@ -206,7 +206,8 @@ def layer_tensors(config: dict, i: int, kind: str) -> list[Tensor]:
                       (f"{p}.mlp.experts.gate_proj.bias", (E, inner)), (f"{p}.mlp.experts.up_proj.bias", (E, inner)),
                       (f"{p}.mlp.experts.down_proj.bias", (E, D))]
     out.append((f"{p}.mlp.gate.weight", (E, D)))
-    if config.get("n_routed_experts") or _kimi_linear(config):  # grouped routing (DeepSeek, Kimi, GLM): a routing bias, shared experts
+    # grouped routing (DeepSeek, Kimi, GLM): a routing bias, shared experts
+    if config.get("n_routed_experts") or _kimi_linear(config):
         out.append((f"{p}.mlp.gate.e_score_correction_bias", (E,)))
         shared = int(config.get("n_shared_experts") or config.get("num_shared_experts")
                      or (1 if _kimi_linear(config) else 0))  # (KimiLinearConfig's default)
