@@ -142,9 +142,11 @@ def _raw_response(status: int, reason: str, message: str, code: str, retry_after
     return head.encode("latin-1") + body
 
 
-def _end_of_head(buf: bytearray) -> bool:
-    """h11 accepts bare LF line ends too."""
-    return b"\r\n\r\n" in buf or b"\n\n" in buf
+def _head_length(buf: bytearray) -> int | None:
+    """The bytes of the request line and headers at the start of `buf` (None while they are
+    incomplete); what follows is the body. h11 accepts bare LF line ends too."""
+    ends = [i + len(sep) for sep in (b"\r\n\r\n", b"\n\n") if (i := buf.find(sep)) >= 0]
+    return min(ends, default=None)
 
 
 class _LingeringTransport:
@@ -270,10 +272,12 @@ class GuardedH11Protocol(H11Protocol):
 
     def _read_waiting(self, data: bytes) -> None:
         self._head += data
-        if not _end_of_head(self._head) and len(self._head) <= MAX_HEAD_BYTES:
+        head_len = _head_length(self._head)
+        if head_len is None and len(self._head) <= MAX_HEAD_BYTES:
             return
         reason = self.guard.over_cap(self.key)
-        if reason == "total" and len(self._head) <= MAX_HEAD_BYTES:
+        # the head's own size: body bytes that came in the same reads do not make it too long
+        if reason == "total" and head_len is not None and head_len <= MAX_HEAD_BYTES:
             victim = self.guard.least_sent()
             if victim is not None:
                 victim.evict()

@@ -214,6 +214,27 @@ def test_a_full_table_of_requests_in_progress_answers_503(srv):
         time.sleep(0.05)
 
 
+@needs_loopback_aliases
+def test_a_request_whose_body_comes_with_its_headers_makes_room_in_a_full_table(srv):
+    """A newcomer over the total cap whose first read holds its headers and more than 16 KiB of
+    its body (a long prompt sent at once) still closes a header dripper to take its place: the
+    check for an over-long head counted the body's bytes too, so such a request was refused 503
+    while drippers held the table (the soak, bench/serve/soak.py, with its 5 MiB bodies)."""
+    drippers = [Drippers(srv.port, f"127.0.0.{11 + g}", PER_IP) for g in range(TOTAL // PER_IP)]
+    try:
+        time.sleep(0.2)  # the table is full of connections still in their headers
+        body = json.dumps({"model": MODEL_ID, "prompt": "Hi " * 30_000}).encode()
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+            s.sendall(b"POST /tokenize HTTP/1.1\r\nHost: localhost\r\ncontent-type: application/json\r\n"
+                      b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            head = _read_response(s)
+        assert head.startswith(b"HTTP/1.1 200"), head
+    finally:
+        for d in drippers:
+            d.close()
+    assert _metric(httpx.get(srv.url + "/metrics").text, "colibri_connections_evicted_total") >= 1
+
+
 def _body_pending(port: int, source: str) -> socket.socket:
     """A connection whose request is being read: its headers in, its body still on its way
     (which --read-timeout, 30 s, allows)."""
