@@ -75,14 +75,16 @@ def save_history(path: Path | None, earlier: dict, counts: dict[str, np.ndarray]
     """Write `earlier` routing history plus this process's `counts` to `path` (None: nowhere),
     atomically (a crash leaves the old file or the new, never half of one). A layer whose
     earlier counts have another length (the model was re-converted) starts over. The caller
-    serializes calls (a lock), as concurrent turn ends would race on the temporary file."""
+    serializes calls (a lock), as concurrent turn ends would race on the temporary file; each
+    process writes a temporary file of its own, since processes serving one model (two servers,
+    a server and `colibri run`) share its history file."""
     if path is None:
         return
     merged = {p: (np.asarray(earlier[p], dtype=np.int64) + c).tolist() if len(earlier.get(p, [])) == c.size
               else c.tolist() for p, c in counts.items()}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"version": 1, "counts": merged}))
         os.replace(tmp, path)
     except OSError as e:

@@ -2,6 +2,8 @@
 upcycled SmolLM2-MoE speaks as the dense model does; faults give clear errors; history persists."""
 import json
 import shutil
+import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -114,6 +116,22 @@ def test_corrupt_history_is_ignored_with_a_warning(synthetic, tmp_path):
     assert any("routing history" in str(w.message) for w in caught)
     assert e.generate(SEQ[:5], max_tokens=3, stop_at_eos=False).completion_tokens == 3
     assert json.loads(path.read_text())["version"] == 1  # rewritten at the turn end
+
+
+def test_processes_sharing_a_model_save_its_history_without_racing(tmp_path):
+    """Two servers on one model both save its routing history at every turn end; with one
+    temporary file name for every process, one's rename found the file gone (ENOENT) and warned
+    "could not save routing history" (the soak's two servers, bench/serve/soak.py)."""
+    path = tmp_path / "history.json"
+    code = ("import sys, warnings; import numpy as np; from pathlib import Path; warnings.simplefilter('error'); "
+            "from colibri.io.expert_store import save_history; "
+            "[save_history(Path(sys.argv[1]), {}, {'layer': np.arange(256)}) for _ in range(400)]")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(path)], stderr=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    errors = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], errors
+    assert json.loads(path.read_text())["counts"]["layer"] == list(range(256))
+    assert not list(tmp_path.glob("*.tmp"))
 
 
 def test_truncated_expert_file_fails_the_request_not_the_engine(synthetic, tmp_path):
