@@ -194,8 +194,23 @@ def _q6k_superblock(builder, blk, load):
 
 
 _LOW4 = _c(_V16I, [0x0F0F0F0F] * 16)
-_LOW2 = _c(_V16I, [0x03030303] * 16)
+_BITS45 = _c(_V16I, [0x30303030] * 16)
+_BIT4 = _c(_V16I, [0x10101010] * 16)
 _CODE_MASKS = [_c(_V16I, [63 << (8 * k)] * 16) for k in range(4)]
+
+
+def _spread_qh(builder, qh8):
+    """Eight 32-bit lanes of high-bit bytes -> sixteen: lanes 8-15 the same bytes shifted down
+    2 bits (a 32-bit shift carries bits across bytes, but only into bits the callers mask off),
+    so a uniform shift then reaches bit pair (or bit) s in lanes 0-7 and s + 2 in lanes 8-15."""
+    return builder.shuffle_vector(qh8, builder.lshr(qh8, _c(_V8I, [2] * 8)), _c(_V16I, range(16)))
+
+
+def _to_bit4(builder, v, s: int):
+    """v's bits s.. moved to bit 4 of each byte (a left or right shift by |4 - s|)."""
+    if s < 4:
+        return builder.shl(v, _c(_V16I, [4 - s] * 16))
+    return builder.lshr(v, _c(_V16I, [s - 4] * 16)) if s > 4 else v
 
 
 def _q6k_half(builder, blk, h, sv, xs, load, fma):
@@ -205,13 +220,11 @@ def _q6k_half(builder, blk, h, sv, xs, load, fma):
     lane, then masked in place (c * 256^k, exact) against x scaled by 256^-k. Lane l's four
     weights lie in group 8h + l // 4 (low) and 8h + 4 + l // 4 (high)."""
     ql = load(builder.gep(blk, [_i64(64 * h)]), _V16I, 1)
-    qh = load(builder.gep(blk, [_i64(128 + 32 * h)]), _V8I, 1)
-    qh = builder.shuffle_vector(qh, qh, _c(_V16I, list(range(8)) * 2))
+    qh = _spread_qh(builder, load(builder.gep(blk, [_i64(128 + 32 * h)]), _V8I, 1))
     four = _c(_V16I, [4] * 16)
 
-    def codes(nib, shift):
-        high = builder.and_(builder.lshr(qh, _c(_V16I, [shift] * 8 + [shift + 2] * 8)), _LOW2)
-        return builder.or_(builder.and_(nib, _LOW4), builder.shl(high, four))
+    def codes(nib, s):
+        return builder.or_(builder.and_(nib, _LOW4), builder.and_(_to_bit4(builder, qh, s), _BITS45))
     out = []
     for part, c in enumerate((codes(ql, 0), codes(builder.lshr(ql, four), 4))):
         ns = [builder.sitofp(builder.and_(c, mk), _V16F) for mk in _CODE_MASKS]
@@ -223,7 +236,6 @@ def _q6k_half(builder, blk, h, sv, xs, load, fma):
     return out
 
 
-_LOW1 = _c(_V16I, [0x01010101] * 16)
 
 
 def _q5k_half(builder, blk, h, sv, xs, load, fma):
@@ -232,13 +244,11 @@ def _q5k_half(builder, blk, h, sv, xs, load, fma):
     weight 64c + p in bit 2c of qh[p] (low) or 2c + 1 (high). Codes assembled per byte as in
     _q6k_half."""
     ql = load(builder.gep(blk, [_i64(48 + 64 * h)]), _V16I, 1)
-    qh = load(builder.gep(blk, [_i64(16)]), _V8I, 1)
-    qh = builder.shuffle_vector(qh, qh, _c(_V16I, list(range(8)) * 2))
+    qh = _spread_qh(builder, load(builder.gep(blk, [_i64(16)]), _V8I, 1))
     four = _c(_V16I, [4] * 16)
 
     def codes(nib, bit):
-        high = builder.and_(builder.lshr(qh, _c(_V16I, [4 * h + bit] * 8 + [4 * h + 2 + bit] * 8)), _LOW1)
-        return builder.or_(builder.and_(nib, _LOW4), builder.shl(high, four))
+        return builder.or_(builder.and_(nib, _LOW4), builder.and_(_to_bit4(builder, qh, 4 * h + bit), _BIT4))
     out = []
     for part, c in enumerate((codes(ql, 0), codes(builder.lshr(ql, four), 1))):
         ns = [builder.sitofp(builder.and_(c, mk), _V16F) for mk in _CODE_MASKS]
