@@ -50,7 +50,20 @@ from .codegen import (
     with_offsets8,
     with_offsets_tile,
 )
-from .kquant_tiles import FUSED, prepare_x_fused, q2k_dot8, q4k_dot8, q5k_dot8, q6k_dot8
+from .kquant_tiles import (
+    FUSED,
+    iq4nl_dot8,
+    mxfp4_dot8,
+    prepare_x_fused,
+    prepared_len,
+    q2k_dot8,
+    q4k_dot8,
+    q5_0_dot8,
+    q5_1_dot8,
+    q5k_dot8,
+    q6k_dot8,
+)
+from .target import PSHUFB
 
 # scheme -> the kernels' type code; the tables below are indexed by it.
 TYPE_CODE = {s: i for i, s in enumerate(BLOCK_SCHEMES)}
@@ -61,7 +74,9 @@ NBYTES = np.array([BLOCK_TYPES[s].nbytes for s in BLOCK_SCHEMES], np.int64)
 # Types with a per-sub-block offset (a min): their matvec adds the offset term.
 HAS_OFFSET = np.array([s in ("q2_k", "q4_k", "q5_k", "q5_1") for s in BLOCK_SCHEMES], np.bool_)
 # scheme code -> its fused tile's index in kquant_tiles.FUSED (-1: decoded, then dotted)
-FUSED_KIND = np.array([FUSED.index(s) if s in FUSED else -1 for s in BLOCK_SCHEMES], np.int64)
+# (the 32-weight lookup types' tile shuffles bytes with x86's pshufb: elsewhere they are decoded)
+FUSED_KIND = np.array([FUSED.index(s) if s in FUSED and (PSHUFB or s not in ("mxfp4", "iq4_nl")) else -1
+                       for s in BLOCK_SCHEMES], np.int64)
 GROUP = 16  # weights per decoded scale: the smallest sub-block (Q2_K, Q3_K, Q6_K)
 
 _KV_IQ4 = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
@@ -146,12 +161,6 @@ def add_into(typingctx, codes, co, n, c):
     return types.void(codes, types.intp, types.intp, types.int64), codegen
 
 
-# x86's byte shuffle (SSSE3 pshufb) looks 16 codes up in one instruction; elsewhere a chain of
-# compares and selects (generic IR). The same bytes either way.
-_PSHUFB = (llvm.get_process_triple().startswith(("x86_64", "i686"))
-           and bool(llvm.get_host_cpu_features().get("ssse3", False)))
-
-
 @intrinsic
 def lut_into(typingctx, codes, co, n, table):
     """codes[co + i] = table[codes[co + i]] for i < n (a multiple of 16; codes 0..15, table
@@ -161,7 +170,7 @@ def lut_into(typingctx, codes, co, n, table):
         cp = _byte_ptr(context, builder, sig.args[0], a, cofs)
         tp = _byte_ptr(context, builder, sig.args[3], tab, ir.Constant(_I64, 0))
         tv = builder.load(builder.bitcast(tp, _V16B.as_pointer()), align=1)
-        if _PSHUFB:
+        if PSHUFB:
             shuf = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16B, [_V16B, _V16B]),
                                                   "llvm.x86.ssse3.pshuf.b.128")
         else:
@@ -169,7 +178,7 @@ def lut_into(typingctx, codes, co, n, table):
         with cgutils.for_range(builder, builder.lshr(cnt, ir.Constant(_I64, 4))) as loop:
             dp = builder.bitcast(builder.gep(cp, [builder.shl(loop.index, ir.Constant(_I64, 4))]), _V16B.as_pointer())
             v = builder.load(dp, align=1)
-            if _PSHUFB:
+            if PSHUFB:
                 r = builder.call(shuf, [tv, v])
             else:
                 r = vals[0]
@@ -424,18 +433,19 @@ def x_prep_len(tc, n):
     """The length of what type tc's row dots need of an x of n elements besides x itself
     (x_prep_into)."""
     if FUSED_KIND[tc] >= 0:
-        return n + n // GROUP
+        p = prepared_len(FUSED_KIND[tc], n)
+        return p + p // GROUP + GROUP
     return n // GROUP if HAS_OFFSET[tc] else 0
 
 
 @njit(cache=True)
 def x_prep_into(tc, x, xs):
-    """xs [x_prep_len]: the fused tiles (Q2_K, Q4_K, Q5_K, Q6_K) take x laid out for them and x's
+    """xs [x_prep_len]: the fused tiles (FUSED_KIND) take x laid out for them and x's
     16-wide sums (kquant_tiles.prepare_x_fused); the other offset types x's 16-wide sums; the
     rest nothing."""
-    n = x.shape[0]
     if FUSED_KIND[tc] >= 0:
-        prepare_x_fused(FUSED_KIND[tc], x, xs[:n], xs[n:])
+        p = prepared_len(FUSED_KIND[tc], x.shape[0])
+        prepare_x_fused(FUSED_KIND[tc], x, xs[:p], xs[p:])
     else:
         sums16(x, xs)
 
@@ -473,21 +483,28 @@ def dot_rows8(codes, sc, of, x, xs, d):
 @njit(cache=True)
 def block_rows8(tc, q, r, x, xs, codes, sc, of, d):
     """d[0:8] = rows r .. r+7 of dequantize(q) @ x (rows past the end: garbage; xs: x_sums).
-    Shared by matvec_blocks, matmul_rows_blocks and the fused MoE kernel (moe.py). Q2_K, Q4_K,
-    Q5_K and Q6_K read their bytes in one fused tile (kquant_tiles.py); the other types are decoded,
+    Shared by matvec_blocks, matmul_rows_blocks and the fused MoE kernel (moe.py). every type
+    but Q3_K and IQ4_XS reads its bytes in one fused tile (kquant_tiles.py); the other types are decoded,
     then dotted."""
-    n = x.shape[0]
-    if tc == Q4_K:
-        q4k_dot8(q, r, r + 8, xs[:n], xs[n:], d)
-        return
-    if tc == Q6_K:
-        q6k_dot8(q, r, r + 8, xs[:n], xs[n:], d)
-        return
-    if tc == Q5_K:
-        q5k_dot8(q, r, r + 8, xs[:n], xs[n:], d)
-        return
-    if tc == Q2_K:
-        q2k_dot8(q, r, r + 8, xs[:n], xs[n:], d)
+    if FUSED_KIND[tc] >= 0:
+        p = prepared_len(FUSED_KIND[tc], x.shape[0])
+        xp, xsum = xs[:p], xs[p:]
+        if tc == Q4_K:
+            q4k_dot8(q, r, r + 8, xp, xsum, d)
+        elif tc == Q6_K:
+            q6k_dot8(q, r, r + 8, xp, xsum, d)
+        elif tc == Q5_K:
+            q5k_dot8(q, r, r + 8, xp, xsum, d)
+        elif tc == Q2_K:
+            q2k_dot8(q, r, r + 8, xp, xsum, d)
+        elif tc == MXFP4:
+            mxfp4_dot8(q, r, r + 8, xp, xsum, d)
+        elif tc == IQ4_NL:
+            iq4nl_dot8(q, r, r + 8, xp, xsum, d)
+        elif tc == Q5_0:
+            q5_0_dot8(q, r, r + 8, xp, xsum, d)
+        else:
+            q5_1_dot8(q, r, r + 8, xp, xsum, d)
         return
     decode_rows8(tc, q, r, codes, sc, of)
     dot_rows8(codes, sc, of, x, xs, d)

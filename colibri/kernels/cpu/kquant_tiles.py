@@ -91,25 +91,48 @@ def _q2k_shift(p: int) -> int:
     return 8 * (p >> 2) + 2 * (p & 3)
 
 
-FUSED = ("q4_k", "q6_k", "q5_k", "q2_k")  # the schemes with a fused tile, in the tables' order
-_ORDER = np.array([[f(m) for m in range(128)] for f in (_q4k_source, _q6k_source, _q5k_source, _q2k_source)],
-                  np.int64)
+def _lut32_source(m: int) -> int:
+    """MXFP4 / IQ4_NL (four 32-weight blocks a super-block): position m = 64 part + 16 k + L
+    multiplies byte k of lane L's looked-up values, weight 32 (L // 4) + 16 part + 4 (L % 4) + k
+    (low nibbles part 0: a block's first 16 weights)."""
+    part, k, lane = m >> 6, (m >> 4) & 3, m & 15
+    return 32 * (lane >> 2) + 16 * part + 4 * (lane & 3) + k
+
+
+FUSED = ("q4_k", "q6_k", "q5_k", "q2_k", "mxfp4", "iq4_nl", "q5_0", "q5_1")  # fused tiles, in the tables' order
+_ORDER = np.array([[f(m) for m in range(128)] for f in (_q4k_source, _q6k_source, _q5k_source, _q2k_source)]
+                  + [[_lut32_source(m) for m in range(128)]] * 4, np.int64)
+_BYTE_SCALES = [2.0 ** (-8 * k) for k in range(3)] + [1.0]  # byte 3 shifted down, not masked
 _SCALE = np.array([[2.0 ** (-4 * k) for k in range(7)] + [1.0],
                    [2.0 ** (-8 * (k & 3)) for k in range(8)],
                    [2.0 ** (-8 * (k & 3)) for k in range(8)],
-                   [2.0 ** -_q2k_shift(p) for p in range(8)]], np.float32)
+                   [2.0 ** -_q2k_shift(p) for p in range(8)],
+                   *[_BYTE_SCALES * 2] * 4], np.float32)
+# weights a super-block (and per prepared-x padding unit): the 32-weight types take four blocks
+SUPER = np.array([256, 256, 256, 256, 128, 128, 128, 128], np.int64)
+
+
+@njit(cache=True)
+def prepared_len(kind, n):
+    """The length of prepare_x_fused's xp for an x of n: n rounded up to whole super-blocks
+    (the 32-weight types' rows need not fill their last four blocks)."""
+    return (n + SUPER[kind] - 1) // SUPER[kind] * SUPER[kind]
 
 
 @njit(cache=True)
 def prepare_x_fused(kind, x, xp, xs):
-    """For FUSED[kind]'s tile: xp [n] x in the tile's order and scales (powers of two: exact);
-    xs [n / 16] x's 16-wide sums, in blocks.sums16's order (the offset term)."""
+    """For FUSED[kind]'s tile: xp [prepared_len] x in the tile's order and scales (powers of
+    two: exact), zeros past x's end; xs [prepared_len / 16 + 16] x's 16-wide sums, in
+    blocks.sums16's order (the offset term), zeros past x's end (a 128-weight super-block's
+    16-lane load of them reaches 8 groups further)."""
     n = x.shape[0]
     order, scale = _ORDER[kind], _SCALE[kind]
-    for b in range(0, n, 128):
+    for b in range(0, xp.shape[0], 128):
         for m in range(128):
-            xp[b + m] = x[b + order[m]] * scale[m >> 4]
-    for g in range(xs.shape[0]):
+            src = b + order[m]
+            xp[b + m] = x[src] * scale[m >> 4] if src < n else np.float32(0.0)
+    xs[:] = 0.0
+    for g in range(n // 16):
         x0 = 16 * g
         a0 = x[x0] + x[x0 + 8]
         a1 = x[x0 + 1] + x[x0 + 9]
@@ -157,7 +180,7 @@ def halves_f32(builder, ptr, n: int, load, f16c: bool = F16C):
     return f16_bits_f32(builder, builder.zext(h, ir.VectorType(_I32, n)))
 
 
-def _q4k_superblock(builder, blk, load):
+def _q4k_superblock(builder, blk, load, nvalid=None):
     """Q4_K (and Q5_K): (<16 x float> whose lanes 0-7 are d * sc of the 8 sub-blocks,
     -(dmin * m) over the 16 groups of 16) of the block at blk: d, dmin, then the 6-bit fields."""
     dd = builder.fmul(halves_f32(builder, blk, 2, load), _c(ir.VectorType(_F32, 2), [1.0, -1.0]))  # -dmin: exact
@@ -166,7 +189,7 @@ def _q4k_superblock(builder, blk, load):
     return v, builder.shuffle_vector(v, v, _c(_V16I, [8 + i // 2 for i in range(16)]))
 
 
-def _q4k_half(builder, blk, h, sv, xs, load, fma):
+def _q4k_half(builder, blk, h, sv, xs, load, fma, nvalid=None):
     """Q4_K's 64-byte block h of a super-block . x: nibble k of lane l is weight
     64 (l // 8) + 32 (k % 2) + 4 (l % 8) + k // 2, so lanes 0-7 take sub-blocks 4h (even k) and
     4h + 1 (odd k), lanes 8-15 sub-blocks 4h + 2 and 4h + 3 (sv: its lanes 0-7 the
@@ -184,7 +207,7 @@ def _q4k_half(builder, blk, h, sv, xs, load, fma):
     return (t_even, s_even), (t_odd, s_odd)
 
 
-def _q6k_superblock(builder, blk, load):
+def _q6k_superblock(builder, blk, load, nvalid=None):
     """Q6_K: (<16 x float> d * sc of the 16 groups, -32 d sc: the codes' offset) of the block
     at blk (ql[128] qh[64] scales[16] d)."""
     dh = halves_f32(builder, builder.gep(blk, [_i64(208)]), 1, load)
@@ -213,7 +236,7 @@ def _to_bit4(builder, v, s: int):
     return builder.lshr(v, _c(_V16I, [s - 4] * 16)) if s > 4 else v
 
 
-def _q6k_half(builder, blk, h, sv, xs, load, fma):
+def _q6k_half(builder, blk, h, sv, xs, load, fma, nvalid=None):
     """Q6_K's weights 128h .. 128h+127 . x: lane l's four bytes of ql[64h:] hold the low 4 bits
     of weights 4l .. 4l+3 (low nibbles) and 64 + 4l .. (high ones); their 2 high bits sit in
     qh[32h + (w % 32)] at bit 2 (w // 32). Whole 6-bit codes are assembled in the bytes of each
@@ -238,7 +261,7 @@ def _q6k_half(builder, blk, h, sv, xs, load, fma):
 
 
 
-def _q5k_half(builder, blk, h, sv, xs, load, fma):
+def _q5k_half(builder, blk, h, sv, xs, load, fma, nvalid=None):
     """Q5_K's weights 128h .. 128h+127 . x: qs[64h:] as Q4_K's (lane l's bytes in chunk
     2h + l // 8, low nibbles sub-block 2 (2h + l // 8), high ones the next), the fifth bit of
     weight 64c + p in bit 2c of qh[p] (low) or 2c + 1 (high). Codes assembled per byte as in
@@ -260,7 +283,7 @@ def _q5k_half(builder, blk, h, sv, xs, load, fma):
     return out
 
 
-def _q2k_superblock(builder, blk, load):
+def _q2k_superblock(builder, blk, load, nvalid=None):
     """Q2_K (scales[16] qs[64] d dmin): (d * (scale & 15), -(dmin * (scale >> 4))) of its 16
     groups of 16."""
     dd = builder.fmul(halves_f32(builder, builder.gep(blk, [_i64(80)]), 2, load), _c(ir.VectorType(_F32, 2), [1.0, -1.0]))
@@ -275,7 +298,7 @@ def _q2k_superblock(builder, blk, load):
 _Q2K_MASKS = [_c(_V16I, [3 << _q2k_shift(p)] * 16) for p in range(8)]
 
 
-def _q2k_half(builder, blk, h, sv, xs, load, fma):
+def _q2k_half(builder, blk, h, sv, xs, load, fma, nvalid=None):
     """Q2_K's weights 128h .. 128h+127 . x: byte l of qs[32h:] holds weights l, 32 + l, 64 + l,
     96 + l in its bit pairs 0, 2, 4, 6. The 32 bytes as eight 32-bit lanes, and the same shifted
     down 16 bits as eight more: each of the 16 lanes holds 8 fields in its low 16 bits (masked
@@ -292,9 +315,107 @@ def _q2k_half(builder, blk, h, sv, xs, load, fma):
     return out
 
 
-# type -> (block bytes, per super-block decode, per half dot); Q5_K's header is Q4_K's
+# --- the 32-weight types: MXFP4, IQ4_NL, Q5_0, Q5_1 -----------------------------------------
+# Four blocks make a super-block of 128 weights (a row's last may be partial: its missing blocks
+# read the last real one, their scales 0 and their x zeros). A block's 16 bytes hold weights
+# 0..15 in their low nibbles and 16..31 in their high ones: for MXFP4 and IQ4_NL an index into a
+# table of 16 small integers, looked up with a byte shuffle (pshufb) into value + bias, a byte
+# 0..255; for Q5_0 / Q5_1 the low 4 bits of a 5-bit code whose fifth is bit w of the block's
+# 32-bit qh. Either way the bytes of a 32-bit lane are masked in place (v * 256^k, exact; byte 3
+# shifted down) as Q6_K's codes are, and w = d * byte + offset, offset -bias * d (Q5_1: its m),
+# through x's sums.
+
+# type -> (block bytes, offset of qs, bias, table (None: Q5's qh bits at byte 2 or 4))
+_LUTS = {"mxfp4": (17, 1, 12, [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]),  # e2m1, doubled
+         "iq4_nl": (18, 2, 128, [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]),
+         "q5_0": (22, 6, 16, None),
+         "q5_1": (24, 8, 0, None)}
+_BYTE_MASKS = [_c(_V16I, [255 << (8 * k)] * 16) for k in range(3)]
+_V4F = ir.VectorType(_F32, 4)
+
+
+def _block_at(builder, blk, c: int, nvalid, bb: int):
+    """Block c of a super-block at blk, or its last real block where c >= nvalid."""
+    cc = builder.select(builder.icmp_signed("<", _i64(c), nvalid), _i64(c), builder.sub(nvalid, _i64(1)))
+    return builder.gep(blk, [builder.mul(cc, _i64(bb))])
+
+
+def _lut32_superblock(kind: str):
+    bb, _, bias, _ = _LUTS[kind]
+
+    def superblock(builder, blk, load, nvalid):
+        """(<16 x float> lane L the scale of block L // 4, -bias * scale over the 8 groups of
+        16, then 8 zero lanes): 0 for the blocks past the row's end."""
+        ds = ms = ir.Constant(_V4F, ir.Undefined)
+        for c in range(4):
+            at = _block_at(builder, blk, c, nvalid, bb)
+            if kind == "q5_1":  # d and m
+                dm = halves_f32(builder, at, 2, load)
+                d = builder.extract_element(dm, ir.Constant(_I32, 0))
+                m = builder.select(builder.icmp_signed("<", _i64(c), nvalid), builder.extract_element(dm, ir.Constant(_I32, 1)),
+                                   ir.Constant(_F32, 0.0))
+                ms = builder.insert_element(ms, m, ir.Constant(_I32, c))
+            elif kind == "mxfp4":  # ggml_e8m0_to_fp32_half: 2^(e - 128), as bits
+                e = builder.zext(load(at, _I8, 1), _I32)
+                tiny = builder.shl(ir.Constant(_I32, 0x00200000), e)
+                d = builder.select(builder.icmp_unsigned("<", e, ir.Constant(_I32, 2)), tiny,
+                                   builder.shl(builder.sub(e, ir.Constant(_I32, 1)), ir.Constant(_I32, 23)))
+                d = builder.bitcast(d, _F32)
+            else:
+                d = builder.extract_element(halves_f32(builder, at, 1, load), ir.Constant(_I32, 0))
+            d = builder.select(builder.icmp_signed("<", _i64(c), nvalid), d, ir.Constant(_F32, 0.0))
+            ds = builder.insert_element(ds, d, ir.Constant(_I32, c))
+        sv = builder.shuffle_vector(ds, ds, _c(_V16I, [lane // 4 for lane in range(16)]))
+        neg = ms if kind == "q5_1" else builder.fmul(ds, _c(_V4F, [-float(bias)] * 4))
+        offs = builder.shuffle_vector(neg, ir.Constant(_V4F, [0.0] * 4), _c(_V16I, [g // 2 for g in range(8)] + [4] * 8))
+        return sv, offs
+    return superblock
+
+
+def _lut32_half(kind: str):
+    bb, qoff, bias, values = _LUTS[kind]
+    if values is not None:
+        table = _c(_V16B, [((v + bias) + 128) % 256 - 128 for v in values])  # value + bias as a byte
+    bit = _c(_V16B, [1 << (i & 7) for i in range(16)])
+
+    def half(builder, blk, h, sv, xs, load, fma, nvalid):
+        """The super-block's 128 weights . x: one t, lane L's eight products all in block L // 4."""
+        shuf = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16B, [_V16B, _V16B]),
+                                              "llvm.x86.ssse3.pshuf.b.128")
+        lows, highs = [], []
+        for c in range(4):
+            at = _block_at(builder, blk, c, nvalid, bb)
+            raw = load(builder.gep(at, [_i64(qoff)]), _V16B, 1)
+            lo, hi = builder.and_(raw, _c(_V16B, [15] * 16)), builder.lshr(raw, _c(_V16B, [4] * 16))
+            if values is not None:
+                lows.append(builder.call(shuf, [table, lo]))
+                highs.append(builder.call(shuf, [table, hi]))
+                continue
+            qh = load(builder.gep(at, [_i64(qoff - 4)]), ir.VectorType(_I8, 4), 1)
+            for dst, nib, first in ((lows, lo, 0), (highs, hi, 2)):  # weight w's fifth bit: qh bit w
+                spread = builder.shuffle_vector(qh, qh, _c(_V16I, [first + i // 8 for i in range(16)]))
+                on = builder.icmp_unsigned("!=", builder.and_(spread, bit), _c(_V16B, [0] * 16))
+                dst.append(builder.or_(nib, builder.select(on, _c(_V16B, [16] * 16), _c(_V16B, [0] * 16))))
+
+        def lanes(parts):  # four 16-byte vectors -> sixteen 32-bit lanes
+            ab = builder.shuffle_vector(parts[0], parts[1], _c(ir.VectorType(_I32, 32), range(32)))
+            cd = builder.shuffle_vector(parts[2], parts[3], _c(ir.VectorType(_I32, 32), range(32)))
+            return builder.bitcast(builder.shuffle_vector(ab, cd, _c(ir.VectorType(_I32, 64), range(64))), _V16I)
+        t = None
+        for part, v in enumerate((lanes(lows), lanes(highs))):
+            ns = [builder.sitofp(builder.and_(v, mk), _V16F) for mk in _BYTE_MASKS]
+            ns.append(builder.sitofp(builder.lshr(v, _c(_V16I, [24] * 16)), _V16F))
+            for k in range(4):
+                x = xs[4 * part + k]
+                t = builder.fmul(ns[k], x) if t is None else builder.call(fma, [ns[k], x, t])
+        return [(t, sv)]
+    return half
+
+
+# type -> (super-block bytes, per super-block decode, per half dot); Q5_K's header is Q4_K's
 _KINDS = {"q4_k": (Q4K_BYTES, _q4k_superblock, _q4k_half), "q6_k": (Q6K_BYTES, _q6k_superblock, _q6k_half),
-          "q5_k": (Q5K_BYTES, _q4k_superblock, _q5k_half), "q2_k": (Q2K_BYTES, _q2k_superblock, _q2k_half)}
+          "q5_k": (Q5K_BYTES, _q4k_superblock, _q5k_half), "q2_k": (Q2K_BYTES, _q2k_superblock, _q2k_half),
+          **{k: (4 * _LUTS[k][0], _lut32_superblock(k), _lut32_half(k)) for k in _LUTS}}
 
 
 def _fused_codegen(kind: str, wrows: int):
@@ -304,6 +425,8 @@ def _fused_codegen(kind: str, wrows: int):
     and per row two (t, lane scales) pairs: acc = fmuladd(t, s, acc) in that order; a row's
     result is hsum(acc)."""
     nbytes, superblock, half = _KINDS[kind]
+    weights = int(SUPER[FUSED.index(kind)])  # a super-block's: 256, or four 32-weight blocks
+    halves, bb = weights // 128, _LUTS[kind][0] if kind in _LUTS else None
 
     def codegen(context, builder, sig, args):
         qty, _, _, xpty, xsty, dty = sig.args
@@ -314,8 +437,9 @@ def _fused_codegen(kind: str, wrows: int):
         da = context.make_array(dty)(context, builder, args[5])
         nrows, _ = cgutils.unpack_tuple(builder, qa.shape, 2)
         qstride = cgutils.unpack_tuple(builder, qa.strides, 2)[0]
-        n = cgutils.unpack_tuple(builder, xpa.shape, 1)[0]
-        nsb = builder.lshr(n, _i64(8))
+        n = cgutils.unpack_tuple(builder, xpa.shape, 1)[0]  # whole super-blocks (prepared_len)
+        nsb = builder.udiv(n, _i64(weights))
+        nblk = builder.udiv(cgutils.unpack_tuple(builder, qa.shape, 2)[1], _i64(bb)) if bb else None
         qbase = builder.bitcast(qa.data, _I8.as_pointer())
         xpbase = builder.bitcast(xpa.data, _F32.as_pointer())
         xsbase = builder.bitcast(xsa.data, _F32.as_pointer())
@@ -340,22 +464,26 @@ def _fused_codegen(kind: str, wrows: int):
         with cgutils.for_range(builder, nsb) as loop:
             sb = loop.index
             b = builder.mul(sb, _i64(nbytes))
-            e = builder.shl(sb, _i64(8))
+            e = builder.mul(sb, _i64(weights))
+            nvalid = None  # the 32-weight types: the super-block's blocks inside the row (1..4)
+            if bb:
+                left = builder.sub(nblk, builder.shl(sb, _i64(2)))
+                nvalid = builder.select(builder.icmp_signed("<", left, _i64(4)), left, _i64(4))
             xs16 = load(builder.gep(xsbase, [builder.lshr(e, _i64(4))]), _V16F, 4)
             scales = []
             for j in range(wrows):
-                sv, offs = superblock(builder, builder.gep(rows[j], [b]), load)
+                sv, offs = superblock(builder, builder.gep(rows[j], [b]), load, nvalid)
                 scales.append(sv)
                 builder.store(builder.call(fma, [offs, xs16, builder.load(accs[j])]), accs[j])
                 for off in range(0, nbytes, 64):  # the next block of rows' same super-block
-                    at = builder.gep(nexts[j], [builder.add(b, _i64(off))])
+                    at = builder.gep(nexts[j], [builder.add(b, _i64(off))])  # (prefetch never faults)
                     builder.call(pf, [at, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
-            for h in range(2):
+            for h in range(halves):
                 xo = builder.add(e, _i64(128 * h))
                 xs = [load(builder.gep(xpbase, [builder.add(xo, _i64(16 * k))]), _V16F, 4) for k in range(8)]
                 for j in range(wrows):
                     acc = builder.load(accs[j])
-                    for t, s in half(builder, builder.gep(rows[j], [b]), h, scales[j], xs, load, fma):
+                    for t, s in half(builder, builder.gep(rows[j], [b]), h, scales[j], xs, load, fma, nvalid):
                         acc = builder.call(fma, [t, s, acc])
                     builder.store(acc, accs[j])
         for j in range(wrows):
@@ -384,6 +512,34 @@ def q5k_dot8(typingctx, q, r, rn, xp, xs, d):
     """q4k_dot8 for a Q5_K matrix."""
     sig = types.void(q, types.intp, types.intp, xp, xs, d)
     return sig, _fused_codegen("q5_k", 8)
+
+
+@intrinsic
+def mxfp4_dot8(typingctx, q, r, rn, xp, xs, d):
+    """q4k_dot8 for an MXFP4 matrix (x86 only: its table lookups are pshufb)."""
+    sig = types.void(q, types.intp, types.intp, xp, xs, d)
+    return sig, _fused_codegen("mxfp4", 8)
+
+
+@intrinsic
+def iq4nl_dot8(typingctx, q, r, rn, xp, xs, d):
+    """q4k_dot8 for an IQ4_NL matrix (x86 only)."""
+    sig = types.void(q, types.intp, types.intp, xp, xs, d)
+    return sig, _fused_codegen("iq4_nl", 8)
+
+
+@intrinsic
+def q5_0_dot8(typingctx, q, r, rn, xp, xs, d):
+    """q4k_dot8 for a Q5_0 matrix."""
+    sig = types.void(q, types.intp, types.intp, xp, xs, d)
+    return sig, _fused_codegen("q5_0", 8)
+
+
+@intrinsic
+def q5_1_dot8(typingctx, q, r, rn, xp, xs, d):
+    """q4k_dot8 for a Q5_1 matrix."""
+    sig = types.void(q, types.intp, types.intp, xp, xs, d)
+    return sig, _fused_codegen("q5_1", 8)
 
 
 @intrinsic

@@ -54,3 +54,14 @@ def target_isa() -> str:
 
 # Every CPU with AVX2 has F16C (vcvtph2ps): half -> float in one instruction.
 F16C = native_isa() in ("avx2", "vnni")
+
+# x86's byte shuffle (SSSE3 pshufb, on every x86-64 CPU colibri targets) looks 16 table entries up
+# in one instruction; elsewhere the kernels that need it take a generic form.
+def _pshufb() -> bool:
+    import llvmlite.binding as llvm
+
+    return (llvm.get_process_triple().startswith(("x86_64", "i686"))
+            and bool(llvm.get_host_cpu_features().get("ssse3", False)))
+
+
+PSHUFB = _pshufb()
