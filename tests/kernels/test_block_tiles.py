@@ -7,7 +7,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from colibri.kernels.cpu.kquant_tiles import FUSED, halves_f32, prepare_x_fused
+from colibri.kernels.cpu.block_tiles import FUSED, halves_f32, prepare_x_fused
 
 
 def _converter(f16c: bool):

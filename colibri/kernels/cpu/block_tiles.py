@@ -1,26 +1,29 @@
-"""Q4_K rows read straight from their GGUF bytes: one fused IR tile, no decoded scratch.
+"""GGUF block rows read straight from their bytes: one fused IR tile of eight rows for Q2_K,
+Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, Q5_0 and Q5_1, no decoded scratch.
 
 The general block path (blocks.py) decodes eight rows into int8 codes and float scales, then
-runs q8_0's tile over them: two passes and ~10 small calls a super-block. Q4_K, the bulk of
-every Q4_K_M file, is int4 with a scale and a min per 32 weights, so it takes int4_g64's
-approach instead (codegen.py, _int4_block): its 128 quant bytes a super-block are read as two
-64-byte blocks of sixteen 32-bit lanes; nibble k of every lane is masked in place (n * 16^k,
-exact) and converted, and multiplies x laid out and scaled by 16^-k beforehand
-(prepare_x_fused), so each product is the n * x the unprepared x gives.
+runs q8_0's tile over them: two passes and ~10 small calls a super-block. These tiles take
+int4_g64's approach instead (codegen.py, _int4_block): a row's quant bytes are read 64 at a
+time as sixteen 32-bit lanes, each lane's codes (nibbles, bit pairs, or whole 5- and 6-bit codes
+assembled in its bytes) masked in place (c * 2^shift, exact) and converted, and multiplied by x
+laid out and scaled by 2^-shift beforehand (prepare_x_fused), so each product is the c * x the
+unprepared x gives. Per 128 weights a kind returns (t, lane scales) pairs, t a lane's products
+of one sub-block; the sub-block scales are decoded once a super-block.
 
-Q4_K's bytes: per super-block of 256 weights, d and dmin (f16), 12 bytes of 6-bit sub-block
-scales and mins, then 4 chunks of 32 bytes, chunk c holding sub-block 2c in its low nibbles and
-2c + 1 in its high ones. In a 64-byte block (chunks 2h, 2h + 1) lane l's bytes lie in chunk
-2h + l // 8, so its even nibbles belong to one sub-block and its odd ones to the next:
+Q4_K, for instance: per super-block of 256 weights, d and dmin (f16), 12 bytes of 6-bit
+sub-block scales and mins, then 4 chunks of 32 bytes, chunk c holding sub-block 2c in its low
+nibbles and 2c + 1 in its high ones. In a 64-byte block (chunks 2h, 2h + 1) lane l's bytes lie
+in chunk 2h + l // 8, so its even nibbles belong to one sub-block and its odd ones to the next:
 
     t_even = sum_{k even} n_k x'_k,  t_odd = sum_{k odd} n_k x'_k            (per lane)
     acc = fmuladd(t_even, d * sc[even sub-block of the lane], acc), then t_odd likewise
 
-and the mins leave the inner loop: acc = fmuladd(-(dmin * m) spread over 16-weight groups,
-x's 16-wide sums, acc) once a super-block. A row is the lane sum of acc (codegen.hsum's tree).
-Every (weight row, x) pair gets these operations in this order whichever entry point calls
-it (matvec, matvec_rows, the fused MoE kernel) and with any thread count, so the invariants of
-the other kernels hold: a row's bits depend on its bytes and x only.
+and the offsets (the mins, Q6_K's -32, a lookup type's bias) leave the inner loop:
+acc = fmuladd(offset per 16-weight group, x's 16-wide sums, acc) once a super-block. A row is
+the lane sum of acc (codegen.hsum's tree). Every (weight row, x) pair gets these operations in
+this order whichever entry point calls it (matvec, matvec_rows, the fused MoE kernel) and with
+any thread count, so the invariants of the other kernels hold: a row's bits depend on its bytes
+and x only.
 """
 from __future__ import annotations
 
@@ -173,7 +176,7 @@ def _k4_fields(builder, s12):
 def halves_f32(builder, ptr, n: int, load, f16c: bool = F16C):
     """<n x float> of the n IEEE halves at ptr: F16C's vcvtph2ps where the target has it (every
     AVX2 CPU), else integer IR (codegen.f16_bits_f32); both exact, so the same bits
-    (tests/kernels/test_kquant_tiles.py)."""
+    (tests/kernels/test_block_tiles.py)."""
     h = load(ptr, ir.VectorType(_I16, n), 1)
     if f16c:
         return builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), n)), ir.VectorType(_F32, n))

@@ -50,7 +50,7 @@ from .codegen import (
     with_offsets8,
     with_offsets_tile,
 )
-from .kquant_tiles import (
+from .block_tiles import (
     FUSED,
     iq4nl_dot8,
     mxfp4_dot8,
@@ -73,7 +73,7 @@ ELEMENTS = np.array([BLOCK_TYPES[s].elements for s in BLOCK_SCHEMES], np.int64)
 NBYTES = np.array([BLOCK_TYPES[s].nbytes for s in BLOCK_SCHEMES], np.int64)
 # Types with a per-sub-block offset (a min): their matvec adds the offset term.
 HAS_OFFSET = np.array([s in ("q2_k", "q4_k", "q5_k", "q5_1") for s in BLOCK_SCHEMES], np.bool_)
-# scheme code -> its fused tile's index in kquant_tiles.FUSED (-1: decoded, then dotted)
+# scheme code -> its fused tile's index in block_tiles.FUSED (-1: decoded, then dotted)
 # (the 32-weight lookup types' tile shuffles bytes with x86's pshufb: elsewhere they are decoded)
 FUSED_KIND = np.array([FUSED.index(s) if s in FUSED and (PSHUFB or s not in ("mxfp4", "iq4_nl")) else -1
                        for s in BLOCK_SCHEMES], np.int64)
@@ -441,7 +441,7 @@ def x_prep_len(tc, n):
 @njit(cache=True)
 def x_prep_into(tc, x, xs):
     """xs [x_prep_len]: the fused tiles (FUSED_KIND) take x laid out for them and x's
-    16-wide sums (kquant_tiles.prepare_x_fused); the other offset types x's 16-wide sums; the
+    16-wide sums (block_tiles.prepare_x_fused); the other offset types x's 16-wide sums; the
     rest nothing."""
     if FUSED_KIND[tc] >= 0:
         p = prepared_len(FUSED_KIND[tc], x.shape[0])
@@ -484,7 +484,7 @@ def dot_rows8(codes, sc, of, x, xs, d):
 def block_rows8(tc, q, r, x, xs, codes, sc, of, d):
     """d[0:8] = rows r .. r+7 of dequantize(q) @ x (rows past the end: garbage; xs: x_sums).
     Shared by matvec_blocks, matmul_rows_blocks and the fused MoE kernel (moe.py). every type
-    but Q3_K and IQ4_XS reads its bytes in one fused tile (kquant_tiles.py); the other types are decoded,
+    but Q3_K and IQ4_XS reads its bytes in one fused tile (block_tiles.py); the other types are decoded,
     then dotted."""
     if FUSED_KIND[tc] >= 0:
         p = prepared_len(FUSED_KIND[tc], x.shape[0])
