@@ -116,26 +116,9 @@ SUPER = np.array([256, 256, 256, 256, 128, 128, 128, 128], np.int64)
 
 
 @njit(cache=True)
-def prepared_len(kind, n):
-    """The length of prepare_x_fused's xp for an x of n: n rounded up to whole super-blocks
-    (the 32-weight types' rows need not fill their last four blocks)."""
-    return (n + SUPER[kind] - 1) // SUPER[kind] * SUPER[kind]
-
-
-@njit(cache=True)
-def prepare_x_fused(kind, x, xp, xs):
-    """For FUSED[kind]'s tile: xp [prepared_len] x in the tile's order and scales (powers of
-    two: exact), zeros past x's end; xs [prepared_len / 16 + 16] x's 16-wide sums, in
-    blocks.sums16's order (the offset term), zeros past x's end (a 128-weight super-block's
-    16-lane load of them reaches 8 groups further)."""
-    n = x.shape[0]
-    order, scale = _ORDER[kind], _SCALE[kind]
-    for b in range(0, xp.shape[0], 128):
-        for m in range(128):
-            src = b + order[m]
-            xp[b + m] = x[src] * scale[m >> 4] if src < n else np.float32(0.0)
-    xs[:] = 0.0
-    for g in range(n // 16):
+def sums16(x, xs):
+    """xs[g] = the sum of x[16g : 16g+16]: eight interleaved partial sums, then a fixed tree."""
+    for g in range(xs.shape[0]):
         x0 = 16 * g
         a0 = x[x0] + x[x0 + 8]
         a1 = x[x0 + 1] + x[x0 + 9]
@@ -146,6 +129,29 @@ def prepare_x_fused(kind, x, xp, xs):
         a6 = x[x0 + 6] + x[x0 + 14]
         a7 = x[x0 + 7] + x[x0 + 15]
         xs[g] = ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))
+
+
+@njit(cache=True)
+def prepared_len(kind, n):
+    """The length of prepare_x_fused's xp for an x of n: n rounded up to whole super-blocks
+    (the 32-weight types' rows need not fill their last four blocks)."""
+    return (n + SUPER[kind] - 1) // SUPER[kind] * SUPER[kind]
+
+
+@njit(cache=True)
+def prepare_x_fused(kind, x, xp, xs):
+    """For FUSED[kind]'s tile: xp [prepared_len] x in the tile's order and scales (powers of
+    two: exact), zeros past x's end; xs [prepared_len / 16 + 16] x's 16-wide sums, in
+    sums16's order (the offset term), zeros past x's end (a 128-weight super-block's
+    16-lane load of them reaches 8 groups further)."""
+    n = x.shape[0]
+    order, scale = _ORDER[kind], _SCALE[kind]
+    for b in range(0, xp.shape[0], 128):
+        for m in range(128):
+            src = b + order[m]
+            xp[b + m] = x[src] * scale[m >> 4] if src < n else np.float32(0.0)
+    xs[:] = 0.0
+    sums16(x, xs[:n // 16])
 
 
 # --- the tile ------------------------------------------------------------------------------
@@ -495,58 +501,16 @@ def _fused_codegen(kind: str, wrows: int):
     return codegen
 
 
-@intrinsic
-def q4k_dot8(typingctx, q, r, rn, xp, xs, d):
-    """d[0:8] = rows r .. r+7 of the Q4_K matrix q (uint8 [rows, row bytes], C order) . x, from
-    x's prepare_x_fused (xp, xs); rows past the end give garbage. Rows rn.. are prefetched."""
-    sig = types.void(q, types.intp, types.intp, xp, xs, d)
-    return sig, _fused_codegen("q4_k", 8)
+def _dot8_intrinsic(kind: str):
+    """An intrinsic (q, r, rn, xp, xs, d): d[0:8] = rows r .. r+7 of the `kind` matrix q (uint8
+    [rows, row bytes], C order) . x, from x's prepare_x_fused (xp, xs); rows past the end give
+    garbage. Rows rn.. are prefetched."""
+    def dot8(typingctx, q, r, rn, xp, xs, d):
+        return types.void(q, types.intp, types.intp, xp, xs, d), _fused_codegen(kind, 8)
+    dot8.__name__ = dot8.__qualname__ = f"{kind}_dot8"
+    return intrinsic(dot8)
 
 
-@intrinsic
-def q6k_dot8(typingctx, q, r, rn, xp, xs, d):
-    """q4k_dot8 for a Q6_K matrix."""
-    sig = types.void(q, types.intp, types.intp, xp, xs, d)
-    return sig, _fused_codegen("q6_k", 8)
-
-
-@intrinsic
-def q5k_dot8(typingctx, q, r, rn, xp, xs, d):
-    """q4k_dot8 for a Q5_K matrix."""
-    sig = types.void(q, types.intp, types.intp, xp, xs, d)
-    return sig, _fused_codegen("q5_k", 8)
-
-
-@intrinsic
-def mxfp4_dot8(typingctx, q, r, rn, xp, xs, d):
-    """q4k_dot8 for an MXFP4 matrix (x86 only: its table lookups are pshufb)."""
-    sig = types.void(q, types.intp, types.intp, xp, xs, d)
-    return sig, _fused_codegen("mxfp4", 8)
-
-
-@intrinsic
-def iq4nl_dot8(typingctx, q, r, rn, xp, xs, d):
-    """q4k_dot8 for an IQ4_NL matrix (x86 only)."""
-    sig = types.void(q, types.intp, types.intp, xp, xs, d)
-    return sig, _fused_codegen("iq4_nl", 8)
-
-
-@intrinsic
-def q5_0_dot8(typingctx, q, r, rn, xp, xs, d):
-    """q4k_dot8 for a Q5_0 matrix."""
-    sig = types.void(q, types.intp, types.intp, xp, xs, d)
-    return sig, _fused_codegen("q5_0", 8)
-
-
-@intrinsic
-def q5_1_dot8(typingctx, q, r, rn, xp, xs, d):
-    """q4k_dot8 for a Q5_1 matrix."""
-    sig = types.void(q, types.intp, types.intp, xp, xs, d)
-    return sig, _fused_codegen("q5_1", 8)
-
-
-@intrinsic
-def q2k_dot8(typingctx, q, r, rn, xp, xs, d):
-    """q4k_dot8 for a Q2_K matrix."""
-    sig = types.void(q, types.intp, types.intp, xp, xs, d)
-    return sig, _fused_codegen("q2_k", 8)
+# (the 32-weight lookup types, MXFP4 and IQ4_NL, compile on x86 only: pshufb)
+q4k_dot8, q6k_dot8, q5k_dot8, q2k_dot8, mxfp4_dot8, iq4nl_dot8, q5_0_dot8, q5_1_dot8 = (
+    _dot8_intrinsic(k) for k in FUSED)

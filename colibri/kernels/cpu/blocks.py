@@ -62,6 +62,7 @@ from .block_tiles import (
     q5_1_dot8,
     q5k_dot8,
     q6k_dot8,
+    sums16,
 )
 from .target import PSHUFB
 
@@ -410,22 +411,6 @@ def embed_blocks(tc, q, ids, y):
 
 
 # --- decode: the row dots ----------------------------------------------------------------
-
-
-@njit(cache=True)
-def sums16(x, xs):
-    """xs[g] = the sum of x[16g : 16g+16]: eight interleaved partial sums, then a fixed tree."""
-    for g in range(xs.shape[0]):
-        x0 = GROUP * g
-        a0 = x[x0] + x[x0 + 8]
-        a1 = x[x0 + 1] + x[x0 + 9]
-        a2 = x[x0 + 2] + x[x0 + 10]
-        a3 = x[x0 + 3] + x[x0 + 11]
-        a4 = x[x0 + 4] + x[x0 + 12]
-        a5 = x[x0 + 5] + x[x0 + 13]
-        a6 = x[x0 + 6] + x[x0 + 14]
-        a7 = x[x0 + 7] + x[x0 + 15]
-        xs[g] = ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))
 
 
 @njit(cache=True)
