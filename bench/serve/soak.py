@@ -37,6 +37,7 @@ import threading
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 
@@ -219,8 +220,19 @@ def classify(e: BaseException) -> tuple[str, bool]:
     return name, False
 
 
+class Row(NamedTuple):
+    t: float                # when it was sent, seconds into the soak
+    server: str
+    kind: str
+    seconds: float          # until its answer was read (or the client left)
+    outcome: str            # "ok", a status code, or a failure's class
+    expected: bool | None   # a refusal the request asked for, or the keep-alive race (None: ok)
+    detail: str
+    note: str | None        # a finish reason
+
+
 class Record:
-    """Every request's outcome: (t, server, kind, seconds, outcome, expected, detail, note)."""
+    """Every request's outcome, from all client threads."""
 
     def __init__(self, t0: float):
         self.t0, self.rows, self.lock = t0, [], threading.Lock()
@@ -228,8 +240,8 @@ class Record:
     def add(self, server: str, kind: str, start: float, outcome: str = "ok", expected: bool | None = None,
             detail: str = "", note: str | None = None) -> None:
         with self.lock:
-            self.rows.append((start - self.t0, server, kind, time.monotonic() - start, outcome, expected, detail,
-                              note))
+            self.rows.append(Row(start - self.t0, server, kind, time.monotonic() - start, outcome, expected, detail,
+                                 note))
 
 
 # -- clients ---------------------------------------------------------------------------------
@@ -833,18 +845,19 @@ def summarize(a, servers, record: Record, probes, samples, died, wave_info, kill
     kinds: dict[str, dict[str, dict]] = {n: {} for n in names}
     for n in names:
         for k in KINDS:
-            mine = [r for r in rows if r[1] == n and r[2] == k]
-            ok = [r for r in mine if r[4] == "ok" or (k == "malformed" and r[5])]
-            lat = [r[3] * 1e3 for r in ok]
+            mine = [r for r in rows if r.server == n and r.kind == k]
+            ok = [r for r in mine if r.outcome == "ok" or (k == "malformed" and r.expected and r.outcome.isdigit())]
+            lat = [r.seconds * 1e3 for r in ok]
             kinds[n][k] = {"served": len(ok), "p50_ms": quantile(lat, 0.5), "p99_ms": quantile(lat, 0.99),
-                           "notes": dict(Counter(r[7] for r in ok if r[7]))}
-    expected = Counter((r[4], r[6] if r[2] == "malformed" else r[2]) for r in rows if r[4] != "ok" and r[5])
-    unexpected = Counter(f"{r[4]} ({r[1]} {r[2]})" for r in rows if r[4] != "ok" and not r[5])
+                           "notes": dict(Counter(r.note for r in ok if r.note))}
+    expected = Counter((r.outcome, r.detail if r.kind == "malformed" else r.kind) for r in rows
+                       if r.outcome != "ok" and r.expected)
+    unexpected = Counter(f"{r.outcome} ({r.server} {r.kind})" for r in rows if r.outcome != "ok" and not r.expected)
     examples: dict[str, list[str]] = defaultdict(list)
     for r in rows:
-        key = f"{r[4]} ({r[1]} {r[2]})"
-        if r[4] != "ok" and not r[5] and len(examples[key]) < 3:
-            examples[key].append(f"t={r[0]:.1f}s {r[6]}")
+        key = f"{r.outcome} ({r.server} {r.kind})"
+        if r.outcome != "ok" and not r.expected and len(examples[key]) < 3:
+            examples[key].append(f"t={r.t:.1f}s {r.detail}")
     log_warnings: dict[str, dict[str, int]] = {}  # reported, not failed on: kinds of warning
     for n, s in servers.items():  # an internal error keeps its traceback in the server's log
         text = s.log_text()
@@ -864,14 +877,14 @@ def summarize(a, servers, record: Record, probes, samples, died, wave_info, kill
             unexpected[f"generations still running at the end ({n})"] += left
     if kill and (kill.get("error") or finals.get("cluster", {}).get("worker_faults", 0) < 1):
         unexpected["worker kill not seen by the head"] += 1
-    normal = [r for r in rows if r[1] == "streamed" and r[4] == "ok" and r[2] != "malformed"]
-    during = (lambda r: wave_info["start_s"] <= r[0] <= wave_info.get("end_s", 1e18)) if wave_info else (lambda r: False)
+    normal = [r for r in rows if r.server == "streamed" and r.outcome == "ok" and r.kind != "malformed"]
+    during = (lambda r: wave_info["start_s"] <= r.t <= wave_info.get("end_s", 1e18)) if wave_info else (lambda r: False)
     in_wave = [r for r in normal if during(r)]
     outside = [r for r in normal if not during(r)]
     if wave_info:
-        wave_info.update(served=len(in_wave), p50_ms=quantile([r[3] * 1e3 for r in in_wave], 0.5),
-                         p99_ms=quantile([r[3] * 1e3 for r in in_wave], 0.99),
-                         p99_outside_ms=quantile([r[3] * 1e3 for r in outside], 0.99))
+        wave_info.update(served=len(in_wave), p50_ms=quantile([r.seconds * 1e3 for r in in_wave], 0.5),
+                         p99_ms=quantile([r.seconds * 1e3 for r in in_wave], 0.99),
+                         p99_outside_ms=quantile([r.seconds * 1e3 for r in outside], 0.99))
     resources = {n: {key: summary_of(samples[n], key) for key in ("rss_mb", "fds", "threads")} for n in names}
     ok = probe_ok and not unexpected and not died
 
