@@ -48,6 +48,16 @@ def _sources_digest() -> str:
     return f"kernels-{h.hexdigest()[:12]}"
 
 
+_LOADED_CACHE_DIR = ""
+
+
+def loaded_cache_dir() -> str:
+    """The numba cache directory the kernels were loaded with (a process compiling for this one,
+    colibri.compile_worker, must use exactly it: numba_cache_dir() after a source edit names
+    another)."""
+    return _LOADED_CACHE_DIR
+
+
 @contextmanager
 def _cache_in_user_dir():
     """numba picks a function's cache directory when its decorator runs, from
@@ -56,9 +66,14 @@ def _cache_in_user_dir():
     the user's own cached functions keep numba's default place."""
     from numba.core import config
 
+    from .cache_lock import install
+
     saved = config.CACHE_DIR
     if not saved:  # an explicit NUMBA_CACHE_DIR (environment or .numba_config.yaml) wins
         config.CACHE_DIR = str(numba_cache_dir())
+    install(Path(config.CACHE_DIR))  # two processes may compile into it at once (cache_lock.py)
+    global _LOADED_CACHE_DIR
+    _LOADED_CACHE_DIR = config.CACHE_DIR
     try:
         yield
     finally:
