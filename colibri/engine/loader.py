@@ -15,7 +15,7 @@ from colibri.io.experts import ResidentExperts, experts_fit, open_experts, verif
 from colibri.models import family
 from colibri.threads import run_apart
 from colibri.tokenizer import Tokenizer
-from colibri.warmup import compile_kernels
+from colibri.warmup import compile_kernels, start_compile_process
 
 
 class Loaded(NamedTuple):
@@ -43,42 +43,50 @@ def load(model_dir: str | Path, config: EngineConfig, progress: bool = False) ->
         set_threads(config.threads)
     container = Container(model_dir)
     container.interleave_rows = config.weight_layout == "interleaved"
-    module = family(container.config.get("model_type"))
-    from colibri.default_model import history_path
+    # The several-rows kernels too where this engine will run them: drafting, or the KV slots a
+    # server batches generations over.
+    rows = config.speculative != "off" or config.kv_slots > 1
+    # A first start compiles in a process of its own too (colibri.warmup): started now, its
+    # imports overlap the loading below.
+    process = start_compile_process(container.dir, rows) if progress else None
+    try:
+        module = family(container.config.get("model_type"))
+        from colibri.default_model import history_path
 
-    show = None  # a display for the reads that take over a second (experts, hot set, dense weights)
-    if progress:
-        from colibri.progress import ByteProgress as show
-    if config.cluster:  # routed experts on Ray workers; the head keeps the dense weights
-        import sys
+        show = None  # a display for the reads that take over a second (experts, hot set, dense weights)
+        if progress:
+            from colibri.progress import ByteProgress as show
+        if config.cluster:  # routed experts on Ray workers; the head keeps the dense weights
+            import sys
 
-        from colibri.cluster import open_cluster_experts
+            from colibri.cluster import open_cluster_experts
 
-        experts = open_cluster_experts(container, config, history_file=history_path(container.dir),
-                                       out=sys.stderr if progress else None)
-        model = build_dense(container, module, experts, show)
-    elif experts_fit(container, config):  # every expert in RAM, read beside the dense weights
-        model, experts = load_resident(container, config, module, show)
-    else:
-        experts = open_experts(container, config, show=show, history_file=history_path(container.dir))
-        model = build_dense(container, module, experts, show)
-    # Prefetch: the store's readahead when asked for; resident experts still loading take a
-    # layer's coming experts first (RoutedMoE.wants_prefetch stops it once all are in).
-    model.prefetch = (isinstance(experts, ExpertStore) and config.prefetch) or (
-        isinstance(experts, ResidentExperts) and not experts.complete)
-    if config.device != "cpu":
-        from colibri.placement.cuda_model import place
+            experts = open_cluster_experts(container, config, history_file=history_path(container.dir),
+                                           out=sys.stderr if progress else None)
+            model = build_dense(container, module, experts, show)
+        elif experts_fit(container, config):  # every expert in RAM, read beside the dense weights
+            model, experts = load_resident(container, config, module, show)
+        else:
+            experts = open_experts(container, config, show=show, history_file=history_path(container.dir))
+            model = build_dense(container, module, experts, show)
+        # Prefetch: the store's readahead when asked for; resident experts still loading take a
+        # layer's coming experts first (RoutedMoE.wants_prefetch stops it once all are in).
+        model.prefetch = (isinstance(experts, ExpertStore) and config.prefetch) or (
+            isinstance(experts, ResidentExperts) and not experts.complete)
+        if config.device != "cpu":
+            from colibri.placement.cuda_model import place
 
-        vram = None if config.vram_gb is None else int(config.vram_gb * (1 << 30))
-        model = place(model, config.device, container, experts, vram,
-                      load_history(history_path(container.dir)), config.gpu_layers)
-    model.activations = config.activations  # before the warm-up compiles its kernels
-    model.kv_cache = config.kv_cache
+            vram = None if config.vram_gb is None else int(config.vram_gb * (1 << 30))
+            model = place(model, config.device, container, experts, vram,
+                          load_history(history_path(container.dir)), config.gpu_layers)
+        model.activations = config.activations  # before the warm-up compiles its kernels
+        model.kv_cache = config.kv_cache
+    except BaseException:
+        if process is not None:
+            process.close()  # (its input ends: it exits)
+        raise
     if progress:  # in a thread of its own: see run_apart (the server generates on another thread)
-        # The several-rows kernels too where this engine will run them: drafting, or the
-        # KV slots a server batches generations over.
-        rows = config.speculative != "off" or config.kv_slots > 1
-        run_apart(compile_kernels, model, model_dir=container.dir, rows=rows)
+        run_apart(compile_kernels, model, model_dir=container.dir, rows=rows, process=process)
     tok_path = Path(model_dir) / "tokenizer.json"
     tokenizer = Tokenizer.from_dir(model_dir) if tok_path.exists() else None
     return Loaded(container, tokenizer, model, experts)

@@ -271,6 +271,21 @@ def add_unmanaged_layer(layers, layer):
 
 
 @njit(cache=True)
+def array_list(a):
+    """A typed list holding `a`; add_array appends (the several-rows blocks' K/V lists). Filled
+    in compiled code: a typed list filled from Python compiles its methods for the item type at
+    every start, uncached (~1 s at a cached server's first batch)."""
+    out = List()
+    out.append(a)
+    return out
+
+
+@njit(cache=True)
+def add_array(arrays, a):
+    arrays.append(a)
+
+
+@njit(cache=True)
 def unmanaged_arrays(arrays):
     """A typed list of a tuple's arrays, each team.unmanaged (a KV cache's, kept by the cache)."""
     out = List()
@@ -348,5 +363,97 @@ def _token_thread(t, x0, layers, kcs, vcs, pos, cos, sin, rot, n_heads, n_kv, he
         a = ops.silu_mul(gu[i].reshape((1, -1)), n_inter)
         _rows_phase(down, a[0], prepare(a[0], down[4], act), dn[i], ctr, 5 * i + 4, nthreads, t, act, d, state)
         x = x + dn[i].reshape((1, -1))
-    if t == 0:
-        result[:] = x
+    if t == 0:  # (an element loop: a slice store compiles numba's shape-mismatch error path, ~1 s)
+        for j in range(x.shape[1]):
+            result[0, j] = x[0, j]
+
+
+# A first start (colibri.warmup) compiles token_layers' kernels in a process of its own, ~20 s
+# on 2 cores, while its first answer decodes through token_steps: the same phases for a team of
+# one thread, called one by one from Python with the same kernels (a piece's result does not
+# depend on the thread that computes it), so the same bits (tests/models/test_token_layers.py).
+# Its kernels are token_layers' own (compiled for it anyway) and the prefill's (rms_norm_into,
+# silu_mul_into): ~8 s of compiling instead of ~20.
+
+
+@njit(cache=True, nogil=True)
+def rows_phase(w, x, y, ctr, phase, nthreads, t, act, d, state):
+    """_rows_phase with x prepared for w here, as token_layers' thread does for each matrix."""
+    _rows_phase(w, x, prepare(x, w[4], act), y, ctr, phase, nthreads, t, act, d, state)
+
+
+def _call(kernel, *args):
+    return kernel(*args)
+
+
+def token_steps(x0, layers, ks, vs, pos, cos, sin, rot, n_heads, n_kv, head_dim, scale, eps, qk_norm,
+                norm_eps, clip, n_inter, act, call=_call):
+    """token_layers' result, its operations run from Python on this thread: `layers` the same
+    per-layer tuples as plain Python tuples (any arrays, not unmanaged ones), ks / vs each
+    layer's cache arrays. `call(kernel, *args)` runs each compiled step (colibri.warmup passes
+    one that records the kernels and their arguments instead)."""
+    L, D = len(layers), x0.shape[1]
+    nc = (pos + 1 + ops.ATTEND_CHUNK - 1) // ops.ATTEND_CHUNK
+    G = n_heads // n_kv
+    ctr = np.zeros(counters_size.py_func(5 * L, 1), np.int64)
+    d, state = np.empty(8, np.float32), np.zeros(2, np.int64)
+    scratch = np.empty((G, ops.ATTEND_CHUNK), np.float32)
+    h = np.empty((1, D), np.float32)
+    qkv_out = np.empty(layers[0][1][0].shape[0], np.float32)
+    q = np.empty((1, n_heads, head_dim), np.float32)
+    ms, ls = np.empty((n_kv, nc, G), np.float32), np.empty((n_kv, nc, G), np.float32)
+    accs = np.empty((n_kv, nc, G, head_dim), np.float32)
+    att = np.empty((1, n_heads * head_dim), np.float32)
+    o_out, dn = np.empty(D, np.float32), np.empty(D, np.float32)
+    gu, a = np.empty((1, 2 * n_inter), np.float32), np.empty((1, n_inter), np.float32)
+    x = x0.copy()
+    for i in range(L):
+        in_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, down, q_norm, k_norm = layers[i]
+        # attention_block
+        call(ops.rms_norm_into, x, in_norm, eps, h)
+        call(rows_phase, qkv, h[0], qkv_out, ctr, 5 * i, 1, 0, act, d, state)
+        row = qkv_out + qkv_bias if qkv_bias.shape[0] else qkv_out.copy()
+        call(_prepare_row, row, cos, sin, rot, ks[i], vs[i], pos, n_heads, n_kv, head_dim, qk_norm, q_norm, k_norm,
+             norm_eps, clip, q[0])
+        call(_attention_phase, q[0], ks[i], vs[i], pos + 1, scale, ms, ls, accs, scratch, ctr, 5 * i + 1, 1, 0, state)
+        call(ops._merge_chunks, ms, ls, accs, nc, att[0])
+        call(rows_phase, o, att[0], o_out, ctr, 5 * i + 2, 1, 0, act, d, state)
+        x = x + (o_out + o_bias if o_bias.shape[0] else o_out).reshape((1, -1))
+        # mlp_block
+        call(ops.rms_norm_into, x, post_norm, eps, h)
+        call(rows_phase, gate_up, h[0], gu[0], ctr, 5 * i + 3, 1, 0, act, d, state)
+        call(ops.silu_mul_into, gu, n_inter, a)
+        call(rows_phase, down, a[0], dn, ctr, 5 * i + 4, 1, 0, act, d, state)
+        x = x + dn.reshape((1, -1))
+    return x
+
+
+def token_layers_signatures(x0, layers, ks, vs, pos, cos, sin, rot, n_heads, n_kv, head_dim, scale, eps, qk_norm,
+                            norm_eps, clip, n_inter, nthreads, act) -> list:
+    """[(kernel, numba signature)] of every compiled call token_layers makes for these
+    arguments (given as token_steps takes them), the typed lists it reads included, found
+    without compiling anything: what a process of its own compiles for it (colibri.warmup)."""
+    from numba import typeof, types
+
+    item = typeof(tuple(layers[0]))
+    layer_list = types.ListType(item)
+    k_list, v_list = types.ListType(typeof(ks[0])), types.ListType(typeof(vs[0]))
+    nc = (pos + 1 + ops.ATTEND_CHUNK - 1) // ops.ATTEND_CHUNK
+    shape_args = (n_kv, nc, n_heads // n_kv, head_dim, x0.shape[1], 2 * n_inter, nthreads)
+    # _token_buffers' result: its arrays' kinds (the sizes do not matter to the type)
+    buffers = tuple(np.empty((0,) * n, t) for n, t in ((1, np.int64), (2, np.float32), (4, np.float32),
+                                                       (4, np.float32), (5, np.float32), (2, np.float32),
+                                                       (2, np.float32), (2, np.float32), (2, np.float32)))
+
+    def sig(*args):
+        return tuple(a if isinstance(a, types.Type) else typeof(a) for a in args)
+
+    return [
+        (unmanaged_layer_list, sig(item)),
+        (add_unmanaged_layer, sig(layer_list, item)),
+        (unmanaged_arrays, sig(typeof(tuple(ks)))),
+        (unmanaged_arrays, sig(typeof(tuple(vs)))),
+        (_token_buffers, sig(layer_list, *shape_args)),
+        (_token_thread, sig(0, x0, layer_list, k_list, v_list, pos, cos, sin, rot, n_heads, n_kv, head_dim, scale,
+                            eps, qk_norm, norm_eps, clip, n_inter, nthreads, act, buffers)),
+    ]

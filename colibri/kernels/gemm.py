@@ -251,21 +251,39 @@ def _tile_buffer(rows: int, n_in: int) -> np.ndarray:
     return buf[:rows * n_in].reshape(rows, n_in)
 
 
-def _dequantizer(t: QTensor):
-    """fn(r0, nr, buf) filling buf[:nr] with rows r0 .. r0+nr of dequantize(t); None for f32."""
+def _tile_kernel(t: QTensor):
+    """(kernel, its arguments before r0, nr, buf) dequantizing rows of t for a BLAS tile; None
+    for f32 weights, which need none."""
     s = t.scheme
     if s in TYPE_CODE:
-        tc = TYPE_CODE[s]
-        return lambda r0, nr, buf: deq_block_tile(tc, t.q, r0, nr, buf)
+        return deq_block_tile, (TYPE_CODE[s], t.q)
     if s in INT4_SCHEMES:
-        args = int4_args(t)
-        return lambda r0, nr, buf: _deq_int4_tile(*args, r0, nr, buf)
+        return _deq_int4_tile, tuple(int4_args(t))
     if s == "q8_0":
-        return lambda r0, nr, buf: _deq_q8_tile(t.q, t.scales, GROUP_SIZE[s], t.interleave, r0, nr, buf)
+        return _deq_q8_tile, (t.q, t.scales, GROUP_SIZE[s], t.interleave)
     if s == "f32":
         return None
-    w, is_bf16 = t.q.view(np.uint16), s == "bf16"
-    return lambda r0, nr, buf: _deq_u16_tile(w, is_bf16, r0, nr, buf)
+    return _deq_u16_tile, (t.q.view(np.uint16), s == "bf16")
+
+
+def _dequantizer(t: QTensor):
+    """fn(r0, nr, buf) filling buf[:nr] with rows r0 .. r0+nr of dequantize(t); None for f32."""
+    found = _tile_kernel(t)
+    if found is None:
+        return None
+    kernel, head = found
+    return lambda r0, nr, buf: kernel(*head, r0, nr, buf)
+
+
+def blas_tile_call(t: QTensor):
+    """(kernel, arguments) of one tile's dequantization, as matmul_blas calls it for t (prompts
+    of BLAS_MIN_ROWS tokens or more), or None: what colibri.warmup compiles for long prompts."""
+    found = _tile_kernel(t)
+    if found is None:
+        return None
+    kernel, head = found
+    rows = min(t.shape[0], 16)
+    return kernel, (*head, 0, rows, np.empty((rows, t.shape[1]), np.float32))
 
 
 def matmul_blas(t: QTensor, x: np.ndarray, y: np.ndarray, nthreads: int) -> None:

@@ -12,7 +12,6 @@ from typing import NamedTuple
 import numpy as np
 
 from numba import get_num_threads
-from numba.typed import List
 
 from colibri.kernels import decode, embedding, idot
 from colibri.kernels.cpu import int4_weight
@@ -216,6 +215,10 @@ class DecoderModel:
         self.prefetch = False  # set by the engine when experts stream from disk
         self._kv_memo = None   # (rows' caches, typed lists of their K/V arrays per layer): _kv_lists
         self._program = None   # decode.token_layers' arguments, False where it does not cover the model
+        self._parts = None     # (layers' fused-block tuples, shapes) of _token_parts, False: not covered
+        # A threading.Event while token_layers' kernels are being compiled elsewhere (a first
+        # start, colibri.warmup): until it is set, a token runs decode.token_steps (the same bits).
+        self.program_wait = None
 
     @property
     def has_mtp(self) -> bool:
@@ -241,9 +244,9 @@ class DecoderModel:
         x = embedding(self.embed, ids)  # [L, D]
         if t0:
             PHASES.add("embed", -1, t0)
-        program = self._token_program() if L == 1 and not PHASES.on else None
-        if program is not None:  # every layer in one compiled call (the phase clock times them one by one)
-            x = self._token_layers(program, x, cache, pos0, cos, sin)
+        one = self._one_token(x, cache, pos0, cos, sin) if L == 1 and not PHASES.on else None
+        if one is not None:  # every layer in one compiled call (the phase clock times them one by one)
+            x = one
         else:
             for i, layer in enumerate(self.layers):
                 if self.prefetch and isinstance(layer.mlp, RoutedMoE) and layer.mlp.wants_prefetch():
@@ -258,16 +261,42 @@ class DecoderModel:
             PHASES.add("head", -1, t0)
         return logits
 
+    def _one_token(self, x, cache, pos: int, cos, sin):
+        """x [1, D] through every layer in one compiled call (decode.token_layers), or, while
+        its kernels are being compiled elsewhere (program_wait), through decode.token_steps;
+        None where neither covers the model."""
+        program = self._token_program()
+        if program is not None:
+            return self._token_layers(program, x, cache, pos, cos, sin)
+        parts = self._token_parts()
+        if parts is None:
+            return None
+        layers, (eps, rot, h, kv, dh, scale, code, norm_eps, clip, n_inter) = parts
+        return decode.token_steps(x, layers, cache.k, cache.v, pos, np.ascontiguousarray(cos, np.float32),
+                                  np.ascontiguousarray(sin, np.float32), rot, h, kv, dh, scale, eps, code, norm_eps,
+                                  clip, n_inter, idot.marker(idot.current()))
+
     def _token_program(self):
         """A TokenProgram (as a plain tuple: every layer's fused-block arrays as a typed list, the
         arguments all layers share) when decode.token_layers covers the whole model: every layer a plain DecoderLayer whose
         attention and MLP the fused blocks cover, with the same shapes. None otherwise (MoE
-        layers, MLA, non-int4 weights): the layers then run one by one. Built once."""
+        layers, MLA, non-int4 weights): the layers then run one by one. Built once; None too
+        while program_wait is not set (its kernels are still being compiled elsewhere)."""
+        if self.program_wait is not None and not self.program_wait.is_set():
+            return None
         if self._program is None:
             self._program = self._build_token_program() or False
         return self._program or None
 
-    def _build_token_program(self):
+    def _token_parts(self):
+        """(every layer's fused-block arrays as plain tuples, the shapes all layers share: a
+        TokenShapes tuple) when decode.token_layers covers the whole model, else None. Built
+        once, without compiling anything."""
+        if self._parts is None:
+            self._parts = self._build_token_parts() or False
+        return self._parts or None
+
+    def _build_token_parts(self):
         plain = all(type(layer).__call__ is DecoderLayer.__call__ and type(layer).attend_one is DecoderLayer.attend_one
                     and type(layer).mlp_one is DecoderLayer.mlp_one for layer in self.layers)
         if not plain or not self.layers:
@@ -284,10 +313,37 @@ class DecoderModel:
                            n.q_norm, n.k_norm))
         if len(shared) != 1:
             return None
+        return layers, tuple(shared.pop())  # plain tuples: see _build_fused
+
+    def _build_token_program(self):
+        parts = self._token_parts()
+        if parts is None:
+            return None
+        layers, shapes = parts
         unmanaged = decode.unmanaged_layer_list(layers[0])
         for layer in layers[1:]:
             decode.add_unmanaged_layer(unmanaged, layer)
-        return tuple(TokenProgram(unmanaged, tuple(shared.pop()), layers))  # plain tuples: see _build_fused
+        return tuple(TokenProgram(unmanaged, shapes, layers))  # plain tuples: see _build_fused
+
+    def token_plans(self, cache, nthreads: int) -> tuple[list, list] | None:
+        """For a one-token forward at `cache`'s end: ([(kernel, arguments)] of decode.token_steps,
+        [(kernel, numba signature)] of decode.token_layers), what each compiles, found without
+        compiling or running anything (colibri.warmup compiles them in a process of its own);
+        None where neither covers the model."""
+        parts = self._token_parts()
+        if parts is None:
+            return None
+        layers, (eps, rot, h, kv, dh, scale, code, norm_eps, clip, n_inter) = parts
+        pos = cache.length
+        cache.reserve(pos + 1)
+        cos, sin = (np.ascontiguousarray(a, np.float32) for a in self.rope.cos_sin_at(pos))
+        x = np.zeros((1, self.args.hidden_size), np.float32)
+        act = idot.marker(self.activations)
+        calls = []
+        decode.token_steps(x, layers[:1], cache.k, cache.v, pos, cos, sin, rot, h, kv, dh, scale, eps, code,
+                           norm_eps, clip, n_inter, act, call=lambda kernel, *args: calls.append((kernel, args)))
+        return calls, decode.token_layers_signatures(x, layers, cache.k, cache.v, pos, cos, sin, rot, h, kv, dh,
+                                                     scale, eps, code, norm_eps, clip, n_inter, nthreads, act)
 
     def _token_layers(self, program, x, cache, pos: int, cos, sin) -> np.ndarray:
         layers, (eps, rot, h, kv, dh, scale, code, norm_eps, clip, n_inter), _ = program
@@ -307,10 +363,10 @@ class DecoderModel:
                 a is not b or ka is not kb for (a, ka), (b, kb) in zip(memo[0], key)):
             lists = []
             for i in range(len(self.layers)):
-                ks, vs = List(), List()
-                for c in caches:
-                    ks.append(c.k[i])
-                    vs.append(c.v[i])
+                ks, vs = decode.array_list(caches[0].k[i]), decode.array_list(caches[0].v[i])
+                for c in caches[1:]:
+                    decode.add_array(ks, c.k[i])
+                    decode.add_array(vs, c.v[i])
                 lists.append((ks, vs))
             self._kv_memo = memo = (key, lists)
         return memo[1]
@@ -341,9 +397,9 @@ class DecoderModel:
         sin = np.ascontiguousarray(np.concatenate([s for _, s in trig]), np.float32)
         pos = np.asarray(pos, dtype=np.int64)
         x = embedding(self.embed, np.asarray(ids, dtype=np.int64))  # [B, D]
-        program = self._token_program() if len(ids) == 1 and not PHASES.on else None
-        if program is not None:  # one row: forward's one-call token, the same bits as the layers below
-            x = self._token_layers(program, x, caches[0], int(pos[0]), cos, sin)
+        one = self._one_token(x, caches[0], int(pos[0]), cos, sin) if len(ids) == 1 and not PHASES.on else None
+        if one is not None:  # one row: forward's one-call token, the same bits as the layers below
+            x = one
         else:
             kv_lists = self._kv_lists(caches) if len(ids) > 1 else None
             for i, layer in enumerate(self.layers):

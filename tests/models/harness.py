@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -266,7 +267,8 @@ def check_decode_matches_recompute(engine, prompt: list[int], n: int = NEW_TOKEN
 def check_token_layers_match(engine, prompt: list[int], steps: int = 6) -> bool:
     """Where one compiled call runs all of a token's layers (decode.token_layers, a team of
     threads), each decode step gives the per-layer fused blocks' logits and KV cache bit for
-    bit, with the numba threads the engine has and with one. Returns whether it covers the model."""
+    bit, with the numba threads the engine has and with one, and so do its phases run one by
+    one from Python (decode.token_steps, a first start's first tokens). Returns whether it covers the model."""
     from numba import get_num_threads, set_num_threads
 
     model = engine.model
@@ -274,20 +276,25 @@ def check_token_layers_match(engine, prompt: list[int], steps: int = 6) -> bool:
         return False
     tokens = np.random.default_rng(len(prompt) + 3).integers(0, engine.vocab_size, steps).tolist()
 
-    def run(program):
-        saved = model._program
-        model._program = program
+    def run(program, wait=None):
+        saved = model._program, model.program_wait
+        model._program, model.program_wait = program, wait
         try:
             cache = model.new_cache(len(prompt) + steps + 1)
             model.forward(np.asarray(prompt), cache)
             return np.concatenate([model.forward(np.asarray([t]), cache) for t in tokens]), cache
         finally:
-            model._program = saved
+            model._program, model.program_wait = saved
 
     (per_layer, cache_l), (whole, cache_w) = run(False), run(None)
     assert np.array_equal(whole, per_layer), "whole-token decode differs from the per-layer blocks"
     for a, b in zip(cache_w.k + cache_w.v, cache_l.k + cache_l.v):
         assert np.array_equal(a[:, :cache_w.length], b[:, :cache_l.length])
+    # A first start's tokens before token_layers is compiled (colibri.warmup): decode.token_steps
+    stepwise, cache_s = run(None, threading.Event())
+    assert np.array_equal(stepwise, whole), "decode.token_steps differs from the whole-token decode"
+    for a, b in zip(cache_w.k + cache_w.v, cache_s.k + cache_s.v):
+        assert np.array_equal(a[:, :cache_w.length], b[:, :cache_s.length])
     threads = get_num_threads()
     set_num_threads(1)
     try:

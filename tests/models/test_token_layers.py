@@ -57,3 +57,30 @@ def test_whole_token_decode_survives_a_serialized_team_with_the_same_bits(smollm
     one = step(1, 1)
     for nthreads, pool in [(2, 1), (3, 2), (2, 2)]:
         assert np.array_equal(step(nthreads, pool), one), (nthreads, pool)
+
+
+def test_a_first_starts_plans_are_what_the_decode_compiles(smollm2):
+    """DecoderModel.token_plans (what colibri.warmup hands its compile process) names exactly
+    the kernels and signatures a decode step runs: token_steps' calls, and token_layers' typed
+    lists and team function, found without compiling anything."""
+    import threading
+
+    model = smollm2.model
+    cache = model.new_cache(8)
+    model.forward(np.array([0, 1]), cache)
+    calls, program = model.token_plans(cache, get_num_threads())
+    steps = {(k, tuple(k.typeof_pyval(a) for a in args)) for k, args in calls}
+    assert {k.py_func.__name__ for k, _ in steps} == {"rms_norm_into", "rows_phase", "_prepare_row",
+                                                     "_attention_phase", "_merge_chunks", "silu_mul_into"}
+    assert [k.py_func.__name__ for k, _ in program] == ["unmanaged_layer_list", "add_unmanaged_layer",
+                                                        "unmanaged_arrays", "unmanaged_arrays", "_token_buffers",
+                                                        "_token_thread"]
+    saved = model.program_wait
+    try:
+        for wait in (threading.Event(), None):  # token_steps, then token_layers
+            model.program_wait = wait
+            model.forward(np.array([2]), cache)
+    finally:
+        model.program_wait = saved
+    for kernel, sig in [*steps, *program]:
+        assert tuple(sig) in kernel.overloads, (kernel.py_func.__name__, sig)
