@@ -89,6 +89,9 @@ SMOKE: dict[str, tuple] = {
         "the tiny MoE, one run each way, 2 tokens",
         lambda c: [c["tiny"], "--typing", "0", "--runs", "1", "--tokens", "2", "--settle", "0",
                    "--json", c["json"]], False, {}),
+    "bench.engine.first_start": (
+        "one first start from empty caches and one cached start of the default model, 2 tokens",
+        lambda c: ["--tokens", "2", "--top", "3", "--json", c["json"]], True, {}),
     "bench.engine.grammar_decode": ("8 tokens", lambda c: ["--tokens", "8", "--json", c["json"]], False, {}),
     "bench.engine.serve_batching": (
         "colibri serve, 1 client, 8 tokens (no llama-server)",
