@@ -389,26 +389,63 @@ def _idot_tile(typingctx, q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, l0, 
 # --- activations: quantized once per call, shared by every row --------------------------
 
 
+@intrinsic
+def _abs_bits16(typingctx, x, x0):
+    """The largest of |x[x0 : x0 + 16]|'s bits as an int32 (one vector load, an integer max
+    reduction: a float max may not be reordered). For finite floats the bits order as the
+    floats do; inf and NaN are the values from 0x7f800000 up."""
+    def codegen(context, builder, sig, args):
+        xa = context.make_array(sig.args[0])(context, builder, args[0])
+        at = builder.gep(builder.bitcast(xa.data, _F32.as_pointer()), [args[1]])
+        v16 = _vec(_I32, 16)
+        v = builder.load(builder.bitcast(at, _vec(_F32, 16).as_pointer()), align=4)
+        v = builder.and_(builder.bitcast(v, v16), ir.Constant(v16, [0x7FFFFFFF] * 16))
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32, [v16]),
+                                            "llvm.vector.reduce.umax.v16i32")
+        return builder.call(fn, [v])
+    return types.int32(x, types.intp), codegen
+
+
+@intrinsic
+def _bits_f32(typingctx, v):
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], _F32)
+    return types.float32(types.int32), codegen
+
+
+@njit(cache=True)
+def group_scale(x, x0, group):
+    """(s, inv, finite) of x[x0 : x0 + group]: s = max|x| / 127, inv = 127 / max|x| (0 for an
+    all-zero group). A non-finite x makes s NaN, so every product with the group is NaN and
+    the engine's non-finite guard sees it (shared with kernels/block_idot.py). x: C-contiguous."""
+    top = np.int32(0)
+    for k in range(0, group, 16):  # group: a multiple of 16
+        top = max(top, _abs_bits16(x, x0 + k))
+    finite = top < np.int32(0x7F800000)
+    amax = _bits_f32(top)
+    s = amax / np.float32(127.0) if finite else np.float32(np.nan)
+    inv = np.float32(127.0) / amax if finite and amax > 0 else np.float32(0.0)
+    return s, inv, finite
+
+
+@njit(cache=True)
+def to_int8(v, inv, finite):
+    """v rounded to its group's int8 code (group_scale's inv): round(v / s), 0 where the group
+    is not finite."""
+    return np.int8(np.rint(v * inv)) if finite else np.int8(0)
+
+
 @njit(cache=True)
 def quantize_into(x, half, xlo, xhi, negc, xsl, sxl):
     """x float32 [n] -> the int8 streams and per-lane sums described in the module docstring.
-    Per group of 2*half: s = max|x| / 127, xq = round(x / s). A non-finite x makes its group's
-    scale NaN, so the product is NaN and the engine's non-finite guard sees it."""
+    Per group of 2*half: s = max|x| / 127, xq = round(x / s) (group_scale)."""
     group = 2 * half
     for g in range(x.shape[0] // group):
         x0 = g * group
-        amax = np.float32(0.0)
-        finite = True
-        for k in range(group):
-            v = x[x0 + k]
-            if not np.isfinite(v):
-                finite = False
-            amax = max(amax, abs(v))
-        s = amax / np.float32(127.0) if finite else np.float32(np.nan)
-        inv = np.float32(127.0) / amax if finite and amax > 0 else np.float32(0.0)
+        s, inv, finite = group_scale(x, x0, group)
         for k in range(half):
-            xlo[g * half + k] = np.int8(np.round(x[x0 + k] * inv)) if finite else np.int8(0)
-            xhi[g * half + k] = np.int8(np.round(x[x0 + half + k] * inv)) if finite else np.int8(0)
+            xlo[g * half + k] = to_int8(x[x0 + k], inv, finite)
+            xhi[g * half + k] = to_int8(x[x0 + half + k], inv, finite)
         for lane in range(g * half // 4, (g + 1) * half // 4):
             t = np.int32(0)
             for j in range(4):

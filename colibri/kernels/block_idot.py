@@ -1,0 +1,437 @@
+"""GGUF K-quant rows times int8 activations: the `--activations int8` form of block_tiles.py's
+fused tiles, for Q4_K and Q6_K (llama.cpp's Q8_K idea with idot.py's integer dots). Block types
+without an int8 tile (Q2_K, Q3_K, Q5_K, IQ4_*, Q5_0, Q5_1, MXFP4) stay on the exact path in
+int8 mode.
+
+Why: the exact tiles spend a conversion and a multiply-add per weight (~6-8 GB/s a core);
+here a row's 64 quant bytes cost two integer dot instructions (idot._dot_u8s8: AVX-512 VNNI
+`vpdpbusd`, AVX2 `vpmaddubsw` + `vpmaddwd`, or portable IR, chosen at compile time), then one
+conversion and one multiply-add per 16 lanes.
+
+x is quantized once per call (quantize_blocks_into), with idot's rounding (idot.group_scale):
+one scale s_x per 32 weights (a Q4_K sub-block, two Q6_K groups), xq = round(x / s_x) in int8,
+laid out so that each 64-byte load of a row's codes pairs with one 64-byte load of xq. Then per
+super-block and row, with the sub-block scales decoded as the exact tiles decode them
+(block_tiles' _q4k_superblock / _q6k_superblock: d * sc in float32):
+
+    Q4_K, 8 sub-blocks j of 32:   isum_j = sum(nibble * xq)                          (int32 lanes)
+        acc = fmuladd(float(isum lanes), (d * sc_j) * s_x[j], acc)   per 16 lanes, 2 sub-blocks
+        acc = fmuladd(-(dmin * m_g), s_x * sum16(xq)_g, acc)     the mins, per group g of 16
+    Q6_K, 16 groups g of 16:     isum_g = sum(code * xq) - 32 * sum(xq)   (code 0..63: the -32
+        enters as each lane accumulator's start, an integer per 4 xq given with x, as idot's
+        symmetric int4 does) ;  acc = fmuladd(float(isum lanes), (d * sc_g) * s_x[g], acc)
+
+A lane's integer sum is exact in every form (at most 4 * 63 * 127 + 32 * 4 * 127 in magnitude;
+AVX2's vpmaddubsw sums two products of at most 63 * 127 into int16, far from its limit), so the
+result is the dot product of the dequantized weights with the int8-rounded x up to float32
+rounding, in an operation order fixed by the code: the same bits from matvec, matvec_rows and
+the fused MoE kernel, with any thread count and any integer form (tests/kernels/test_block_idot.py).
+A row is the lane sum of acc (codegen.hsum's tree).
+
+The layouts, per 128 weights (half a super-block) and 64-byte load h:
+- Q4_K: chunk c (32 bytes) holds weights 64c + k in its low nibbles and 64c + 32 + k in its high
+  ones, so a 64-byte load's low nibbles are weights 0..31 and 64..95 of the half (sub-blocks
+  4h and 4h + 2: lanes 0-7, 8-15), its high ones 32..63 and 96..127 (4h + 1, 4h + 3). xq is laid
+  out in that order: 64 bytes for the low nibbles, then 64 for the high ones (_q4k_order).
+- Q6_K: ql's 64 bytes and qh's 32 give codes of weights 0..63 (low nibbles, qh bits 0-1 and 2-3)
+  and 64..127 (high nibbles, bits 4-5 and 6-7): xq in the natural order, lane l in group l // 4
+  of its 64.
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import get_num_threads, njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+from colibri.formats.ggml_blocks import BLOCK_SCHEMES
+from colibri.formats.qtensor import QTensor
+
+from .cpu.block_tiles import Q4K_BYTES, Q6K_BYTES, _q4k_superblock, _q6k_superblock
+from .cpu.blocks import (
+    TYPE_CODE,
+    block_rows8,
+    matmul_rows_blocks,
+    matvec_blocks,
+    x_prep_into,
+    x_prep_len,
+    x_sums,
+)
+from .cpu.checks import check_tensor, checked_x
+from .cpu.codegen import hsum
+from .idot import _dot_u8s8, group_scale, to_int8
+
+INT8_SCHEMES = ("q4_k", "q6_k")  # the block types with an int8 tile, in IDOT_KIND's order
+# scheme code (blocks.TYPE_CODE) -> its int8 tile's index in INT8_SCHEMES, -1: exact in int8 mode
+IDOT_KIND = np.array([INT8_SCHEMES.index(s) if s in INT8_SCHEMES else -1 for s in BLOCK_SCHEMES], np.int64)
+_Q4_K, _Q6_K = TYPE_CODE["q4_k"], TYPE_CODE["q6_k"]
+
+
+def _q4k_order(m: int) -> int:
+    """Q4_K: the weight (of a half's 128) that xq position m pairs with: low nibble of byte m of
+    the 64-byte load for m < 64, else the high nibble of byte m - 64."""
+    i, high = m & 63, m >> 6
+    return 64 * (i >> 5) + 32 * high + (i & 31)
+
+
+_ORDER = [[_q4k_order(m) for m in range(128)], list(range(128))]
+# where each 32 weights of a half's 128 start in xq (the orders keep runs of 32 together)
+_WHERE = np.array([[order.index(32 * c) for c in range(4)] for order in _ORDER], np.int64)
+_BIAS = np.array([0, 32], np.int32)  # subtracted from every code (Q6_K), through the lane starts
+
+
+# --- x, quantized once per call --------------------------------------------------------------
+
+
+@njit(cache=True)
+def quantize_blocks_into(kind, x, xq, ni, sx, xo):
+    """x float32 [n] (n whole super-blocks of 256) -> for INT8_SCHEMES[kind]'s tile: xq int8 [n]
+    in the tile's order (_ORDER); ni int32 [n / 4], -bias * the sum of each 4 xq (the lane
+    accumulators' starts); sx float32 [n / 32], each 32 weights' scale; xo float32 [n / 16],
+    s_x * the sum of each 16 xq in natural order (the mins term)."""
+    n = x.shape[0]
+    where = _WHERE[kind]
+    for b in range(n // 32):
+        s, inv, finite = group_scale(x, 32 * b, 32)
+        sx[b] = s
+        at = 128 * (b >> 2) + where[b & 3]
+        for h in range(2):  # (summed as written: reading the bytes back stalls on their stores)
+            t = np.int32(0)
+            for k in range(16 * h, 16 * h + 16):
+                v = to_int8(x[32 * b + k], inv, finite)
+                xq[at + k] = v
+                t += np.int32(v)
+            xo[2 * b + h] = s * np.float32(t)
+    bias = _BIAS[kind]
+    for lane in range(n // 4):
+        t = np.int32(0)
+        for k in range(4):
+            t += np.int32(xq[4 * lane + k])
+        ni[lane] = -bias * t
+
+
+@njit(cache=True)
+def quantize_blocks(kind, x):
+    """x [n] -> (xq, ni, sx, xo) for INT8_SCHEMES[kind]; empty arrays where kind is -1 (a type
+    the exact path takes)."""
+    n = x.shape[0] if kind >= 0 else 0
+    xa = (np.empty(n, np.int8), np.empty(n // 4, np.int32), np.empty(n // 32, np.float32),
+          np.empty(n // 16, np.float32))
+    if kind >= 0:
+        quantize_blocks_into(kind, x, *xa)
+    return xa
+
+
+@njit(cache=True)
+def quantize_blocks_rows(kind, x):
+    """Rows x [K, n] -> quantize_blocks of each, as arrays with a leading K axis."""
+    K = x.shape[0]
+    n = x.shape[1] if kind >= 0 else 0
+    xa = (np.empty((K, n), np.int8), np.empty((K, n // 4), np.int32), np.empty((K, n // 32), np.float32),
+          np.empty((K, n // 16), np.float32))
+    if kind >= 0:
+        for k in range(K):
+            quantize_blocks_into(kind, x[k], xa[0][k], xa[1][k], xa[2][k], xa[3][k])
+    return xa
+
+
+# --- the tile ----------------------------------------------------------------------------
+
+_F32, _I8, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
+_V16F, _V8F = ir.VectorType(_F32, 16), ir.VectorType(_F32, 8)
+_V16I = ir.VectorType(_I32, 16)
+_V64B, _V32B = ir.VectorType(_I8, 64), ir.VectorType(_I8, 32)
+
+
+def _c(ty, vals):
+    return ir.Constant(ty, list(vals))
+
+
+def _i64(v):
+    return ir.Constant(_I64, v)
+
+
+def _q4k_codes(builder, blk, h, load):
+    """Q4_K's 64-byte load h of a super-block's nibbles: (low nibbles, high nibbles), bytes."""
+    raw = load(builder.gep(blk, [_i64(16 + 64 * h)]), _V64B)
+    return builder.and_(raw, _c(_V64B, [15] * 64)), builder.lshr(raw, _c(_V64B, [4] * 64))
+
+
+def _q6k_codes(builder, blk, h, load):
+    """Q6_K's weights 128h .. 128h + 127 as 6-bit codes (0..63), bytes: weights 0..63 of the
+    half, then 64..127. ql[64h + l] holds weights l (low nibble) and 64 + l (high) for l < 32,
+    32 + l' and 96 + l' for l = 32 + l'; their high bits: qh[32h + l % 32] bits 0-1 (weights
+    0..31), 2-3 (32..63), 4-5 (64..95), 6-7 (96..127)."""
+    ql = load(builder.gep(blk, [_i64(64 * h)]), _V64B)
+    qh = load(builder.gep(blk, [_i64(128 + 32 * h)]), _V32B)
+    qh64 = builder.shuffle_vector(qh, builder.lshr(qh, _c(_V32B, [2] * 32)), _c(ir.VectorType(_I32, 64), range(64)))
+    bits = _c(_V64B, [0x30] * 64)
+    lo = builder.or_(builder.and_(ql, _c(_V64B, [15] * 64)), builder.and_(builder.shl(qh64, _c(_V64B, [4] * 64)), bits))
+    hi = builder.or_(builder.lshr(ql, _c(_V64B, [4] * 64)), builder.and_(qh64, bits))
+    return lo, hi
+
+
+# kind -> (super-block bytes, scales decode, codes of a 64-byte load, lane -> scale index of
+# the (low, high) codes of load h: a sub-block of 32 (Q4_K) or group of 16 (Q6_K))
+_KINDS = {
+    "q4_k": (Q4K_BYTES, _q4k_superblock, _q4k_codes,
+             lambda h: ([4 * h + 2 * (lane >> 3) for lane in range(16)], [4 * h + 1 + 2 * (lane >> 3) for lane in range(16)])),
+    "q6_k": (Q6K_BYTES, _q6k_superblock, _q6k_codes,
+             lambda h: ([8 * h + (lane >> 2) for lane in range(16)], [8 * h + 4 + (lane >> 2) for lane in range(16)])),
+}
+
+
+def _idot_codegen(kind: str, wrows: int):
+    """The tile over `wrows` weight rows of type `kind` x one quantized x (q, r, rn, xq, ni, sx,
+    xo, d): per super-block, x's scales loaded once and each row's scales decoded, multiplied by
+    them ((d * sc) * s_x per sub-block or group) and (Q4_K) the mins term added; then per 64-byte
+    load of codes, x's two 64-byte pieces (and Q6_K's lane starts) loaded once for all rows, and
+    per row two integer dots, each converted and added with one fmuladd; d[j] = hsum(acc)."""
+    nbytes, superblock, codes_of, lane_scales = _KINDS[kind]
+    q4k = kind == "q4_k"
+
+    def codegen(context, builder, sig, args):
+        qty, _, _, xqty, nity, sxty, xoty, dty = sig.args
+        qa = context.make_array(qty)(context, builder, args[0])
+        r, rn = args[1], args[2]
+        xqa, nia, sxa, xoa, da = (context.make_array(t)(context, builder, a)
+                                  for t, a in zip((xqty, nity, sxty, xoty, dty), args[3:]))
+        nrows, _ = cgutils.unpack_tuple(builder, qa.shape, 2)
+        qstride = cgutils.unpack_tuple(builder, qa.strides, 2)[0]
+        n = cgutils.unpack_tuple(builder, xqa.shape, 1)[0]
+        nsb = builder.udiv(n, _i64(256))
+        qbase = builder.bitcast(qa.data, _I8.as_pointer())
+        xqbase = builder.bitcast(xqa.data, _I8.as_pointer())
+        nibase = builder.bitcast(nia.data, _I32.as_pointer())
+        sxbase = builder.bitcast(sxa.data, _F32.as_pointer())
+        xobase = builder.bitcast(xoa.data, _F32.as_pointer())
+        dbase = builder.bitcast(da.data, _F32.as_pointer())
+        last = builder.sub(nrows, _i64(1))
+
+        def row_ptr(row, j):  # rows past the matrix read its last row (their results are discarded)
+            rr = builder.add(row, _i64(j))
+            rr = builder.select(builder.icmp_signed(">", rr, last), last, rr)
+            return builder.gep(qbase, [builder.mul(rr, qstride)])
+
+        rows = [row_ptr(r, j) for j in range(wrows)]
+        nexts = [row_ptr(rn, j) for j in range(wrows)]
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * 16)) for _ in range(wrows)]
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fmuladd.v16f32")
+        pf = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0")
+        zero = ir.Constant(_V16I, [0] * 16)
+
+        def load(ptr, ty, align=1):
+            return builder.load(builder.bitcast(ptr, ty.as_pointer()), align=align)
+
+        with cgutils.for_range(builder, nsb) as loop:
+            sb = loop.index
+            b = builder.mul(sb, _i64(nbytes))
+            e = builder.mul(sb, _i64(256))
+            sx8 = load(builder.gep(sxbase, [builder.lshr(e, _i64(5))]), _V8F, 4)
+            if q4k:
+                xo16 = load(builder.gep(xobase, [builder.lshr(e, _i64(4))]), _V16F, 4)
+            else:  # s_x of each group of 16
+                sx16 = builder.shuffle_vector(sx8, sx8, _c(_V16I, [g >> 1 for g in range(16)]))
+            scales = []
+            for j in range(wrows):
+                sv, offs = superblock(builder, builder.gep(rows[j], [b]), load)
+                if q4k:  # (d * sc_j) * s_x[j] over the 8 sub-blocks; the mins through x's 16-sums
+                    dsc = builder.shuffle_vector(sv, sv, _c(ir.VectorType(_I32, 8), range(8)))
+                    scales.append(builder.fmul(dsc, sx8))
+                    builder.store(builder.call(fma, [offs, xo16, builder.load(accs[j])]), accs[j])
+                else:  # (d * sc_g) * s_x of the group, over the 16 groups
+                    scales.append(builder.fmul(sv, sx16))
+                for off in range(0, nbytes, 64):  # the next block of rows' same super-block
+                    at = builder.gep(nexts[j], [builder.add(b, _i64(off))])  # (prefetch never faults)
+                    builder.call(pf, [at, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+            for h in range(2):
+                xo_ = builder.add(e, _i64(128 * h))
+                xs = [load(builder.gep(xqbase, [builder.add(xo_, _i64(64 * p))]), _V64B) for p in range(2)]
+                if q4k:
+                    starts = [zero, zero]
+                else:
+                    starts = [load(builder.gep(nibase, [builder.lshr(builder.add(xo_, _i64(64 * p)), _i64(2))]), _V16I, 4)
+                              for p in range(2)]
+                idx = lane_scales(h)
+                for j in range(wrows):
+                    acc = builder.load(accs[j])
+                    for p, codes in enumerate(codes_of(builder, builder.gep(rows[j], [b]), h, load)):
+                        isum = _dot_u8s8(builder, starts[p], ((codes, xs[p]),), 16)
+                        s = builder.shuffle_vector(scales[j], scales[j], _c(_V16I, idx[p]))
+                        acc = builder.call(fma, [builder.sitofp(isum, _V16F), s, acc])
+                    builder.store(acc, accs[j])
+        for j in range(wrows):
+            builder.store(hsum(builder, builder.load(accs[j])), builder.gep(dbase, [_i64(j)]))
+        return context.get_dummy_value()
+    return codegen
+
+
+def _idot8_intrinsic(kind: str):
+    """An intrinsic (q, r, rn, xq, ni, sx, xo, d): d[0:8] = rows r .. r+7 of the `kind` matrix q
+    (uint8 [rows, row bytes], C order) . x, from x's quantize_blocks; rows past the end give
+    garbage. Rows rn.. are prefetched."""
+    def idot8(typingctx, q, r, rn, xq, ni, sx, xo, d):
+        return types.void(q, types.intp, types.intp, xq, ni, sx, xo, d), _idot_codegen(kind, 8)
+    idot8.__name__ = idot8.__qualname__ = f"{kind}_idot8"
+    return intrinsic(idot8)
+
+
+q4k_idot8, q6k_idot8 = (_idot8_intrinsic(k) for k in INT8_SCHEMES)
+
+
+# --- rows --------------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def rows8(tc, q, r, xa, d):
+    """d[0:8] = rows r .. r+7 of the type-tc matrix q times the quantized x xa (quantize_blocks);
+    tc one of INT8_SCHEMES. Shared by every entry point, so a row's bits depend on its bytes
+    and x only."""
+    xq, ni, sx, xo = xa
+    if tc == _Q4_K:
+        q4k_idot8(q, r, r + 8, xq, ni, sx, xo, d)
+    else:
+        q6k_idot8(q, r, r + 8, xq, ni, sx, xo, d)
+
+
+@njit(parallel=True, cache=True)
+def matvec(tc, q, x, y, nthreads):
+    """y = dequantize(q) @ x with x rounded to int8 per 32 (tc one of INT8_SCHEMES)."""
+    out = q.shape[0]
+    xa = quantize_blocks(IDOT_KIND[tc], x)
+    nblk = (out + 7) // 8
+    per = (nblk + nthreads - 1) // nthreads
+    for t in prange(nthreads):
+        d = np.empty(8, np.float32)
+        for blk in range(t * per, min(nblk, (t + 1) * per)):
+            r = 8 * blk
+            rows8(tc, q, r, xa, d)
+            for j in range(min(8, out - r)):
+                y[r + j] = d[j]
+
+
+@njit(parallel=True, cache=True)
+def matmul_rows(tc, q, x, y, nthreads):
+    """y [B, out] = x [B, n] @ dequantize(q).T, row a equal to matvec(x[a]) bit for bit: each
+    8-row block's tile runs once per token while its bytes are in cache."""
+    out, B = q.shape[0], x.shape[0]
+    xa = quantize_blocks_rows(IDOT_KIND[tc], x)
+    nblk = (out + 7) // 8
+    per = (nblk + nthreads - 1) // nthreads
+    for t in prange(nthreads):
+        d = np.empty(8, np.float32)
+        for blk in range(t * per, min(nblk, (t + 1) * per)):
+            r = 8 * blk
+            for a in range(B):
+                rows8(tc, q, r, (xa[0][a], xa[1][a], xa[2][a], xa[3][a]), d)
+                for j in range(min(8, out - r)):
+                    y[a, r + j] = d[j]
+
+
+# --- the activation mode inside the fused MoE kernel (moe.routed_block_experts) ---------------
+# As idot's: `act`'s numba type (idot.marker) picks the code, so each mode compiles its own
+# specialization; in int8 mode a projection whose type has no int8 tile runs the exact tile.
+
+
+def _int8(act) -> bool:
+    return isinstance(act, types.Integer)
+
+
+def prepare(tc, x, act):
+    """What block_rows8_into needs of x for type tc: exact, x_sums; int8, (x_sums or empty,
+    quantize_blocks or empty) as the type has no int8 tile or has one (compiled only)."""
+    raise NotImplementedError("called from compiled code only")
+
+
+def prepare_rows(tc, x, act):
+    """prepare() of each row of x [K, n], as arrays with a leading K axis (compiled only)."""
+    raise NotImplementedError("called from compiled code only")
+
+
+def row_of(xp, k, act):
+    """Row k of prepare_rows' result, as prepare() gives it (compiled only)."""
+    raise NotImplementedError("called from compiled code only")
+
+
+def rows8_into(tc, q, r, x, xp, codes, sc, of, d, act):
+    """d[0:8] = rows r .. r+7 of dequantize(q) @ x in act's mode, xp = prepare(tc, x, act);
+    codes, sc, of: blocks.block_scratch (the exact decode-then-dot types) (compiled only)."""
+    raise NotImplementedError("called from compiled code only")
+
+
+@overload(prepare)
+def _prepare(tc, x, act):
+    if _int8(act):
+        def int8(tc, x, act):
+            k = IDOT_KIND[tc]
+            return x_sums(tc, x) if k < 0 else np.empty(0, np.float32), quantize_blocks(k, x)
+        return int8
+    return lambda tc, x, act: x_sums(tc, x)
+
+
+@njit(cache=True)
+def _sums_rows(tc, x):
+    """x_prep_into of each row of x [K, n] (the exact path's per-row x)."""
+    xs = np.empty((x.shape[0], x_prep_len(tc, x.shape[1])), np.float32)
+    for k in range(x.shape[0]):
+        x_prep_into(tc, x[k], xs[k])
+    return xs
+
+
+@overload(prepare_rows)
+def _prepare_rows(tc, x, act):
+    if _int8(act):
+        def int8(tc, x, act):
+            k = IDOT_KIND[tc]
+            xs = _sums_rows(tc, x) if k < 0 else np.empty((x.shape[0], 0), np.float32)
+            return xs, quantize_blocks_rows(k, x)
+        return int8
+    return lambda tc, x, act: _sums_rows(tc, x)
+
+
+@overload(row_of)
+def _row_of(xp, k, act):
+    if _int8(act):
+        return lambda xp, k, act: (xp[0][k], (xp[1][0][k], xp[1][1][k], xp[1][2][k], xp[1][3][k]))
+    return lambda xp, k, act: xp[k]
+
+
+@overload(rows8_into)
+def _rows8_into(tc, q, r, x, xp, codes, sc, of, d, act):
+    if _int8(act):
+        def int8(tc, q, r, x, xp, codes, sc, of, d, act):
+            if IDOT_KIND[tc] >= 0:
+                rows8(tc, q, r, xp[1], d)
+            else:
+                block_rows8(tc, q, r, x, xp[0], codes, sc, of, d)
+        return int8
+    return lambda tc, q, r, x, xp, codes, sc, of, d, act: block_rows8(tc, q, r, x, xp, codes, sc, of, d)
+
+
+# --- QTensor entry points (the model's linear() calls these in int8 mode) --------------------
+
+
+def matvec_q(t: QTensor, x: np.ndarray) -> np.ndarray:
+    """dequantize(t) @ x with x rounded to int8 per 32 for t in INT8_SCHEMES; the other block
+    types exactly (their int8 mode is the exact path)."""
+    check_tensor(t)
+    x = checked_x(x, 1, t.shape[1], "matvec")
+    y = np.empty(t.shape[0], np.float32)
+    if y.size:
+        tc = TYPE_CODE[t.scheme]
+        (matvec if IDOT_KIND[tc] >= 0 else matvec_blocks)(tc, t.q, x, y, get_num_threads())
+    return y
+
+
+def matmul_q(t: QTensor, x: np.ndarray) -> np.ndarray:
+    """x @ dequantize(t).T, row l equal to matvec_q(t, x[l]) bit for bit (prefill and several
+    decoded rows: the weights read once per 8-row block for all rows)."""
+    check_tensor(t)
+    x = checked_x(x, 2, t.shape[1], "matmul")
+    y = np.empty((x.shape[0], t.shape[0]), np.float32)
+    if y.size:
+        tc = TYPE_CODE[t.scheme]
+        (matmul_rows if IDOT_KIND[tc] >= 0 else matmul_rows_blocks)(tc, t.q, x, y, get_num_threads())
+    return y
