@@ -82,7 +82,7 @@ def _cache_in_user_dir():
 
 # Every module holding kernels is imported here, inside the block (tests/test_warmup.py checks).
 with _cache_in_user_dir():
-    from . import attention, decode, delta_rule, idot, moe, ops, team
+    from . import attention, block_idot, decode, delta_rule, idot, moe, ops, team
     from .cpu import embedding, matvec
     from .gemm import matmul
 from colibri.formats.qtensor import (

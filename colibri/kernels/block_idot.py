@@ -340,8 +340,10 @@ def _int8(act) -> bool:
 
 
 def prepare(tc, x, act):
-    """What block_rows8_into needs of x for type tc: exact, x_sums; int8, (x_sums or empty,
-    quantize_blocks or empty) as the type has no int8 tile or has one (compiled only)."""
+    """What rows8_into needs of x for type tc: exact, x_sums; int8, (x_sums or empty, then
+    quantize_blocks' four arrays or empty ones) as the type has no int8 tile or has one: one
+    flat tuple (parfor passes a nested tuple of arrays to its threads as a scalar and fails)
+    (compiled only)."""
     raise NotImplementedError("called from compiled code only")
 
 
@@ -366,7 +368,8 @@ def _prepare(tc, x, act):
     if _int8(act):
         def int8(tc, x, act):
             k = IDOT_KIND[tc]
-            return x_sums(tc, x) if k < 0 else np.empty(0, np.float32), quantize_blocks(k, x)
+            xq, ni, sx, xo = quantize_blocks(k, x)
+            return x_sums(tc, x) if k < 0 else np.empty(0, np.float32), xq, ni, sx, xo
         return int8
     return lambda tc, x, act: x_sums(tc, x)
 
@@ -386,7 +389,8 @@ def _prepare_rows(tc, x, act):
         def int8(tc, x, act):
             k = IDOT_KIND[tc]
             xs = _sums_rows(tc, x) if k < 0 else np.empty((x.shape[0], 0), np.float32)
-            return xs, quantize_blocks_rows(k, x)
+            xq, ni, sx, xo = quantize_blocks_rows(k, x)
+            return xs, xq, ni, sx, xo
         return int8
     return lambda tc, x, act: _sums_rows(tc, x)
 
@@ -394,7 +398,7 @@ def _prepare_rows(tc, x, act):
 @overload(row_of)
 def _row_of(xp, k, act):
     if _int8(act):
-        return lambda xp, k, act: (xp[0][k], (xp[1][0][k], xp[1][1][k], xp[1][2][k], xp[1][3][k]))
+        return lambda xp, k, act: (xp[0][k], xp[1][k], xp[2][k], xp[3][k], xp[4][k])
     return lambda xp, k, act: xp[k]
 
 
@@ -403,7 +407,7 @@ def _rows8_into(tc, q, r, x, xp, codes, sc, of, d, act):
     if _int8(act):
         def int8(tc, q, r, x, xp, codes, sc, of, d, act):
             if IDOT_KIND[tc] >= 0:
-                rows8(tc, q, r, xp[1], d)
+                rows8(tc, q, r, (xp[1], xp[2], xp[3], xp[4]), d)
             else:
                 block_rows8(tc, q, r, x, xp[0], codes, sc, of, d)
         return int8

@@ -29,6 +29,8 @@ and CI once saw 1-ulp differences between this kernel and the matvec kernel.
 int4 x int8 integer dots (`--activations int8`), x quantized once for all K experts' gate and
 up rows and each expert's activation once for its down rows. Each mode is its own compiled
 specialization, and every expert of a mode goes through it, so the rule above holds per mode.
+GGUF block experts take `act` too: Q4_K and Q6_K projections get block_idot.py's int8 tiles,
+the other block types stay exact in int8 mode.
 """
 from __future__ import annotations
 
@@ -37,7 +39,11 @@ from numba import njit, prange
 
 from colibri.formats.expert_blob import FusedExperts, StackedExperts
 
-from .cpu.blocks import ELEMENTS, NBYTES, block_rows8, block_scratch, x_prep_into, x_prep_len, x_sums
+from .block_idot import prepare as block_prepare
+from .block_idot import prepare_rows as block_prepare_rows
+from .block_idot import row_of as block_row_of
+from .block_idot import rows8_into as block_rows8_into
+from .cpu.blocks import ELEMENTS, NBYTES, block_scratch
 from .idot import marker, prepare, prepare_rows, row_of, rows8_into
 from .ops import silu_gate_into
 
@@ -49,8 +55,9 @@ def fused_experts(kernel: FusedExperts, x: np.ndarray, memory: np.ndarray, slots
     """sum_k weights[k] * expert_{slots[k]}(x) for one token x [D] float32, the experts' blobs
     in `memory` [n, stride] uint8 laid out as `kernel` says; `slots` in ascending expert-id
     order (the order contributions are added in); `activations`: "f32" (exact) or "int8"."""
-    if kernel.blocks is not None:  # GGUF block experts: exact in either mode, as linear() runs them
-        return routed_block_experts(x, memory, kernel.layout, kernel.blocks, slots, weights, nthreads)
+    if kernel.blocks is not None:  # GGUF block experts (int8: the types of block_idot.INT8_SCHEMES)
+        return routed_block_experts(x, memory, kernel.layout, kernel.blocks, slots, weights, nthreads,
+                                    marker(activations))
     return routed_experts(x, memory, kernel.layout, slots, weights, kernel.half, kernel.cshift, nthreads,
                           marker(activations))
 
@@ -134,8 +141,11 @@ def routed_experts(x, memory, layout, slots, weights, half, cshift, nthreads, ac
 
 # --- GGUF block experts (kernels/cpu/blocks.py) --------------------------------------------
 # The same two regions, each projection of its own block type (layout row p, type tcs[p]), rows
-# through blocks.block_rows8: the decode and IR tiles matvec uses, so a row's bits depend on
-# its data only, and the experts' down contributions are added in ascending expert id.
+# through block_idot.rows8_into: in act's mode, the exact tiles matvec uses (blocks.block_rows8)
+# or the int8 ones (block_idot.py; a type without one runs exactly), so a row's bits depend on
+# its data only, and the experts' down contributions are added in ascending expert id. In int8
+# mode x is quantized once for all K experts' gate and up rows, each expert's activation once
+# for its down rows.
 
 
 @njit(cache=True)
@@ -148,12 +158,12 @@ def _block_weight(memory, s, layout, tcs, p):
 
 
 @njit(parallel=True, cache=True)
-def routed_block_experts(x, memory, layout, tcs, slots, weights, nthreads):
+def routed_block_experts(x, memory, layout, tcs, slots, weights, nthreads, act):
     K = slots.shape[0]
     I = layout[0, 2]
     D = layout[2, 2]
-    xs_g = x_sums(tcs[0], x)
-    xs_u = x_sums(tcs[1], x)
+    xp_g = block_prepare(tcs[0], x, act)
+    xp_u = block_prepare(tcs[1], x, act)
     g = np.empty((K, I), np.float32)
     u = np.empty((K, I), np.float32)
     nblk = (I + 7) // 8
@@ -166,18 +176,17 @@ def routed_block_experts(x, memory, layout, tcs, slots, weights, nthreads):
             k = it // nblk
             r = 8 * (it - k * nblk)
             gq = _block_weight(memory, slots[k], layout, tcs, 0)
-            block_rows8(tcs[0], gq, r, x, xs_g, codes, sc, of, d)
+            block_rows8_into(tcs[0], gq, r, x, xp_g, codes, sc, of, d, act)
             for j in range(min(8, I - r)):
                 g[k, r + j] = d[j]
             uq = _block_weight(memory, slots[k], layout, tcs, 1)
-            block_rows8(tcs[1], uq, r, x, xs_u, codes, sc, of, d)
+            block_rows8_into(tcs[1], uq, r, x, xp_u, codes, sc, of, d, act)
             for j in range(min(8, I - r)):
                 u[k, r + j] = d[j]
     a = np.empty((K, I), np.float32)
-    xs_d = np.empty((K, x_prep_len(tcs[2], I)), np.float32)  # as x_sums(tcs[2], a[k])
     for k in range(K):
         silu_gate_into(g[k], u[k], a[k])
-        x_prep_into(tcs[2], a[k], xs_d[k])
+    xp_d = block_prepare_rows(tcs[2], a, act)
     out = np.zeros(D, np.float32)
     nblk = (D + 7) // 8
     per = (nblk + nthreads - 1) // nthreads
@@ -187,9 +196,10 @@ def routed_block_experts(x, memory, layout, tcs, slots, weights, nthreads):
         for k in range(K):
             dq = _block_weight(memory, slots[k], layout, tcs, 2)
             w = weights[k]
+            apk = block_row_of(xp_d, k, act)
             for blk in range(t * per, min(nblk, (t + 1) * per)):
                 r = 8 * blk
-                block_rows8(tcs[2], dq, r, a[k], xs_d[k], codes, sc, of, d)
+                block_rows8_into(tcs[2], dq, r, a[k], apk, codes, sc, of, d, act)
                 for j in range(min(8, D - r)):
                     out[r + j] += d[j] * w
     return out

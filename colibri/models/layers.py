@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from colibri.memory import WEIGHTS
-from colibri.kernels import idot, matmul, matvec, ops
+from colibri.kernels import block_idot, idot, matmul, matvec, ops
 from colibri.kernels.tasks import over_rows
 from colibri.kernels.cpu import matvec_rows
 from colibri.formats.qtensor import INT4_SCHEMES, QTensor
@@ -50,11 +50,24 @@ def fuse_rows(*ts: QTensor) -> QTensor | None:
                    cat([t.scales for t in ts]), cat([t.mins for t in ts]), ts[0].interleave)
 
 
+def _int8_kernels(w: QTensor):
+    """The integer-dot module for w under `--activations int8` (int4: kernels/idot.py; GGUF
+    Q4_K / Q6_K: kernels/block_idot.py), or None: the exact kernels (every other scheme, and
+    any scheme in the default f32 mode)."""
+    if idot.current() != "int8":
+        return None
+    if w.scheme in INT4_SCHEMES:
+        return idot
+    return block_idot if w.scheme in block_idot.INT8_SCHEMES else None
+
+
 def linear(x: np.ndarray, w: QTensor, bias: np.ndarray | None = None) -> np.ndarray:
     """x [L, in] -> [L, out]. Decode (L == 1) takes the matvec kernel, prefill the matmul one;
-    int4 weights under `--activations int8` take the integer-dot kernels (kernels/idot.py)."""
-    if w.scheme in INT4_SCHEMES and idot.current() == "int8":
-        y = idot.matvec_q(w, x[0])[None, :] if x.shape[0] == 1 else idot.matmul_q(w, x)
+    int4, Q4_K and Q6_K weights under `--activations int8` take the integer-dot kernels, whose
+    prompt rows equal decoding each token (_int8_kernels)."""
+    int8 = _int8_kernels(w)
+    if int8 is not None:
+        y = int8.matvec_q(w, x[0])[None, :] if x.shape[0] == 1 else int8.matmul_q(w, x)
     elif x.shape[0] == 1:
         y = matvec(w, x[0])[None, :]
     else:
@@ -69,8 +82,9 @@ def linear_rows(x: np.ndarray, w: QTensor) -> np.ndarray:
     weights read once for all rows (several tokens decoded in one pass)."""
     if x.shape[0] == 1:  # the one-row kernels' 8-row blocks beat a tile of one token
         return linear(x, w)
-    if w.scheme in INT4_SCHEMES and idot.current() == "int8":
-        return idot.matmul_q(w, x)
+    int8 = _int8_kernels(w)
+    if int8 is not None:
+        return int8.matmul_q(w, x)
     return matvec_rows(w, x)
 
 
