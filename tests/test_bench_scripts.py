@@ -48,8 +48,9 @@ SMOKE: dict[str, tuple] = {
                    "--peer-python", "/nonexistent/python", "--json", c["json"]], True, {}),
     # kernels
     "bench.kernels.block_matvec": (
-        "256x256, int4_g64 and q4_k, 1 MiB", lambda c: ["--shapes", "256x256", "--schemes", "int4_g64,q4_k",
-                                                        "--repeats", "1", "--mib", "1"], False, {}),
+        "256x256, int4_g64, q4_k and q5_k, 1 MiB, f32 and int8",
+        lambda c: ["--shapes", "256x256", "--schemes", "int4_g64,q4_k,q5_k", "--repeats", "1", "--mib", "1",
+                   "--activations", "f32,int8"], False, {}),
     "bench.kernels.decode_attention": (
         "64-token context, 2 layers", lambda c: ["--contexts", "64", "--layers", "2", "--repeats", "1"], False, {}),
     "bench.kernels.int4_tiles": (

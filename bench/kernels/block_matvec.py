@@ -3,13 +3,16 @@ and q8_0 on the same shapes: GB/s of weight bytes (QTensor.nbytes: GGUF blocks; 
 scales). Benchmark only: no asserts.
 
     python -m bench.kernels.block_matvec [--shapes 2048x2048,768x2048] [--schemes q4_k,q6_k,...]
-                                        [--threads 2] [--repeats 7] [--mib 96]
+                                        [--threads 2] [--repeats 7] [--mib 96] [--activations f32,int8]
 
 Per shape (rows x inputs) and scheme, random valid weights (block schemes: random payload
 bytes with sane f16 scales; int4/q8: quantized normals), in enough distinct copies to pass
 --mib MiB (past a 32 MB L3, so every call reads DRAM), cycled through by matvec calls. Each
 round times one pass over the copies per scheme, the schemes interleaved (bench.common);
-prints the median over --repeats rounds and the ratio to int4_g64's GB/s.
+prints the median over --repeats rounds and the ratio to int4_g64's GB/s. `--activations
+f32,int8` adds a column for the int8-activation kernels (kernels/idot.py for int4,
+kernels/block_idot.py for Q4_K and Q6_K; "-" for the schemes that run exactly in int8 mode), run
+interleaved with the exact ones, and its ratio to the scheme's exact GB/s.
 """
 from __future__ import annotations
 
@@ -62,10 +65,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="numba threads")
     ap.add_argument("--repeats", type=int, default=7, help="rounds (the median is printed)")
     ap.add_argument("--mib", type=float, default=96, help="weight copies per scheme and shape, in MiB")
+    ap.add_argument("--activations", default="f32", help="f32, or f32,int8 for an int8-activation column too")
     a = ap.parse_args()
     import numba
 
-    from colibri.kernels import matvec
+    from colibri.formats.qtensor import INT4_SCHEMES
+    from colibri.kernels import block_idot, idot, matvec
+
+    modes = [m for m in a.activations.split(",") if m]
+    if modes[0] != "f32" or not set(modes) <= {"f32", "int8"}:
+        ap.error("--activations: f32 or f32,int8")
 
     numba.set_num_threads(min(a.threads, numba.config.NUMBA_NUM_THREADS))
     schemes = [s for s in a.schemes.split(",") if s]
@@ -79,25 +88,38 @@ def main() -> None:
         x = rng.standard_normal(inputs, dtype=np.float32)
         y = np.empty(rows, np.float32)
         ts = {s: tensors(s, rows, inputs, a.mib, rng) for s in schemes}
-        for s in schemes:  # compile and warm
-            matvec(ts[s][0], x, y)
+        kernels = {(s, "f32"): lambda t: matvec(t, x, y) for s in schemes}
+        if "int8" in modes:
+            kernels.update({(s, "int8"): lambda t: idot.matvec_q(t, x) for s in schemes if s in INT4_SCHEMES})
+            kernels.update({(s, "int8"): lambda t: block_idot.matvec_q(t, x)
+                            for s in schemes if s in block_idot.INT8_SCHEMES})
+        for (s, _), fn in kernels.items():  # compile and warm
+            fn(ts[s][0])
 
-        def one_pass(s):
+        def one_pass(variant):
+            s, fn = variant[0], kernels[variant]
             t0 = time.perf_counter()
             for t in ts[s]:
-                matvec(t, x, y)
+                fn(t)
             return (time.perf_counter() - t0) / len(ts[s])
 
-        times = interleaved(schemes, a.repeats, one_pass, alternate=True)
-        for s in schemes:
-            table[s, rows, inputs] = (ts[s][0].nbytes, ts[s][0].nbytes / float(np.median(times[s])) / 1e9)
-    print(f"{'shape':>10s}  {'scheme':9s} {'MiB':>6s} {'GB/s':>6s} {'x':>5s}")
+        times = interleaved(list(kernels), a.repeats, one_pass, alternate=True)
+        for (s, mode) in kernels:
+            table[s, mode, rows, inputs] = (ts[s][0].nbytes,
+                                            ts[s][0].nbytes / float(np.median(times[s, mode])) / 1e9)
+    int8 = "int8" in modes
+    print(f"{'shape':>10s}  {'scheme':9s} {'MiB':>6s} {'GB/s':>6s} {'x':>5s}"
+          + (f" {'int8':>6s} {'/f32':>5s}" if int8 else ""))
     for rows, inputs in shapes:
-        base = table.get(("int4_g64", rows, inputs))
+        base = table.get(("int4_g64", "f32", rows, inputs))
         for s in schemes:
-            nbytes, gbs = table[s, rows, inputs]
+            nbytes, gbs = table[s, "f32", rows, inputs]
             ratio = f"{gbs / base[1]:5.2f}" if base else "    -"
-            print(f"{f'{rows}x{inputs}':>10s}  {s:9s} {nbytes / 2**20:6.2f} {gbs:6.2f} {ratio}")
+            line = f"{f'{rows}x{inputs}':>10s}  {s:9s} {nbytes / 2**20:6.2f} {gbs:6.2f} {ratio}"
+            if int8:
+                i8 = table.get((s, "int8", rows, inputs))
+                line += f" {i8[1]:6.2f} {i8[1] / gbs:5.2f}" if i8 else f" {'-':>6s} {'-':>5s}"
+            print(line)
 
 if __name__ == "__main__":
     main()
