@@ -163,7 +163,7 @@ def routed_block_experts(x, memory, layout, tcs, slots, weights, nthreads, act):
     I = layout[0, 2]
     D = layout[2, 2]
     xp_g = block_prepare(tcs[0], x, act)
-    xp_u = block_prepare(tcs[1], x, act)
+    xp_u = xp_g if tcs[1] == tcs[0] else block_prepare(tcs[1], x, act)  # (laid out per type)
     g = np.empty((K, I), np.float32)
     u = np.empty((K, I), np.float32)
     nblk = (I + 7) // 8
