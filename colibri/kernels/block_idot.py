@@ -1,7 +1,7 @@
 """GGUF K-quant rows times int8 activations: the `--activations int8` form of block_tiles.py's
-fused tiles, for Q4_K and Q6_K (llama.cpp's Q8_K idea with idot.py's integer dots). Block types
-without an int8 tile (Q2_K, Q3_K, Q5_K, IQ4_*, Q5_0, Q5_1, MXFP4) stay on the exact path in
-int8 mode.
+fused tiles, for Q4_K, Q6_K and Q5_K (llama.cpp's Q8_K idea with idot.py's integer dots). Block
+types without an int8 tile (Q2_K, Q3_K, IQ4_XS, IQ4_NL, Q5_0, Q5_1, MXFP4) stay on the exact
+path in int8 mode.
 
 Why: the exact tiles spend a conversion and a multiply-add per weight (~6-8 GB/s a core);
 here a row's 64 quant bytes cost two integer dot instructions (idot._dot_u8s8: AVX-512 VNNI
@@ -14,7 +14,7 @@ laid out so that each 64-byte load of a row's codes pairs with one 64-byte load 
 super-block and row, with the sub-block scales decoded as the exact tiles decode them
 (block_tiles' _q4k_superblock / _q6k_superblock: d * sc in float32):
 
-    Q4_K, 8 sub-blocks j of 32:   isum_j = sum(nibble * xq)                          (int32 lanes)
+    Q4_K, 8 sub-blocks j of 32:   isum_j = sum(nibble * xq)   (Q5_K: its 5-bit codes) (int32 lanes)
         acc = fmuladd(float(isum lanes), (d * sc_j) * s_x[j], acc)   per 16 lanes, 2 sub-blocks
         acc = fmuladd(-(dmin * m_g), s_x * sum16(xq)_g, acc)     the mins, per group g of 16
     Q6_K, 16 groups g of 16:     isum_g = sum(code * xq) - 32 * sum(xq)   (code 0..63: the -32
@@ -33,6 +33,7 @@ The layouts, per 128 weights (half a super-block) and 64-byte load h:
   ones, so a 64-byte load's low nibbles are weights 0..31 and 64..95 of the half (sub-blocks
   4h and 4h + 2: lanes 0-7, 8-15), its high ones 32..63 and 96..127 (4h + 1, 4h + 3). xq is laid
   out in that order: 64 bytes for the low nibbles, then 64 for the high ones (_q4k_order).
+  Q5_K is Q4_K's layout plus the codes' fifth bits in qh: one xq layout for both.
 - Q6_K: ql's 64 bytes and qh's 32 give codes of weights 0..63 (low nibbles, qh bits 0-1 and 2-3)
   and 64..127 (high nibbles, bits 4-5 and 6-7): xq in the natural order, lane l in group l // 4
   of its 64.
@@ -48,7 +49,7 @@ from numba.extending import intrinsic, overload
 from colibri.formats.ggml_blocks import BLOCK_SCHEMES
 from colibri.formats.qtensor import QTensor
 
-from .cpu.block_tiles import Q4K_BYTES, Q6K_BYTES, _q4k_superblock, _q6k_superblock
+from .cpu.block_tiles import Q4K_BYTES, Q5K_BYTES, Q6K_BYTES, _q4k_superblock, _q6k_superblock
 from .cpu.blocks import (
     TYPE_CODE,
     block_rows8,
@@ -62,7 +63,7 @@ from .cpu.checks import check_tensor, checked_x
 from .cpu.codegen import hsum
 from .idot import _dot_u8s8, group_scale, to_int8
 
-INT8_SCHEMES = ("q4_k", "q6_k")  # the block types with an int8 tile, in IDOT_KIND's order
+INT8_SCHEMES = ("q4_k", "q6_k", "q5_k")  # the block types with an int8 tile, in IDOT_KIND's order
 # scheme code (blocks.TYPE_CODE) -> its int8 tile's index in INT8_SCHEMES, -1: exact in int8 mode
 IDOT_KIND = np.array([INT8_SCHEMES.index(s) if s in INT8_SCHEMES else -1 for s in BLOCK_SCHEMES], np.int64)
 _Q4_K, _Q6_K = TYPE_CODE["q4_k"], TYPE_CODE["q6_k"]
@@ -75,10 +76,10 @@ def _q4k_order(m: int) -> int:
     return 64 * (i >> 5) + 32 * high + (i & 31)
 
 
-_ORDER = [[_q4k_order(m) for m in range(128)], list(range(128))]
+_ORDER = [[_q4k_order(m) for m in range(128)], list(range(128)), [_q4k_order(m) for m in range(128)]]
 # where each 32 weights of a half's 128 start in xq (the orders keep runs of 32 together)
 _WHERE = np.array([[order.index(32 * c) for c in range(4)] for order in _ORDER], np.int64)
-_BIAS = np.array([0, 32], np.int32)  # subtracted from every code (Q6_K), through the lane starts
+_BIAS = np.array([0, 32, 0], np.int32)  # subtracted from every code (Q6_K), through the lane starts
 
 
 # --- x, quantized once per call --------------------------------------------------------------
@@ -172,13 +173,33 @@ def _q6k_codes(builder, blk, h, load):
     return lo, hi
 
 
+def _q5k_codes(builder, blk, h, load):
+    """Q5_K's 64-byte load h: Q4_K's nibbles (qs at 48) with their fifth bits, weight 64c + k's
+    in bit 2c of qh[k] (low nibble) and 64c + 32 + k's in bit 2c + 1 (high), c = 2h + i // 32
+    for byte i of the load: so bits 4h, 4h + 1 of qh serve bytes 0..31, bits 4h + 2, 4h + 3
+    bytes 32..63."""
+    raw = load(builder.gep(blk, [_i64(48 + 64 * h)]), _V64B)
+    qh = load(builder.gep(blk, [_i64(16)]), _V32B)
+    qh64 = builder.shuffle_vector(builder.lshr(qh, _c(_V32B, [4 * h] * 32)), builder.lshr(qh, _c(_V32B, [4 * h + 2] * 32)),
+                                  _c(ir.VectorType(_I32, 64), range(64)))
+    lo = builder.or_(builder.and_(raw, _c(_V64B, [15] * 64)),
+                     builder.shl(builder.and_(qh64, _c(_V64B, [1] * 64)), _c(_V64B, [4] * 64)))
+    hi = builder.or_(builder.lshr(raw, _c(_V64B, [4] * 64)),
+                     builder.shl(builder.and_(qh64, _c(_V64B, [2] * 64)), _c(_V64B, [3] * 64)))
+    return lo, hi
+
+
+def _q4k_lanes(h):
+    return [4 * h + 2 * (lane >> 3) for lane in range(16)], [4 * h + 1 + 2 * (lane >> 3) for lane in range(16)]
+
+
 # kind -> (super-block bytes, scales decode, codes of a 64-byte load, lane -> scale index of
 # the (low, high) codes of load h: a sub-block of 32 (Q4_K) or group of 16 (Q6_K))
 _KINDS = {
-    "q4_k": (Q4K_BYTES, _q4k_superblock, _q4k_codes,
-             lambda h: ([4 * h + 2 * (lane >> 3) for lane in range(16)], [4 * h + 1 + 2 * (lane >> 3) for lane in range(16)])),
+    "q4_k": (Q4K_BYTES, _q4k_superblock, _q4k_codes, _q4k_lanes),
     "q6_k": (Q6K_BYTES, _q6k_superblock, _q6k_codes,
              lambda h: ([8 * h + (lane >> 2) for lane in range(16)], [8 * h + 4 + (lane >> 2) for lane in range(16)])),
+    "q5_k": (Q5K_BYTES, _q4k_superblock, _q5k_codes, _q4k_lanes),  # Q4_K's header and sub-blocks
 }
 
 
@@ -189,7 +210,7 @@ def _idot_codegen(kind: str, wrows: int):
     load of codes, x's two 64-byte pieces (and Q6_K's lane starts) loaded once for all rows, and
     per row two integer dots, each converted and added with one fmuladd; d[j] = hsum(acc)."""
     nbytes, superblock, codes_of, lane_scales = _KINDS[kind]
-    q4k = kind == "q4_k"
+    q4k = kind != "q6_k"  # the 32-weight sub-blocks with mins (Q4_K, Q5_K)
 
     def codegen(context, builder, sig, args):
         qty, _, _, xqty, nity, sxty, xoty, dty = sig.args
@@ -278,7 +299,7 @@ def _idot8_intrinsic(kind: str):
     return intrinsic(idot8)
 
 
-q4k_idot8, q6k_idot8 = (_idot8_intrinsic(k) for k in INT8_SCHEMES)
+q4k_idot8, q6k_idot8, q5k_idot8 = (_idot8_intrinsic(k) for k in INT8_SCHEMES)
 
 
 # --- rows --------------------------------------------------------------------------------
@@ -292,8 +313,10 @@ def rows8(tc, q, r, xa, d):
     xq, ni, sx, xo = xa
     if tc == _Q4_K:
         q4k_idot8(q, r, r + 8, xq, ni, sx, xo, d)
-    else:
+    elif tc == _Q6_K:
         q6k_idot8(q, r, r + 8, xq, ni, sx, xo, d)
+    else:
+        q5k_idot8(q, r, r + 8, xq, ni, sx, xo, d)
 
 
 @njit(parallel=True, cache=True)

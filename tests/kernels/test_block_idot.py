@@ -1,4 +1,4 @@
-"""GGUF Q4_K / Q6_K rows x int8 activations (colibri/kernels/block_idot.py, `--activations
+"""GGUF Q4_K / Q6_K / Q5_K rows x int8 activations (colibri/kernels/block_idot.py, `--activations
 int8`): the result is the float64 dot of gguf-py's dequantized weights with the int8-rounded x
 within float32 rounding; a row's bits never depend on the caller (matvec, the several-rows
 kernel, the fused MoE kernel), the thread count or the integer form (VNNI, AVX2 pairs, portable
@@ -83,7 +83,7 @@ def test_other_block_types_run_exactly_in_int8_mode():
     from colibri.models.layers import linear
 
     rng = np.random.default_rng(3)
-    for scheme in ("q5_k", "q2_k", "iq4_xs"):
+    for scheme in ("q2_k", "q3_k", "iq4_xs"):
         t = make(scheme, (11, 512), seed=4)
         X = rng.standard_normal((3, 512)).astype(np.float32)
         np.testing.assert_array_equal(block_idot.matvec_q(t, X[0]), exact_matvec(t, X[0]))
@@ -91,7 +91,7 @@ def test_other_block_types_run_exactly_in_int8_mode():
         with idot.activations("int8"):
             np.testing.assert_array_equal(linear(X[:1], t)[0], exact_matvec(t, X[0]))
     t = make("q4_k", (11, 512), seed=4)
-    with idot.activations("int8"):  # linear() routes Q4_K (and Q6_K) to the int8 tiles
+    with idot.activations("int8"):  # linear() routes Q4_K (Q6_K, Q5_K) to the int8 tiles
         np.testing.assert_array_equal(linear(X[:1], t)[0], block_idot.matvec_q(t, X[0]))
         np.testing.assert_array_equal(linear(X, t), block_idot.matmul_q(t, X))
     assert not np.array_equal(linear(X[:1], t)[0], block_idot.matvec_q(t, X[0]))  # f32 mode: exact
@@ -99,7 +99,7 @@ def test_other_block_types_run_exactly_in_int8_mode():
 
 MOE_CASES = [  # (gate, up, down types), D, I, E, K
     (("q4_k", "q4_k", "q6_k"), 512, 256, 6, 3),  # GGUF's usual mix: every projection int8
-    (("q6_k", "q5_k", "q4_k"), 256, 256, 4, 2),  # an exact projection among int8 ones
+    (("q6_k", "q2_k", "q5_k"), 256, 256, 4, 2),  # an exact projection among int8 ones
 ]
 
 
@@ -143,7 +143,7 @@ def test_fused_block_experts_without_int8_tiles_are_exact():
     from colibri.formats.expert_blob import StackedExperts
     from colibri.kernels.moe import stacked_experts
 
-    _, memory, layout = _block_layer(("q5_k", "q2_k", "iq4_xs"), 256, 64, 3, 13)
+    _, memory, layout = _block_layer(("q2_k", "q3_k", "iq4_xs"), 256, 256, 3, 13)
     stacked = StackedExperts.view(memory, memory.shape[1], 3, layout)
     x = np.random.default_rng(14).standard_normal(256).astype(np.float32)
     ids, w = np.array([0, 2]), np.array([0.25, 0.75], np.float32)
