@@ -390,10 +390,18 @@ def _idot_tile(typingctx, q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, l0, 
 
 
 @intrinsic
+def _abs_bits(typingctx, v):
+    """|v|'s bits as an int32: for finite floats these order as the floats do; inf and NaN are
+    the values from 0x7f800000 up."""
+    def codegen(context, builder, sig, args):
+        return builder.and_(builder.bitcast(args[0], _I32), _i32(0x7FFFFFFF))
+    return types.int32(types.float32), codegen
+
+
+@intrinsic
 def _abs_bits16(typingctx, x, x0):
-    """The largest of |x[x0 : x0 + 16]|'s bits as an int32 (one vector load, an integer max
-    reduction: a float max may not be reordered). For finite floats the bits order as the
-    floats do; inf and NaN are the values from 0x7f800000 up."""
+    """The largest _abs_bits of x[x0 : x0 + 16] (x C-contiguous): one vector load and an
+    integer max reduction (a float max may not be reordered, so it would stay scalar)."""
     def codegen(context, builder, sig, args):
         xa = context.make_array(sig.args[0])(context, builder, args[0])
         at = builder.gep(builder.bitcast(xa.data, _F32.as_pointer()), [args[1]])
@@ -413,14 +421,36 @@ def _bits_f32(typingctx, v):
     return types.float32(types.int32), codegen
 
 
+def _top_bits(x, x0, group):
+    """The largest _abs_bits of x[x0 : x0 + group], group a multiple of 16 (compiled only)."""
+    raise NotImplementedError("called from compiled code only")
+
+
+@overload(_top_bits)
+def _top_bits_impl(x, x0, group):
+    if x.layout == "C":
+        def contiguous(x, x0, group):
+            top = np.int32(0)
+            for k in range(0, group, 16):
+                top = max(top, _abs_bits16(x, x0 + k))
+            return top
+        return contiguous
+
+    def strided(x, x0, group):
+        top = np.int32(0)
+        for k in range(group):
+            top = max(top, _abs_bits(x[x0 + k]))
+        return top
+    return strided
+
+
 @njit(cache=True)
 def group_scale(x, x0, group):
-    """(s, inv, finite) of x[x0 : x0 + group]: s = max|x| / 127, inv = 127 / max|x| (0 for an
-    all-zero group). A non-finite x makes s NaN, so every product with the group is NaN and
-    the engine's non-finite guard sees it (shared with kernels/block_idot.py). x: C-contiguous."""
-    top = np.int32(0)
-    for k in range(0, group, 16):  # group: a multiple of 16
-        top = max(top, _abs_bits16(x, x0 + k))
+    """(s, inv, finite) of x[x0 : x0 + group] (group a multiple of 16): s = max|x| / 127,
+    inv = 127 / max|x| (0 for an all-zero group). A non-finite x makes s NaN, so every product
+    with the group is NaN and the engine's non-finite guard sees it (shared with
+    kernels/block_idot.py). max|x| is taken on the bits, as an integer max."""
+    top = _top_bits(x, x0, group)
     finite = top < np.int32(0x7F800000)
     amax = _bits_f32(top)
     s = amax / np.float32(127.0) if finite else np.float32(np.nan)
