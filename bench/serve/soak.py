@@ -46,11 +46,6 @@ from bench.common import REPO, add_json_arg, child_env, machine_line, write_json
 GiB = 1 << 30
 MODEL_ID = "m"
 TIMEOUT_S = 300.0
-# The server closes a kept-alive connection idle this long (colibri/serve/server.py), and the
-# official clients' httpx pool drops one idle this long: a request sent on a pooled connection
-# just as the server closes it meets a reset (a known race of HTTP/1.1 keep-alive, not a fault
-# of the request), counted apart.
-KEEPALIVE_S = 5.0
 MAX_TOKENS = 256        # the servers' --max-tokens
 PROBE = {"model": MODEL_ID, "prompt": "The history of the printing press", "max_tokens": 32, "temperature": 0,
          "ignore_eos": True, "logprobs": 1}
@@ -226,7 +221,7 @@ class Row(NamedTuple):
     kind: str
     seconds: float          # until its answer was read (or the client left)
     outcome: str            # "ok", a status code, or a failure's class
-    expected: bool | None   # a refusal the request asked for, or the keep-alive race (None: ok)
+    expected: bool | None   # a refusal the request asked for (None: ok)
     detail: str
     note: str | None        # a finish reason
 
@@ -299,7 +294,7 @@ class Client(threading.Thread):
         self.rng.shuffle(self.deck)
         self.case = seed  # which malformed case comes next
         self.lib: str | None = None  # the client library a request went through ...
-        self.used_at: dict[str, float] = {}  # ... and when each one's pooled connection last finished a request
+        self.used_at: dict[str, float] = {}  # ... and when each one's pooled connection last finished a request (a failure's detail says how long it was idle)
         ox, ax = _own_httpx(openai), _own_httpx(anthropic)
         self.oa = openai.OpenAI(base_url=server.url + "/v1", api_key="soak", max_retries=0, timeout=TIMEOUT_S,
                                 http_client=openai.DefaultHttpxClient(transport=ox.HTTPTransport(local_address=source)))
@@ -321,8 +316,6 @@ class Client(threading.Thread):
             except Exception as e:  # noqa: BLE001 - every failure is counted by class
                 outcome, expected = classify(e)
                 idle = start - self.used_at[self.lib] if self.lib in self.used_at else None
-                if outcome.startswith("connection error") and idle is not None and abs(idle - KEEPALIVE_S) < 0.5:
-                    outcome, expected = "reset on a connection idle for the keep-alive timeout", True
                 self.record.add(self.server.name, kind, start, outcome, expected,
                                 f"{type(e).__name__}: {e}"[:300] + ("" if idle is None else f" (idle {idle:.2f} s)"))
                 self.used_at.pop(self.lib, None)  # the pool drops a failed connection
@@ -897,7 +890,7 @@ def summarize(a, servers, record: Record, probes, samples, died, wave_info, kill
     for k in KINDS:
         say(f"{k:16}" + "".join(f" {kinds[n][k]['served']:17d} {kinds[n][k]['p50_ms']:8.0f} {kinds[n][k]['p99_ms']:8.0f}"
                                 for n in names))
-    say("expected (refusals, and resets of the keep-alive race): "
+    say("expected (refusals the requests asked for): "
         + (", ".join(f"{st} {what} x{c}" for (st, what), c in sorted(expected.items())) or "none"))
     say("unexpected errors: " + (", ".join(f"{k} x{c}" for k, c in sorted(unexpected.items())) or "none"))
     for k, ex in examples.items():

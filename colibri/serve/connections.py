@@ -13,7 +13,9 @@ deadline), then gets its 429 / 503 with Retry-After and a close. When the table 
 waiting client's headers are complete, the admitted connection that has sent the least of
 its current headers (an idle kept-alive one, then the slowest dripper) is closed to make room,
 so drippers from many addresses, each under the per-address cap, cannot lock out a client that
-sends its whole request at once (nginx closes idle keep-alive connections the same way).
+sends its whole request at once (nginx closes idle keep-alive connections the same way). A
+client at its own address's cap makes room the same way from its own idle kept-alive
+connections only: a pooling client's idle connections (kept KEEP_ALIVE_S) never lock it out.
 """
 from __future__ import annotations
 
@@ -32,6 +34,12 @@ log = logging.getLogger("colibri.serve")
 WARN_EVERY_S = 10.0  # a flood of refusals is logged once per this many seconds, with a count
 LINGER_S = 2.0       # how long a refused upload is read and dropped after its answer (see _LingeringTransport)
 MAX_HEAD_BYTES = 16 * 1024  # a waiting client's request line and headers (h11's and uvicorn's own limit)
+# An idle kept-alive connection is closed after this many seconds. Longer than the clients' own
+# idle expiry (httpx 5 s, undici 4 s, aiohttp 15 s) so that the client, not the server, closes
+# it: a server closing at the moment the client reuses the connection resets that request (the
+# soak saw it with httpx at the 5 s both sides had). Idle connections are evictable under both
+# caps, so the longer wait holds no place a request needs. nginx's default is 75 s too.
+KEEP_ALIVE_S = 75
 
 
 @dataclass
@@ -95,6 +103,12 @@ class ConnectionGuard:
         bytes, the oldest of those first."""
         candidates = [c for c in self.admitted if c.in_headers()]
         return min(candidates, key=lambda c: (c.head_bytes, c.head_started), default=None)
+
+    def idle_of(self, key: str) -> GuardedH11Protocol | None:
+        """An admitted connection from `key` idle between requests (kept alive, no byte of a
+        next request yet), the longest idle first."""
+        idle = [c for c in self.admitted if c.key == key and not c.head_bytes and c.in_headers()]
+        return min(idle, key=lambda c: c.head_started, default=None)
 
     def refused(self, reason: str, key: str) -> None:
         if reason == "per_ip":
@@ -277,8 +291,11 @@ class GuardedH11Protocol(H11Protocol):
             return
         reason = self.guard.over_cap(self.key)
         # the head's own size: body bytes that came in the same reads do not make it too long
-        if reason == "total" and head_len is not None and head_len <= MAX_HEAD_BYTES:
-            victim = self.guard.least_sent()
+        if reason is not None and head_len is not None and head_len <= MAX_HEAD_BYTES:
+            # over the total cap: the least-sent connection of anyone; over its own address's
+            # cap: only an idle kept-alive connection of that address (its pool's, long idle
+            # under the keep-alive timeout), never one with a request under way
+            victim = self.guard.least_sent() if reason == "total" else self.guard.idle_of(self.key)
             if victim is not None:
                 victim.evict()
                 reason = None

@@ -15,7 +15,7 @@ from pathlib import Path
 import uvicorn
 
 from colibri.errors import ColibriError
-from colibri.serve.connections import ConnectionGuard, ConnectionLimits, protocol_class
+from colibri.serve.connections import KEEP_ALIVE_S, ConnectionGuard, ConnectionLimits, protocol_class
 from colibri.serve.security import MAX_BODY_BYTES, allowed_hosts, check_bind
 
 log = logging.getLogger("colibri.serve")
@@ -209,7 +209,7 @@ def run(o: ServeOptions) -> None:
         # that outlive their connection (one above the cap: it counts the asking connection too).
         uconfig = uvicorn.Config(app, host=o.host, port=port, log_level=log_level, access_log=False,
                                  http=protocol_class(guard), ws="none", limit_concurrency=o.max_connections + 1,
-                                 timeout_keep_alive=5, timeout_graceful_shutdown=10, lifespan="off",
+                                 timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=10, lifespan="off",
                                  server_header=False)
         server = DrainingServer(uconfig, scheduler, o.drain_timeout)
         start_listening(sock, o.host, port, uconfig.backlog)

@@ -327,13 +327,54 @@ def test_a_kept_alive_connection_cannot_drip_its_next_request(srv):
     with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
         s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
         assert _read_response(s).startswith(b"HTTP/1.1 200")
-        time.sleep(HEADER_TIMEOUT + 0.5)  # idle between requests: the keep-alive timeout (5 s) governs
+        time.sleep(HEADER_TIMEOUT + 0.5)  # idle between requests: the keep-alive timeout (75 s) governs
         s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
         assert _read_response(s).startswith(b"HTTP/1.1 200")
         t = time.monotonic()
         s.sendall(b"GET /health HTTP/1.1\r\n")
         closed = _drip_until_closed(s, HEADER_TIMEOUT + 4)
         assert closed is not None and HEADER_TIMEOUT * 0.9 <= closed - t <= HEADER_TIMEOUT + 2.5
+
+
+def test_an_idle_kept_alive_connection_outlives_the_clients_own_expiry(srv):
+    """The server keeps an idle connection longer than the clients' pools do (httpx: 5 s), so
+    the client closes it first: with both at 5 s, a request sent on a pooled connection as the
+    server closed it was reset (the soak, bench/serve/soak.py, saw one with the openai client)."""
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        assert _read_response(s).startswith(b"HTTP/1.1 200")
+        assert not _readable(s, 6.5)  # no close after httpx's 5 s (nor the old server's own 5 s)
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        assert _read_response(s).startswith(b"HTTP/1.1 200")
+
+
+@needs_loopback_aliases
+def test_idle_kept_alive_connections_make_room_for_their_own_address(srv):
+    """An address at its cap with idle kept-alive connections (a pooling client's, kept the
+    keep-alive timeout) is not refused: its longest idle connection is closed for the newcomer.
+    A connection with a request under way is never closed for it (the 429 test above)."""
+    evicted = _metric(httpx.get(srv.url + "/metrics").text, "colibri_connections_evicted_total")
+    idle = []
+    try:
+        for _ in range(PER_IP):
+            s = socket.socket()
+            s.bind(("127.0.0.9", 0))
+            s.connect(("127.0.0.1", srv.port))
+            s.settimeout(10)
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            assert _read_response(s).startswith(b"HTTP/1.1 200")
+            idle.append(s)
+        transport = httpx.HTTPTransport(local_address="127.0.0.9")
+        with httpx.Client(transport=transport, base_url=srv.url, timeout=10) as c:
+            r = c.post("/v1/completions", json={"model": MODEL_ID, "prompt": "Hi", "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        assert _readable(idle[0], 2.0) and idle[0].recv(4096) == b""  # the longest idle one was closed
+        assert not any(_readable(s, 0) for s in idle[1:])
+        after = _metric(httpx.get(srv.url + "/metrics").text, "colibri_connections_evicted_total")
+        assert after == evicted + 1
+    finally:
+        for s in idle:
+            s.close()
 
 
 def test_a_silent_connection_is_closed_at_the_deadline(srv):

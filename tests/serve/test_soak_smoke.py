@@ -36,9 +36,8 @@ def test_a_short_soak_holds(tmp_path):
     # every kind of request was answered as it should be, malformed ones with their 4xx
     served = r["kinds"]["streamed"]
     assert all(k["served"] > 0 for k in served.values()), served
-    # (a "reset" is a request sent on a pooled connection as the server closed it: keep-alive's race)
     assert r["expected"] and {k.split()[0] for k in r["expected"]} <= {"400", "403", "404", "413", "415", "429",
-                                                                       "503", "reset"}
+                                                                       "503"}
     assert served["leave"]["served"] <= r["servers"]["streamed"]["cancelled"] + 1  # the one at the stop may finish
     for name, s in r["servers"].items():
         assert s["exit_code"] == 0 and s["active"] == 0 and s["queued"] == 0 and s["failed"] == 0, (name, s)
