@@ -4,7 +4,7 @@ types without an int8 tile (Q2_K, Q3_K, IQ4_XS, IQ4_NL, Q5_0, Q5_1, MXFP4) stay 
 path in int8 mode.
 
 Why: the exact tiles spend a conversion and a multiply-add per weight (~6-8 GB/s a core);
-here a row's 64 quant bytes cost two integer dot instructions (idot._dot_u8s8: AVX-512 VNNI
+here a row's 64 quant bytes cost two integer dot instructions (idot.dot_u8s8: AVX-512 VNNI
 `vpdpbusd`, AVX2 `vpmaddubsw` + `vpmaddwd`, or portable IR, chosen at compile time), then one
 conversion and one multiply-add per 16 lanes.
 
@@ -12,7 +12,7 @@ x is quantized once per call (quantize_blocks_into), with idot's rounding (idot.
 one scale s_x per 32 weights (a Q4_K sub-block, two Q6_K groups), xq = round(x / s_x) in int8,
 laid out so that each 64-byte load of a row's codes pairs with one 64-byte load of xq. Then per
 super-block and row, with the sub-block scales decoded as the exact tiles decode them
-(block_tiles' _q4k_superblock / _q6k_superblock: d * sc in float32):
+(block_tiles' q4k_superblock / q6k_superblock: d * sc in float32):
 
     Q4_K, 8 sub-blocks j of 32:   isum_j = sum(nibble * xq)   (Q5_K: its 5-bit codes) (int32 lanes)
         acc = fmuladd(float(isum lanes), (d * sc_j) * s_x[j], acc)   per 16 lanes, 2 sub-blocks
@@ -49,7 +49,7 @@ from numba.extending import intrinsic, overload
 from colibri.formats.ggml_blocks import BLOCK_SCHEMES
 from colibri.formats.qtensor import QTensor
 
-from .cpu.block_tiles import Q4K_BYTES, Q5K_BYTES, Q6K_BYTES, _q4k_superblock, _q6k_superblock
+from .cpu.block_tiles import Q4K_BYTES, Q5K_BYTES, Q6K_BYTES, q4k_superblock, q6k_superblock
 from .cpu.blocks import (
     TYPE_CODE,
     block_rows8,
@@ -61,7 +61,7 @@ from .cpu.blocks import (
 )
 from .cpu.checks import check_tensor, checked_x
 from .cpu.codegen import hsum
-from .idot import _dot_u8s8, group_scale, to_int8
+from .idot import dot_u8s8, group_scale, to_int8
 
 INT8_SCHEMES = ("q4_k", "q6_k", "q5_k")  # the block types with an int8 tile, in IDOT_KIND's order
 # scheme code (blocks.TYPE_CODE) -> its int8 tile's index in INT8_SCHEMES, -1: exact in int8 mode
@@ -190,16 +190,22 @@ def _q5k_codes(builder, blk, h, load):
 
 
 def _q4k_lanes(h):
+    """Q4_K / Q5_K: lanes 0-7 of load h's low nibbles in sub-block 4h, 8-15 in 4h + 2; the
+    high nibbles' in 4h + 1, 4h + 3."""
     return [4 * h + 2 * (lane >> 3) for lane in range(16)], [4 * h + 1 + 2 * (lane >> 3) for lane in range(16)]
 
 
+def _q6k_lanes(h):
+    """Q6_K: lane l of load h's first 64 codes in group 8h + l // 4, of the next 64 8h + 4 + l // 4."""
+    return [8 * h + (lane >> 2) for lane in range(16)], [8 * h + 4 + (lane >> 2) for lane in range(16)]
+
+
 # kind -> (super-block bytes, scales decode, codes of a 64-byte load, lane -> scale index of
-# the (low, high) codes of load h: a sub-block of 32 (Q4_K) or group of 16 (Q6_K))
+# the (low, high) codes of load h: a sub-block of 32 (Q4_K, Q5_K) or group of 16 (Q6_K))
 _KINDS = {
-    "q4_k": (Q4K_BYTES, _q4k_superblock, _q4k_codes, _q4k_lanes),
-    "q6_k": (Q6K_BYTES, _q6k_superblock, _q6k_codes,
-             lambda h: ([8 * h + (lane >> 2) for lane in range(16)], [8 * h + 4 + (lane >> 2) for lane in range(16)])),
-    "q5_k": (Q5K_BYTES, _q4k_superblock, _q5k_codes, _q4k_lanes),  # Q4_K's header and sub-blocks
+    "q4_k": (Q4K_BYTES, q4k_superblock, _q4k_codes, _q4k_lanes),
+    "q6_k": (Q6K_BYTES, q6k_superblock, _q6k_codes, _q6k_lanes),
+    "q5_k": (Q5K_BYTES, q4k_superblock, _q5k_codes, _q4k_lanes),  # Q4_K's header and sub-blocks
 }
 
 
@@ -279,7 +285,7 @@ def _idot_codegen(kind: str, wrows: int):
                 for j in range(wrows):
                     acc = builder.load(accs[j])
                     for p, codes in enumerate(codes_of(builder, builder.gep(rows[j], [b]), h, load)):
-                        isum = _dot_u8s8(builder, starts[p], ((codes, xs[p]),), 16)
+                        isum = dot_u8s8(builder, starts[p], ((codes, xs[p]),), 16)
                         s = builder.shuffle_vector(scales[j], scales[j], _c(_V16I, idx[p]))
                         acc = builder.call(fma, [builder.sitofp(isum, _V16F), s, acc])
                     builder.store(acc, accs[j])

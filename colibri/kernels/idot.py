@@ -110,7 +110,7 @@ def _vec(t, n):
     return ir.VectorType(t, n)
 
 
-def _dot_u8s8(builder, acc, pairs, lanes: int):
+def dot_u8s8(builder, acc, pairs, lanes: int):
     """acc[i] + the 4-byte lane sums of a * b over the (a, b) `pairs` (at most two): the a bytes
     are nibbles (0..15) and the b bytes int8, so every partial sum below is exact in its width
     and the three forms give the same integers.
@@ -295,7 +295,7 @@ def _idot_codegen(nrows: int, half: int, mins: bool, ncols: int | None = None):
                     sw = group_lanes(srows[j], b, lanes)
                     m = group_lanes(mrows[j], b, lanes) if mins else None
                     for c in range(nc):
-                        iacc = _dot_u8s8(builder, init[c], ((lo, xl[c]), (hi, xh[c])), lanes)
+                        iacc = dot_u8s8(builder, init[c], ((lo, xl[c]), (hi, xh[c])), lanes)
                         scale = builder.fmul(sw, sx[c])
                         acc = fma(builder.sitofp(iacc, vf), scale, builder.load(accs[j][c]))
                         if mins:

@@ -189,7 +189,7 @@ def halves_f32(builder, ptr, n: int, load, f16c: bool = F16C):
     return f16_bits_f32(builder, builder.zext(h, ir.VectorType(_I32, n)))
 
 
-def _q4k_superblock(builder, blk, load, nvalid=None):
+def q4k_superblock(builder, blk, load, nvalid=None):
     """Q4_K (and Q5_K): (<16 x float> whose lanes 0-7 are d * sc of the 8 sub-blocks,
     -(dmin * m) over the 16 groups of 16) of the block at blk: d, dmin, then the 6-bit fields."""
     dd = builder.fmul(halves_f32(builder, blk, 2, load), _c(ir.VectorType(_F32, 2), [1.0, -1.0]))  # -dmin: exact
@@ -216,7 +216,7 @@ def _q4k_half(builder, blk, h, sv, xs, load, fma, nvalid=None):
     return (t_even, s_even), (t_odd, s_odd)
 
 
-def _q6k_superblock(builder, blk, load, nvalid=None):
+def q6k_superblock(builder, blk, load, nvalid=None):
     """Q6_K: (<16 x float> d * sc of the 16 groups, -32 d sc: the codes' offset) of the block
     at blk (ql[128] qh[64] scales[16] d)."""
     dh = halves_f32(builder, builder.gep(blk, [_i64(208)]), 1, load)
@@ -422,8 +422,8 @@ def _lut32_half(kind: str):
 
 
 # type -> (super-block bytes, per super-block decode, per half dot); Q5_K's header is Q4_K's
-_KINDS = {"q4_k": (Q4K_BYTES, _q4k_superblock, _q4k_half), "q6_k": (Q6K_BYTES, _q6k_superblock, _q6k_half),
-          "q5_k": (Q5K_BYTES, _q4k_superblock, _q5k_half), "q2_k": (Q2K_BYTES, _q2k_superblock, _q2k_half),
+_KINDS = {"q4_k": (Q4K_BYTES, q4k_superblock, _q4k_half), "q6_k": (Q6K_BYTES, q6k_superblock, _q6k_half),
+          "q5_k": (Q5K_BYTES, q4k_superblock, _q5k_half), "q2_k": (Q2K_BYTES, _q2k_superblock, _q2k_half),
           **{k: (4 * _LUTS[k][0], _lut32_superblock(k), _lut32_half(k)) for k in _LUTS}}
 
 
