@@ -511,3 +511,41 @@ def test_quantized_gguf_decodes_like_transformers_on_its_values(models, arch, qt
         want, _ = hf_greedy(ref, prompt, 12)
         assert engine.generate(prompt, max_tokens=12, stop_at_eos=False).token_ids == want, prompt
         assert linked.generate(prompt, max_tokens=12, stop_at_eos=False).token_ids == want, prompt
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", ["q4_k", "q6_k"])
+def test_int8_activations_on_a_k_quant_file(models, qtype, tmp_path):
+    """`--activations int8` on a K-quant file (its expert down rows Q4_K / Q6_K: block_idot.py's
+    int8 tiles in the fused MoE kernel, q8_0 elsewhere, exact): close to the exact path but not
+    equal to it, and sequences decoded together get the bits of decoding each alone."""
+    from colibri import Engine
+    from colibri.io.convert import convert
+
+    hf, _ = models("qwen3moe")
+    (path,) = write_gguf(hf, tmp_path / f"{qtype}.gguf", qtype=qtype)
+    container = convert(path, tmp_path / "c", progress=False)
+    exact, int8 = (Engine.load(container, activations=mode, max_context=64) for mode in ("f32", "int8"))
+    ids = np.asarray(prompts_for(VOCAB, 7, lengths=(24,))[0])
+    lp = {}
+    for mode, engine in (("f32", exact), ("int8", int8)):
+        z = engine.logits(ids.tolist()).astype(np.float64)
+        lp[mode] = z - z.max(-1, keepdims=True) - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True))
+    kl = (np.exp(lp["f32"]) * (lp["f32"] - lp["int8"])).sum(-1)
+    assert 0 < kl.mean() < 1e-3, kl.mean()
+    assert (lp["f32"].argmax(-1) == lp["int8"].argmax(-1)).mean() >= 0.9
+    model = int8.model  # several sequences decoded in one pass: each row the bits of decoding it alone
+    pa, pb, ta, tb = ids[:9], ids[9:14], ids[14:18], ids[18:22]
+
+    def prefilled(prompt):
+        cache = model.new_cache(32)
+        model.forward(prompt, cache)
+        return cache
+
+    ca, cb = prefilled(pa), prefilled(pb)
+    alone = [np.concatenate([model.forward(np.asarray([t]), c) for t in ts]) for c, ts in ((prefilled(pa), ta),
+                                                                                        (prefilled(pb), tb))]
+    for s in range(4):
+        rows = model.forward_rows([ta[s], tb[s]], [ca, cb])
+        np.testing.assert_array_equal(rows[0], alone[0][s])
+        np.testing.assert_array_equal(rows[1], alone[1][s])
