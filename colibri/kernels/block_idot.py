@@ -49,7 +49,7 @@ from numba.extending import intrinsic, overload
 from colibri.formats.ggml_blocks import BLOCK_SCHEMES
 from colibri.formats.qtensor import QTensor
 
-from .cpu.block_tiles import Q4K_BYTES, Q5K_BYTES, Q6K_BYTES, q4k_superblock, q6k_superblock
+from .cpu.block_tiles import Q4K_BYTES, Q5K_BYTES, Q6K_BYTES, q4k_superblock, q6k_superblock, tile_prologue
 from .cpu.blocks import (
     TYPE_CODE,
     block_rows8,
@@ -224,29 +224,14 @@ def _idot_codegen(kind: str, wrows: int):
         r, rn = args[1], args[2]
         xqa, nia, sxa, xoa, da = (context.make_array(t)(context, builder, a)
                                   for t, a in zip((xqty, nity, sxty, xoty, dty), args[3:]))
-        nrows, _ = cgutils.unpack_tuple(builder, qa.shape, 2)
-        qstride = cgutils.unpack_tuple(builder, qa.strides, 2)[0]
         n = cgutils.unpack_tuple(builder, xqa.shape, 1)[0]
         nsb = builder.udiv(n, _i64(256))
-        qbase = builder.bitcast(qa.data, _I8.as_pointer())
         xqbase = builder.bitcast(xqa.data, _I8.as_pointer())
         nibase = builder.bitcast(nia.data, _I32.as_pointer())
         sxbase = builder.bitcast(sxa.data, _F32.as_pointer())
         xobase = builder.bitcast(xoa.data, _F32.as_pointer())
         dbase = builder.bitcast(da.data, _F32.as_pointer())
-        last = builder.sub(nrows, _i64(1))
-
-        def row_ptr(row, j):  # rows past the matrix read its last row (their results are discarded)
-            rr = builder.add(row, _i64(j))
-            rr = builder.select(builder.icmp_signed(">", rr, last), last, rr)
-            return builder.gep(qbase, [builder.mul(rr, qstride)])
-
-        rows = [row_ptr(r, j) for j in range(wrows)]
-        nexts = [row_ptr(rn, j) for j in range(wrows)]
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * 16)) for _ in range(wrows)]
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fmuladd.v16f32")
-        pf = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0")
+        rows, nexts, accs, fma, pf = tile_prologue(builder, qa, r, rn, wrows)
         zero = ir.Constant(_V16I, [0] * 16)
 
         def load(ptr, ty, align=1):

@@ -57,6 +57,30 @@ def _i64(v):
     return ir.Constant(_I64, v)
 
 
+def tile_prologue(builder, qa, r, rn, wrows: int):
+    """What every eight-row tile (these and block_idot's) starts with: the byte pointers of rows
+    r .. r + wrows - 1 of the uint8 matrix qa and of rows rn .. (the next block's, prefetched),
+    a row past the matrix reading its last row (its result is discarded); one zeroed 16-lane
+    float accumulator per row; llvm.fmuladd.v16f32 and llvm.prefetch."""
+    nrows, _ = cgutils.unpack_tuple(builder, qa.shape, 2)
+    qstride = cgutils.unpack_tuple(builder, qa.strides, 2)[0]
+    qbase = builder.bitcast(qa.data, _I8.as_pointer())
+    last = builder.sub(nrows, _i64(1))
+
+    def row_ptr(row, j):
+        rr = builder.add(row, _i64(j))
+        rr = builder.select(builder.icmp_signed(">", rr, last), last, rr)
+        return builder.gep(qbase, [builder.mul(rr, qstride)])
+
+    rows = [row_ptr(r, j) for j in range(wrows)]
+    nexts = [row_ptr(rn, j) for j in range(wrows)]
+    accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * 16)) for _ in range(wrows)]
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fmuladd.v16f32")
+    pf = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0")
+    return rows, nexts, accs, fma, pf
+
+
 # --- x laid out for the tile ---------------------------------------------------------------
 
 
@@ -444,28 +468,13 @@ def _fused_codegen(kind: str, wrows: int):
         xpa = context.make_array(xpty)(context, builder, args[3])
         xsa = context.make_array(xsty)(context, builder, args[4])
         da = context.make_array(dty)(context, builder, args[5])
-        nrows, _ = cgutils.unpack_tuple(builder, qa.shape, 2)
-        qstride = cgutils.unpack_tuple(builder, qa.strides, 2)[0]
         n = cgutils.unpack_tuple(builder, xpa.shape, 1)[0]  # whole super-blocks (prepared_len)
         nsb = builder.udiv(n, _i64(weights))
         nblk = builder.udiv(cgutils.unpack_tuple(builder, qa.shape, 2)[1], _i64(bb)) if bb else None
-        qbase = builder.bitcast(qa.data, _I8.as_pointer())
         xpbase = builder.bitcast(xpa.data, _F32.as_pointer())
         xsbase = builder.bitcast(xsa.data, _F32.as_pointer())
         dbase = builder.bitcast(da.data, _F32.as_pointer())
-        last = builder.sub(nrows, _i64(1))
-
-        def row_ptr(row, j):  # rows past the matrix read its last row (their results are discarded)
-            rr = builder.add(row, _i64(j))
-            rr = builder.select(builder.icmp_signed(">", rr, last), last, rr)
-            return builder.gep(qbase, [builder.mul(rr, qstride)])
-
-        rows = [row_ptr(r, j) for j in range(wrows)]
-        nexts = [row_ptr(rn, j) for j in range(wrows)]
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * 16)) for _ in range(wrows)]
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fmuladd.v16f32")
-        pf = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0")
+        rows, nexts, accs, fma, pf = tile_prologue(builder, qa, r, rn, wrows)
 
         def load(ptr, ty, align):
             return builder.load(builder.bitcast(ptr, ty.as_pointer()), align=align)
