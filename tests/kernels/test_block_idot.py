@@ -6,8 +6,6 @@ IR); block types without an int8 tile run exactly in int8 mode."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,6 +16,7 @@ from colibri.kernels.cpu import matvec as exact_matvec
 from colibri.kernels.cpu import matvec_rows as exact_rows
 
 from test_blocks import _block_layer, make, reference
+from test_idot import assert_same_bits_in_every_form
 
 SCHEMES = block_idot.INT8_SCHEMES
 SHAPES = [(13, 512), (3, 256), (24, 1024)]  # rows: not a multiple of 8, fewer than 8, whole blocks
@@ -171,16 +170,4 @@ print(idot.ISA)
 def test_every_integer_form_gives_the_same_bits(tmp_path):
     """The target's integer dot instructions against the narrower forms, each compiled in its
     own process and cache (COLIBRI_IDOT)."""
-    forms = {"vnni": ("vnni", "avx2", "generic"), "avx2": ("avx2", "generic")}[idot.ISA]
-    here = os.path.dirname(__file__)
-    results = {}
-    for mode in forms:
-        env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / f"cache-{mode}"), "COLIBRI_IDOT": mode}
-        f = tmp_path / f"{mode}.npy"
-        p = subprocess.run([sys.executable, "-c", _SCRIPT, str(f), here], env=env, capture_output=True, text=True,
-                           timeout=600)
-        assert p.returncode == 0, p.stderr[-2000:]
-        assert p.stdout.strip() == mode
-        results[mode] = np.load(f)
-    for mode in forms[1:]:
-        np.testing.assert_array_equal(results[forms[0]], results[mode])
+    assert_same_bits_in_every_form(tmp_path, _SCRIPT, os.path.dirname(__file__))

@@ -114,12 +114,19 @@ print(idot.ISA)
 def test_every_integer_form_gives_the_same_bits(tmp_path):
     """The target's integer dot instructions (VNNI, AVX2 pairs) against the portable IR, and on a
     VNNI CPU its AVX2 form too: each compiled in its own process and cache."""
+    assert_same_bits_in_every_form(tmp_path, _SCRIPT)
+
+
+def assert_same_bits_in_every_form(tmp_path, script: str, *args: str) -> None:
+    """Run `script` (python -c; argv[1]: the .npy to save its result to, then `args`; it prints
+    idot.ISA) once per integer-dot form this CPU can run, each in its own process and numba
+    cache (COLIBRI_IDOT), and check the forms' results are the same bits."""
     forms = {"vnni": ("vnni", "avx2", "generic"), "avx2": ("avx2", "generic")}[idot.ISA]
     results = {}
     for mode in forms:
         env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / f"cache-{mode}"), "COLIBRI_IDOT": mode}
         f = tmp_path / f"{mode}.npy"
-        p = subprocess.run([sys.executable, "-c", _SCRIPT, str(f)], env=env, capture_output=True, text=True,
+        p = subprocess.run([sys.executable, "-c", script, str(f), *args], env=env, capture_output=True, text=True,
                            timeout=600)
         assert p.returncode == 0, p.stderr[-2000:]
         assert p.stdout.strip() == mode
