@@ -11,7 +11,7 @@ import re
 from colibri.errors import ColibriError
 
 SUPPORTED = ("llama", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "glm_moe_dsa",
-             "qwen3_next", "qwen3_5_moe", "gpt_oss", "minimax_m2", "kimi_linear")
+             "qwen3_next", "qwen3_5_moe", "gpt_oss", "minimax_m2", "kimi_linear", "deepseek_v4")
 ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3", "qwen3_5_moe_text": "qwen3_5_moe"}
 
 # Multimodal wrappers whose config.json holds the language model's config under a key: convert
@@ -47,6 +47,25 @@ CHECKPOINT_NAMES: dict[str, tuple[tuple[str, str], ...]] = {
     # (transformers' in-memory `forget_gate.` prefix read back the same).
     "kimi_linear": ((r"\.block_sparse_moe\.", ".mlp."), (r"\.self_attn\.forget_gate\.", ".self_attn."),
                     *((rf"(\.experts\.\d+)\.{old}\.weight$", rf"\1.{new}.weight")
+                      for old, new in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")))),
+    # DeepSeek V4: its own checkpoint names (with or without transformers' `model.` prefix) onto
+    # transformers' module names (its conversion_mapping.py), the indexer under the compressor.
+    "deepseek_v4": ((r"^layers\.", "model.layers."), (r"^embed\.weight$", "model.embed_tokens.weight"),
+                    (r"^head\.weight$", "lm_head.weight"), (r"^norm\.weight$", "model.norm.weight"),
+                    (r"^hc_head_(fn|base|scale)$", r"model.hc_head.hc_\1"),
+                    (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."),
+                    (r"\.self_attn\.indexer\.compressor\.", ".self_attn.compressor.indexer."),
+                    (r"\.self_attn\.indexer\.(?:scorer\.)?weights_proj\.", ".self_attn.compressor.indexer.weights_proj."),
+                    (r"\.self_attn\.indexer\.wq_b\.", ".self_attn.compressor.indexer.q_b_proj."),
+                    (r"\.compressor\.indexer\.scorer\.", ".compressor.indexer."),
+                    (r"\.attn_norm\.", ".input_layernorm."), (r"\.ffn_norm\.", ".post_attention_layernorm."),
+                    (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"), (r"\.attn_sink$", ".sinks"),
+                    (r"(\.self_attn(?:\.compressor(?:\.indexer)?)?)\.norm\.weight$", r"\1.kv_norm.weight"),
+                    (r"\.ape$", ".position_bias"), (r"\.wq_a\.", ".q_a_proj."), (r"\.wq_b\.", ".q_b_proj."),
+                    (r"\.wkv\.", ".kv_proj."), (r"\.wgate\.", ".gate_proj."), (r"\.wo_a\.", ".o_a_proj."),
+                    (r"\.wo_b\.", ".o_b_proj."), (r"\.q_norm\.", ".q_a_norm."),
+                    (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+                    *((rf"(\.(?:experts\.\d+|shared_experts))\.{old}\.weight$", rf"\1.{new}.weight")
                       for old, new in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")))),
     # Kimi-K2.5's language model under `language_model.` (transformers 5 saves its layers as
     # `blocks`, and names them `model.language_model.` in memory).

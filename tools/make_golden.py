@@ -31,13 +31,18 @@ BITS = (32, 4)
 INIT_STD = 0.1
 
 
-def weights(tensors: list, seed: int) -> dict[str, np.ndarray]:
+def weights(tensors: list, seed: int, config: dict | None = None) -> dict[str, np.ndarray]:
     """The checkpoint's float32 tensors, drawn in the listed order from one numpy generator: RMSNorm
     weights near 1 (1 + 0.1 N), routing-correction biases 0.2 N (so they steer the choice), the rest
-    N(0, INIT_STD), as tests/models/harness.py initializes with torch."""
+    N(0, INIT_STD), as tests/models/harness.py initializes with torch. A hash router's token -> expert
+    table (DeepSeek V4's `tid2eid`, int64) holds distinct experts of config's n_routed_experts."""
     rng = np.random.default_rng(seed)
     out = {}
     for name, shape in tensors:
+        if name.endswith("tid2eid"):
+            experts = int((config or {}).get("n_routed_experts") or shape[1])
+            out[name] = np.argsort(rng.random((shape[0], experts)), axis=1)[:, :shape[1]].astype(np.int64)
+            continue
         x = rng.standard_normal(tuple(shape), dtype=np.float32)
         if name.endswith("e_score_correction_bias"):
             x *= np.float32(0.2)
@@ -61,7 +66,7 @@ def write_checkpoint(golden: dict, out_dir: Path) -> Path:
     """The golden file's checkpoint (config.json + model.safetensors) regenerated under out_dir."""
     from safetensors.numpy import save_file
 
-    state = weights(golden["tensors"], golden["seed"])
+    state = weights(golden["tensors"], golden["seed"], golden["config"])
     if digest(state) != golden["sha256"]:
         raise AssertionError("numpy drew different weights than when the golden file was made "
                              "(numpy's generator changed?): rerun python -m tools.make_golden")
@@ -111,7 +116,7 @@ def make_case(family: str, case: str, work: Path) -> dict:
     with safe_open(str(shape_dir / "model.safetensors"), "np") as f:
         tensors = [[name, list(f.get_slice(name).get_shape())] for name in sorted(f.keys())]
     config = json.loads((shape_dir / "config.json").read_text())
-    state = weights(tensors, seed)
+    state = weights(tensors, seed, config)
     golden = {"family": family, "case": case, "seed": seed, "transformers": transformers.__version__,
               "new_tokens": NEW_TOKENS, "config": config, "tensors": tensors, "sha256": digest(state),
               "prompts": prompts_for(cfg.vocab_size, seed), "bits": {}}

@@ -51,6 +51,9 @@ _FUSED_EXPERTS = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<proj>gate_up_proj|do
 _ROUTER = re.compile(r"\.(gate|shared_expert_gate|router)\.weight$")
 _EMBEDDING = re.compile(r"(embed_tokens|lm_head|shared_head\.head)\.weight$")
 _INDEXER = re.compile(r"\.indexer\.")  # DSA lightning indexer: selects tokens, kept exact like routers
+# DeepSeek V4's small parameters that are not matrices applied to activations (hyper-connection
+# mixing, compressor position biases, the hash router's token -> expert table): kept exact.
+_EXACT = re.compile(r"(\.(attn_hc|ffn_hc)\.fn|\.hc_head\.hc_fn|\.position_bias|\.tid2eid)$")
 _LAYER = re.compile(r"layers\.(\d+)\.")
 _SKIP = re.compile(r"rotary_emb\.inv_freq$")
 _CHUNK_ELEMENTS = 1 << 16  # rows quantized at a time: 256 KiB of float32, temporaries stay in cache
@@ -63,7 +66,7 @@ def scheme_for(name: str, shape: tuple[int, ...], bits: int) -> str:
     cols = shape[1]
     if _EMBEDDING.search(name):
         return "q8_0" if cols % 32 == 0 else "f32"
-    if _ROUTER.search(name) or _INDEXER.search(name):
+    if _ROUTER.search(name) or _INDEXER.search(name) or _EXACT.search(name):
         return "f32"
     if bits == 4:
         return "int4_g64" if cols % 64 == 0 else "f32"
