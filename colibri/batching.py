@@ -139,11 +139,16 @@ class StepBatcher:
             # Rows in a fixed order of their caches, not of arrival: the model keeps the per-layer
             # lists of the rows' K/V arrays while a step's caches come in the same order; by
             # arrival they would be rebuilt at most steps.
-            decode = sorted((r for r in decode if self._draft(r)), key=lambda r: id(r.caches[0]))
-            if decode:
-                self._run_rows(decode)
-            for r in chunks:
-                self._run_one(r)
+            try:
+                decode = sorted((r for r in decode if self._draft(r)), key=lambda r: id(r.caches[0]))
+                if decode:
+                    self._run_rows(decode)
+                for r in chunks:
+                    self._run_one(r)
+            except Exception as e:  # noqa: BLE001 - a fault outside any one request's pass: fail
+                for r in taken:    # the step's requests rather than the thread (they would wait forever)
+                    if r.error is None and r.result is None:
+                        r.error = e
             with self._cv:
                 self.steps += 1
                 self.rows_run += sum(len(r.tokens) for r in decode)

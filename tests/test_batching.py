@@ -141,3 +141,34 @@ def test_a_steps_rows_come_in_the_same_order_whatever_order_they_arrive_in(smoll
     assert len(seen) == 4 and all(order == seen[0] for order in seen)
     kept = model._kv_memo
     assert kept is not None and [c for c, _ in kept[0]] == [caches[i] for i in seen[0]]
+
+
+def test_a_fault_outside_any_requests_pass_fails_the_step_not_the_batcher(smollm2_container):
+    """An error the per-request handling does not catch (a bug in the step itself) is raised in
+    the generations of that step; the batcher's thread lives on and serves the next step, where
+    dying would have left every waiting generation blocked forever."""
+    engine = Engine.load(smollm2_container)
+    model = engine.model
+    cache = model.new_cache(16)
+    engine.start_batching()
+    batcher = engine._batcher
+    try:
+        real = batcher._run_rows
+        batcher._run_rows = lambda reqs: (_ for _ in ()).throw(TypeError("a step bug (test)"))
+        got: list = []
+        t = threading.Thread(target=lambda: got.append(_outcome(lambda: batcher.rows([7], [cache]))))
+        t.start()
+        t.join(60)
+        assert not t.is_alive() and isinstance(got[0], TypeError)
+        batcher._run_rows = real
+        rows = batcher.rows([7], [cache])  # the next step runs
+        assert rows.shape == (1, engine.vocab_size)
+    finally:
+        engine.stop_batching()
+
+
+def _outcome(call):
+    try:
+        return call()
+    except Exception as e:  # noqa: BLE001 - the test looks at what the call raised
+        return e

@@ -594,6 +594,11 @@ class V4Model(DecoderModel):
 
     @in_activation_mode
     def forward(self, ids: np.ndarray, cache: V4Cache, all_logits: bool = False) -> np.ndarray:
+        """Run tokens `ids` [L] after the cache's contents; returns logits [L or 1, V]."""
+        return linear(self.hidden(ids, cache, all_logits), self.lm_head)
+
+    def hidden(self, ids: np.ndarray, cache: V4Cache, all_logits: bool = False) -> np.ndarray:
+        """The final hidden states (collapsed, normed) [L or 1, D] of forward."""
         ids = np.asarray(ids, dtype=np.int64)
         L, pos0 = ids.shape[0], cache.length
         cache.reserve(pos0 + L)
@@ -609,14 +614,14 @@ class V4Model(DecoderModel):
         cache.length = pos0 + L
         if not all_logits:
             streams = streams[-1:]
-        return linear(self._head(streams), self.lm_head)
+        return self._head(streams)
 
+    @in_activation_mode
     def forward_rows(self, ids, caches: list) -> np.ndarray:
         """Each row decoded alone, in row order (rows of one cache are its next positions): the
         same bits as decoding them one by one, which is what batching and drafts promise."""
-        logits = np.concatenate([self.forward(np.asarray([t]), c) for t, c in zip(ids, caches)])
-        self.rows_hidden = None
-        return logits
+        self.rows_hidden = h = np.concatenate([self.hidden(np.asarray([t]), c) for t, c in zip(ids, caches)])
+        return np.concatenate([linear(h[r:r + 1], self.lm_head) for r in range(h.shape[0])])
 
 
 def build(config: dict, weights, experts) -> V4Model:
