@@ -172,3 +172,56 @@ def test_the_cache_refuses_a_float16_kv_cache():
     cfg = load(GOLDEN_DIR / "deepseek_v4-flash_layout.json")["config"]
     with pytest.raises(ColibriError, match="f16 is not implemented for deepseek_v4"):
         V4Cache(ModelArgs.from_dict(cfg), 16, dtype="f16")
+
+
+@pytest.fixture
+def small_ring(monkeypatch):
+    """Rings of 2 windows + 2 positions (18 here): prompts and chunks run past them."""
+    from colibri.models import deepseek_v4
+
+    monkeypatch.setattr(deepseek_v4, "ROW_SLACK", 2)
+
+
+def test_the_ring_changes_no_bit(v4, small_ring):
+    e = Engine.load(v4)
+    ids = prompt(16)
+    whole = e.model.new_cache(64)  # one 41-position pass: its own rows feed the windows the ring no longer holds
+    assert whole.ring == 18
+    logits = [e.model.forward(np.asarray(ids), whole)] + [e.model.forward(np.asarray([t]), whole) for t in ids[:9]]
+    from colibri.models import deepseek_v4
+    big = deepseek_v4.V4Cache(e.model.args, 64, slack=64)
+    expected = [e.model.forward(np.asarray(ids), big)] + [e.model.forward(np.asarray([t]), big) for t in ids[:9]]
+    assert all(np.array_equal(a, b) for a, b in zip(logits, expected))
+    assert fresh(v4, ids, 10) == Engine.load(v4, prefill_chunk=CHUNK).generate(ids, max_tokens=10,
+                                                                                 stop_at_eos=False).token_ids
+
+
+def test_a_cut_is_exact_within_the_ring_and_refused_past_it(v4, small_ring):
+    model = Engine.load(v4).model
+    cache = model.new_cache(64)
+    ids = prompt(17)
+    model.forward(np.asarray(ids), cache)  # 41: the rings hold positions 23..40
+    # 30 needs CSA's windows from 24 (the one before its unfinished one) and HCA's from 24; 25
+    # needs CSA's from 20
+    assert cache.exact(30) and not cache.exact(25) and cache.exact(0)
+    with pytest.raises(ColibriError, match="left the ring"):
+        cache.truncate(25)
+    cache.truncate(30)
+    plain = model.new_cache(64)
+    model.forward(np.asarray(ids[:30]), plain)
+    for t in ids[30:36]:
+        a, b = model.forward(np.asarray([t]), cache), model.forward(np.asarray([t]), plain)
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(np.max(np.abs(b))))
+    assert cache.rewind(25) == 0 and cache.length == 0  # a prefix reuse that far back starts over
+
+
+def test_prefix_reuse_past_the_ring_starts_over_with_the_same_tokens(v4, small_ring):
+    e = Engine.load(v4, prefill_chunk=CHUNK)
+    a = prompt(18)
+    e.generate(a, max_tokens=3, stop_at_eos=False, slot=0)
+    near = a + prompt(19, 6)  # leaves the conversation where its answer began: within the ring
+    got = e.generate(near, max_tokens=6, stop_at_eos=False, slot=0)
+    assert got.prompt_tokens_reused == len(a) and got.token_ids == fresh(v4, near, 6)
+    far = a[:20] + prompt(20, 9)  # leaves it 27 positions back: past the ring
+    got = e.generate(far, max_tokens=6, stop_at_eos=False, slot=0)
+    assert got.prompt_tokens_reused == 0 and got.token_ids == fresh(v4, far, 6)

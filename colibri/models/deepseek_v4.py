@@ -248,48 +248,147 @@ def clipped_swiglu(gate: np.ndarray, up: np.ndarray, limit: float) -> np.ndarray
 
 
 # ----------------------------------------------------------------------------- the cache
-class V4Cache(KVCache):
-    """A sequence's cache: per layer, K [1, N, Dh] holds the rope'd key=value rows (every
-    position: a sliding window attends to the last few, and cutting back stays exact), and V
-    [1, N, W] each position's compressor rows (ModelArgs.row_width: 0 for sliding layers). The
-    compressed entries are derived from those rows on first use (`entries`) and forgotten when
-    the cache is cut back before their window ends."""
+ROW_SLACK = 64  # positions of compressor rows kept beyond two windows: how far back a cut stays exact
 
-    def __init__(self, args: ModelArgs, max_tokens: int, dtype: str = "f32"):
+
+class V4Cache(KVCache):
+    """A sequence's cache. Per layer: K [1, N, Dh], the rope'd key=value row of every position
+    (a sliding window reads the last few; keeping all makes any cut exact for them, at one
+    head's K per position); the compressed entries of every finished window (`entries`,
+    appended as windows finish, saved with a slot); and V [1, RING, W], each position's
+    compressor rows (kv and raw gate projections, ModelArgs.row_width) in a ring of the last
+    RING = 2 * (largest rate) + ROW_SLACK positions: a window's entry needs its own rows and,
+    for CSA, the window before.
+
+    An entry depends only on those rows, so the cache can be cut back to n exactly while the
+    ring still holds the rows n's unfinished windows need (`exact(n)`): a rejected draft, a
+    re-rendered end of a conversation. Further back, `rewind` starts over (0) and `truncate`
+    refuses, as a recurrent state's cache does (models/recurrent.py)."""
+
+    def __init__(self, args: ModelArgs, max_tokens: int, dtype: str = "f32", slack: int | None = None):
         if dtype != "f32":
             raise ColibriError("--kv-cache f16 is not implemented for deepseek_v4 (its compressors read float32 "
                                "rows)")
-        self._widths = [args.row_width(i) for i in range(args.num_hidden_layers)]
-        self._rates = {i: args.rate(i) for i in range(args.num_hidden_layers) if args.rate(i)}
-        super().__init__(args.num_hidden_layers, 1, args.head_dim, max_tokens)
+        n = args.num_hidden_layers
+        self._widths = [args.row_width(i) for i in range(n)]
+        self._rates = {i: args.rate(i) for i in range(n) if args.rate(i)}
+        self._overlap = {i for i in self._rates if args.layer_types[i] == CSA}
+        self._index_dim = args.index_head_dim
+        self.ring = 2 * max(self._rates.values(), default=0) + (ROW_SLACK if slack is None else slack)
+        super().__init__(n, 1, args.head_dim, max_tokens)
+        self.v = self._rings()
+        self._low = {i: 0 for i in self._rates}  # per compressed layer: the oldest position whose rows the ring holds
         self._entries: dict[tuple[int, str], list] = {}  # (layer, "kv" | "index") -> window entries [C]
 
-    def _arrays(self, num_layers: int, cap: int) -> tuple[list, list]:
-        _, dk, _ = self._shape
-        specs = [((1, cap, dk), np.float32)] * num_layers + [((1, cap, w), np.float32) for w in self._widths]
-        arrays = huge_arrays(specs)
-        return arrays[:num_layers], arrays[num_layers:]
+    def _rings(self) -> list:
+        return huge_arrays([((1, self.ring, w), np.float32) for w in self._widths])
 
+    def reserve(self, n: int) -> None:
+        """Grow K (the rings keep their size)."""
+        if n > self.max_tokens:
+            raise ColibriError(f"context full: {n} tokens needed, the context holds {self.max_tokens}")
+        if n <= self.capacity:
+            return
+        cap = min(self.max_tokens, max(n, 2 * self.capacity))
+        grown = huge_arrays([((1, cap, self._shape[1]), np.float32)] * len(self.k))
+        for old, new in zip(self.k, grown):
+            new[:, :self.length] = old[:, :self.length]
+        self.k = grown
+        self._lists = None
+
+    # -- compressor rows -------------------------------------------------------------------
+    def write_rows(self, layer: int, pos0: int, rows: np.ndarray) -> None:
+        """Rows [L, W] of positions pos0.. into layer's ring (the last RING of them)."""
+        L = rows.shape[0]
+        first = max(pos0, pos0 + L - self.ring)
+        slots = np.arange(first, pos0 + L) % self.ring
+        self.v[layer][0, slots] = rows[first - pos0:]
+        self._low[layer] = max(self._low[layer], pos0 + L - self.ring)
+
+    def ring_rows(self, layer: int, a: int, b: int) -> np.ndarray:
+        """The rows of positions [a, b) from layer's ring."""
+        if a < self._low[layer]:
+            raise ColibriError(f"deepseek_v4 cache: the rows of position {a} have left the ring (it holds "
+                               f"{self._low[layer]} on)")
+        return self.v[layer][0, np.arange(a, b) % self.ring]
+
+    def _needed_from(self, layer: int, n: int) -> int:
+        """The oldest position whose rows the windows after the first n positions need."""
+        m = self._rates[layer]
+        w = n // m  # the next entry's window; CSA pools the window before it too
+        return max(0, (w - 1 if layer in self._overlap else w) * m)
+
+    def exact(self, n: int) -> bool:
+        """Whether the cache can be cut back to n positions exactly."""
+        return n <= 0 or n >= self.length or all(self._needed_from(i, n) >= self._low[i] for i in self._rates)
+
+    # -- entries ---------------------------------------------------------------------------
     def entries(self, layer: int, name: str, n: int, make) -> np.ndarray:
         """Layer `layer`'s `name` entries of every window the first n positions finish
-        [n // m, C] (n: the positions whose rows this layer has written); `make(w)` computes
-        window w's from the rows, once per window."""
+        [n // m, C] (n: the positions whose rows this layer has); `make(w)` computes window w's
+        entry, once per window."""
         kept = self._entries.setdefault((layer, name), [])
         for w in range(len(kept), n // self._rates[layer]):
             kept.append(make(w))
         return np.stack(kept) if kept else np.zeros((0, 1), np.float32)
 
+    # -- cutting back ----------------------------------------------------------------------
     def truncate(self, n: int) -> None:
-        """Keep the first n positions and the entries of the windows they finish. (Also run at
-        the start of every pass: a pass that failed part way may have derived entries from rows
-        it never committed.)"""
+        """Keep exactly the first n positions: n must be `exact` (0 always is). Also run at the
+        start of every pass, with n the length: a pass that failed part way may have derived
+        entries from rows it never committed."""
+        if not self.exact(n):
+            raise ColibriError(f"cannot cut a deepseek_v4 cache back to {n} tokens: the compressor rows its "
+                               f"unfinished windows need have left the ring (it holds {self.length})")
         super().truncate(n)
+        if self.length == 0:
+            self._low = {i: 0 for i in self._rates}
         for (layer, _), kept in self._entries.items():
             del kept[self.length // self._rates[layer]:]
 
+    def rewind(self, n: int) -> int:
+        """Keep the first n positions where that is exact, else none; returns how many."""
+        self.truncate(n if self.exact(n) else 0)
+        return self.length
+
+    def recover(self) -> int:
+        """After a pass failed part way (some layers wrote its rows into their rings): keep the
+        length where that is still exact, else start over; returns the length."""
+        return self.rewind(self.length)
+
+    # -- persistence (io/kv_store.py: K and the rings are saved as the K / V arrays) --------
+    def saved_state(self) -> dict[str, np.ndarray]:
+        arrays = {"low": np.asarray([self._low[i] for i in sorted(self._rates)], np.int64)}
+        for (layer, name), kept in self._entries.items():
+            if kept:
+                arrays[f"entries{layer}_{name}"] = np.stack(kept[: self.length // self._rates[layer]])
+        return arrays
+
+    def restore_state(self, arrays) -> None:
+        if "low" not in arrays:
+            raise ValueError("no deepseek_v4 compressor state in the file")
+        self._low = dict(zip(sorted(self._rates), np.asarray(arrays["low"]).tolist()))
+        self._entries = {}
+        for key in arrays:
+            if key.startswith("entries"):
+                layer, name = key[len("entries"):].split("_", 1)
+                self._entries[(int(layer), name)] = list(np.array(arrays[key], np.float32))
+
     @property
     def bytes_per_token(self) -> int:
-        return 4 * sum(self._shape[1] + w for w in self._widths)
+        """K of every layer plus the entries a position adds on average: a CSA layer's entry and
+        indexer key per m positions, an HCA layer's entry per m' (the rings are fixed:
+        `state_bytes`)."""
+        dh = self._shape[1]
+        per = dh * len(self.k)
+        for i, m in self._rates.items():
+            per += (dh + self._index_dim if i in self._overlap else dh) / m
+        return int(4 * per)
+
+    @property
+    def state_bytes(self) -> int:
+        """The compressor rows' rings of one sequence, whatever its length."""
+        return 4 * self.ring * sum(self._widths)
 
 
 # ----------------------------------------------------------------------------- compressors
@@ -318,15 +417,15 @@ class Compressor:
         """The positions' rows [L, row_width]: kv projection, then raw gate projection."""
         return np.concatenate([linear(x, self.kv_proj), linear(x, self.gate_proj)], axis=1)
 
-    def entry(self, rows: np.ndarray, w: int) -> np.ndarray:
-        """Window w's entry [C] from the series' rows [N, row_width] (every position so far)."""
+    def entry(self, rows, w: int) -> np.ndarray:
+        """Window w's entry [C]; rows(a, b): the series' rows [b - a, row_width] of positions a..b."""
         m, C, half = self.rate, self.width, self.row_width // 2
-        cur = rows[w * m:(w + 1) * m]
+        cur = rows(w * m, (w + 1) * m)
         kv, gate = cur[:, :half], cur[:, half:] + self.bias
         if self.overlap:
             kv, gate = kv[:, C:], gate[:, C:]  # the second series: this window's
             if w > 0:
-                prev = rows[(w - 1) * m:w * m]
+                prev = rows((w - 1) * m, w * m)
                 kv = np.concatenate([prev[:, :C], kv])
                 gate = np.concatenate([prev[:, half:half + C] + self.bias[:, :C], gate])
         entry = pooled(kv, gate, self.norm, self.eps)
@@ -434,18 +533,26 @@ class V4Attention:
         n = pos0 + L
         entries = mask = None
         if self.compressor is not None:
-            rows = cache.v[layer][0]
             c = self.compressor
-            own = c.rows(x)
+            own = c.rows(x)                                                 # this pass's rows [L, W]
             if self.indexer is not None:
                 own = np.concatenate([own, self.indexer.keys.rows(x)], axis=1)
-            rows[pos0:n] = own
-            entries = cache.entries(layer, "kv", n, lambda w: c.entry(rows[:n, :c.row_width], w))
+
+            def rows(a: int, b: int, lo: int = 0, hi: int = own.shape[1]) -> np.ndarray:
+                """Columns lo..hi of the rows of positions a..b: older ones from the ring."""
+                if a >= pos0:
+                    return own[a - pos0:b - pos0, lo:hi]
+                old = cache.ring_rows(layer, a, min(b, pos0))[:, lo:hi]
+                return old if b <= pos0 else np.concatenate([old, own[:b - pos0, lo:hi]])
+
+            entries = cache.entries(layer, "kv", n, lambda w: c.entry(lambda a, b: rows(a, b, 0, c.row_width), w))
             mask = np.arange(entries.shape[0])[None, :] < ((positions + 1) // c.rate)[:, None]
             if self.indexer is not None and entries.shape[0]:
                 ix = self.indexer
-                keys = cache.entries(layer, "index", n, lambda w: ix.keys.entry(rows[:n, c.row_width:], w))
+                keys = cache.entries(layer, "index", n,
+                                     lambda w: ix.keys.entry(lambda a, b: rows(a, b, c.row_width), w))
                 mask = ix.select(x, q_residual, keys, positions, cos, sin)
+            cache.write_rows(layer, pos0, own)
         out = v4_attention(q, cache.k[layer][0, :n], pos0, self.window, self.scale, self.sinks, entries, mask)
         out = interleaved_rope(out, cos, -sin).reshape(L, self.groups, -1)                 # [L, G, H Dh / G]
         parts = []
@@ -609,8 +716,12 @@ class V4Model(DecoderModel):
                     layer.mlp.experts.prefetch(layer.mlp.prefix, np.unique(layer.mlp.tid2eid[ids]).tolist())
         x = embedding(self.embed, ids)                                          # [L, D]
         streams = np.ascontiguousarray(np.broadcast_to(x[:, None, :], (L, self.args.hc_mult, x.shape[1])))
-        for layer in self.layers:
-            streams = layer(streams, ids, cache, pos0)
+        try:
+            for layer in self.layers:
+                streams = layer(streams, ids, cache, pos0)
+        except BaseException:  # some layers wrote this pass's rows into their rings
+            cache.recover()
+            raise
         cache.length = pos0 + L
         if not all_logits:
             streams = streams[-1:]
