@@ -16,6 +16,9 @@ MIN_BLOCK, MAX_BLOCK = 64, 2048
 # Snapshots of a recurrent state kept per sequence (the newest prefill-chunk ends: prefix reuse,
 # models/recurrent.py), each the size of the live state: the planner counts 1 + this many.
 STATE_SNAPSHOTS = 4
+# DeepSeek V4: positions of compressor rows a sequence keeps beyond two windows (models/deepseek_v4.py,
+# V4Cache): how far back a cut (a rejected draft, a re-rendered end of a turn) stays exact.
+V4_ROW_SLACK = 64
 
 
 def key_block(rows: int, score_bytes: int = SCORE_BLOCK_BYTES, min_block: int = MIN_BLOCK,

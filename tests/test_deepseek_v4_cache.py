@@ -225,3 +225,26 @@ def test_prefix_reuse_past_the_ring_starts_over_with_the_same_tokens(v4, small_r
     far = a[:20] + prompt(20, 9)  # leaves it 27 positions back: past the ring
     got = e.generate(far, max_tokens=6, stop_at_eos=False, slot=0)
     assert got.prompt_tokens_reused == 0 and got.token_ids == fresh(v4, far, 6)
+
+
+@pytest.mark.parametrize("over", [{}, {"layer_types": None, "mlp_layer_types": None, "num_hidden_layers": 7},
+                                  {"layer_types": None, "compress_ratios": [0, 4, 128, 4], "num_hash_layers": 1},
+                                  {"compress_rates": None, "compress_rate_csa": 8, "compress_rate_hca": 64}])
+def test_the_planner_derives_the_models_schedule(over):
+    """colibri/plan (which imports no model code) sizes a V4 config by the layer kinds and rates
+    the model derives, legacy fields included."""
+    from colibri.plan.shapes import v4_schedule
+
+    cfg = {k: v for k, v in {**load(GOLDEN_DIR / "deepseek_v4-flash_layout.json")["config"], **over}.items()
+           if v is not None}
+    args = ModelArgs.from_dict(cfg)
+    assert v4_schedule(cfg) == (args.layer_types[: args.num_hidden_layers],
+                                args.mlp_layer_types[: args.num_hidden_layers], args.compress_rates)
+
+
+def test_the_planner_counts_what_the_cache_holds():
+    from colibri.plan.facts import _kv_bytes_per_token, _state_bytes_per_slot
+
+    cfg = load(GOLDEN_DIR / "deepseek_v4-flash_layout.json")["config"]
+    cache = V4Cache(ModelArgs.from_dict(cfg), 16)
+    assert _kv_bytes_per_token(cfg, 4) == cache.bytes_per_token and _state_bytes_per_slot(cfg, 4) == cache.state_bytes

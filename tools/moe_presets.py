@@ -117,6 +117,20 @@ REAL = {
                         layer_types=_gpt_oss_layers(24)),                       # openai/gpt-oss-20b
     "gpt-oss-120b": dict(_GPT_OSS, num_hidden_layers=36, num_local_experts=128,
                          layer_types=_gpt_oss_layers(36)),                      # openai/gpt-oss-120b
+    # deepseek-ai/DeepSeek-V4-Flash (transformers' DeepseekV4Config defaults, its Flash-Base shapes):
+    # 284B total, 13B active; 3 hash-routed layers, two HCA then CSA / HCA in turn
+    "deepseek-v4-flash": {
+        "model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"], "vocab_size": 129280,
+        "hidden_size": 4096, "moe_intermediate_size": 2048, "num_hidden_layers": 43, "num_attention_heads": 64,
+        "num_key_value_heads": 1, "head_dim": 512, "q_lora_rank": 1024, "qk_rope_head_dim": 64,
+        "num_experts_per_tok": 6, "n_routed_experts": 256, "n_shared_experts": 1, "scoring_func": "sqrtsoftplus",
+        "norm_topk_prob": True, "routed_scaling_factor": 1.5, "hc_mult": 4, "hc_sinkhorn_iters": 20,
+        "hc_eps": 1e-6, "swiglu_limit": 10.0, "sliding_window": 128, "o_groups": 8, "o_lora_rank": 1024,
+        "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512, "num_hash_layers": 3,
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+        "rope_theta": 10000.0, "compress_rope_theta": 160000.0, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 1048576, "tie_word_embeddings": False, "hidden_act": "silu",
+        "bos_token_id": 0, "eos_token_id": 1, "num_nextn_predict_layers": 1},
     "minimax-m2": {  # MiniMaxAI/MiniMax-M2 (transformers' MiniMaxM2Config defaults): 230B total, 10B active
         "model_type": "minimax_m2", "architectures": ["MiniMaxM2ForCausalLM"], "vocab_size": 200064,
         "hidden_size": 3072, "intermediate_size": 1536, "num_hidden_layers": 62, "num_attention_heads": 48,
@@ -185,6 +199,7 @@ class Spec:
     name: str
     shape: tuple[int, ...]
     kind: str  # "matrix" | "embedding" | "norm" | "bias" | "router" | "router_bias" | "layer_norm_bias"
+    #            | "hash_table" (DeepSeek V4's token -> experts)
     #            | "log_decay" (Gated DeltaNet's A_log) | "conv" (its short convolution)
 
 
@@ -195,6 +210,8 @@ def _kind(name: str, shape: tuple[int, ...]) -> str:
         return "router"
     if name.endswith(".gate.e_score_correction_bias"):
         return "router_bias"
+    if name.endswith(".gate.tid2eid"):
+        return "hash_table"
     if name.endswith(".k_norm.bias"):
         return "layer_norm_bias"
     if name.endswith(".bias") or name.endswith(".dt_bias"):
@@ -247,7 +264,7 @@ def slice_config(cfg: dict, preset: str, layers: int | None, skew: float, seed: 
     return cfg
 
 
-_WIDTHS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "q_lora_rank", "kv_lora_rank",
+_WIDTHS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "q_lora_rank", "kv_lora_rank", "o_lora_rank",
            "qk_nope_head_dim", "v_head_dim", "index_head_dim", "head_dim", "shared_expert_intermediate_size",
            "linear_key_head_dim", "linear_value_head_dim")
 

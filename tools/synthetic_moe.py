@@ -160,6 +160,9 @@ def dense_tensor(spec: Spec, cfg: dict, seed: int, skew: float):
         return (0.01 * rng.standard_normal(spec.shape)).astype(np.float32)
     if spec.kind == "router":
         return router(seed, spec.name, *spec.shape, cfg["num_experts_per_tok"], skew)
+    if spec.kind == "hash_table":  # each token's experts, distinct (ids as float32: exact below 2**24)
+        E = shapes.num_experts(cfg)
+        return np.argsort(rng.random((spec.shape[0], E)), axis=1)[:, :spec.shape[1]].astype(np.float32)
     scheme = scheme_for(spec.name, spec.shape, 4)
     rows, cols = spec.shape
     if scheme == "q8_0":

@@ -49,6 +49,7 @@ from colibri.models.moe import RoutedMoE, layer_index
 from colibri.models.rope import Rope, build_rope
 from colibri.memory import huge_arrays
 from colibri.profile import PHASES, clock
+from colibri.workspace import V4_ROW_SLACK
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
@@ -248,7 +249,7 @@ def clipped_swiglu(gate: np.ndarray, up: np.ndarray, limit: float) -> np.ndarray
 
 
 # ----------------------------------------------------------------------------- the cache
-ROW_SLACK = 64  # positions of compressor rows kept beyond two windows: how far back a cut stays exact
+ROW_SLACK = V4_ROW_SLACK  # positions of compressor rows kept beyond two windows: how far back a cut stays exact
 
 
 class V4Cache(KVCache):
@@ -442,7 +443,7 @@ class Indexer:
         self.keys = Compressor(w, prefix, args.compress_rates[CSA], args.index_head_dim, True, args.rms_norm_eps,
                                rope)
         self.q_b_proj = w.tensor(f"{prefix}.q_b_proj.weight")
-        self.weights_proj = w.tensor(f"{prefix}.weights_proj.weight")
+        self.weights_proj = w.tensor(f"{prefix}.scorer.weights_proj.weight")
         self.heads, self.dim, self.topk, self.rope = args.index_n_heads, args.index_head_dim, args.index_topk, rope
 
     def select(self, x: np.ndarray, q_residual: np.ndarray, keys: np.ndarray, positions: np.ndarray,

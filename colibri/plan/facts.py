@@ -20,7 +20,7 @@ from colibri.io import compressed_tensors, fp8
 from colibri.model_types import checkpoint_name, language_model_config, skipped_part
 from colibri.plan import shapes
 from colibri.plan.policy import ALIGN, DEFAULT_MAX_CONTEXT, round_up
-from colibri.workspace import STATE_SNAPSHOTS
+from colibri.workspace import STATE_SNAPSHOTS, V4_ROW_SLACK
 
 
 @dataclass
@@ -79,9 +79,32 @@ def _hybrid_layers(config: dict, layers: int) -> tuple[int, int]:
     return types.count("full_attention"), types.count("linear_attention")
 
 
+def _v4_floats_per_token(config: dict, layers: int) -> float:
+    """DeepSeek V4: one key=value row per layer, plus a CSA layer's entry and indexer key per m
+    positions and an HCA layer's entry per m'."""
+    types, _, rates = shapes.v4_schedule(dict(config, num_hidden_layers=max(layers, 1)))
+    dh, di = int(config["head_dim"]), int(config.get("index_head_dim") or 128)
+    per = 0.0
+    for kind in types[:layers]:
+        per += dh + {shapes.V4_CSA: (dh + di) / rates[shapes.V4_CSA],
+                     shapes.V4_HCA: dh / rates[shapes.V4_HCA]}.get(kind, 0.0)
+    return per
+
+
+def _v4_ring_bytes(config: dict, layers: int) -> int:
+    """DeepSeek V4: the compressor rows' rings of one sequence (V4Cache.state_bytes), fixed."""
+    types, _, rates = shapes.v4_schedule(dict(config, num_hidden_layers=max(layers, 1)))
+    dh, di = int(config["head_dim"]), int(config.get("index_head_dim") or 128)
+    widths = [{shapes.V4_CSA: 4 * dh + 4 * di, shapes.V4_HCA: 2 * dh}.get(kind, 0) for kind in types[:layers]]
+    ring = 2 * max((rates[k] for k in set(types[:layers]) if k in rates), default=0) + V4_ROW_SLACK
+    return 4 * ring * sum(widths)
+
+
 def _state_bytes_per_slot(config: dict, layers: int) -> int:
     """A hybrid's float32 recurrent state for one sequence, the live one and its snapshots
     (models/recurrent.py): fixed, whatever the context length. 0 for other models."""
+    if config.get("model_type") == "deepseek_v4":
+        return _v4_ring_bytes(config, layers)
     if not shapes.is_hybrid(config):
         return 0
     (k1, c), (hv, dk, dv) = shapes.linear_state_shapes(config)
@@ -91,6 +114,8 @@ def _state_bytes_per_slot(config: dict, layers: int) -> int:
 def _kv_bytes_per_token(config: dict, layers: int) -> int:
     """float32 cache bytes per token over `layers` decoder layers (a hybrid's linear layers keep
     a fixed-size state instead: _state_bytes_per_slot)."""
+    if config.get("model_type") == "deepseek_v4":  # models/deepseek_v4.V4Cache.bytes_per_token
+        return int(4 * _v4_floats_per_token(config, layers))
     if shapes.is_hybrid(config):
         layers = _hybrid_layers(config, layers)[0]
     if config.get("kv_lora_rank"):  # MLA caches the compressed latent plus the rope dims (models/cache.py, MLACache)

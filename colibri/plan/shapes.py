@@ -54,6 +54,9 @@ def outside_layers(config: dict) -> list[Tensor]:
     """Embedding, final norm and (unless tied) lm_head: counted once, whatever the layer count."""
     V, D = _need(config, "vocab_size"), _need(config, "hidden_size")
     out = [("model.embed_tokens.weight", (V, D)), ("model.norm.weight", (D,))]
+    if _deepseek_v4(config):  # the last hyper-connection mix, collapsing the streams
+        S = int(config.get("hc_mult") or 4)
+        out += [("model.hc_head.hc_fn", (S, S * D)), ("model.hc_head.hc_base", (S,)), ("model.hc_head.hc_scale", (1,))]
     if not config.get("tie_word_embeddings"):
         out.append(("lm_head.weight", (V, D)))
     return out
@@ -101,6 +104,71 @@ def _gqa_attention(config: dict, p: str) -> list[Tensor]:
     if model_type == "gpt_oss":  # an o_proj bias too, and one sink logit per head
         out += [(f"{p}.o_proj.bias", (D,)), (f"{p}.sinks", (H,))]
     return out
+
+
+def _deepseek_v4(config: dict) -> bool:
+    return config.get("model_type") == "deepseek_v4"
+
+
+V4_CSA, V4_HCA = "compressed_sparse_attention", "heavily_compressed_attention"
+
+
+def v4_schedule(config: dict) -> tuple[list[str], list[str], dict[str, int]]:
+    """DeepSeek V4's (attention kind per layer, "hash_moe" / "moe" per layer, compression rate per
+    kind), as DeepseekV4Config derives them (legacy fields included); models/deepseek_v4.ModelArgs
+    derives the same (tests/test_deepseek_v4_cache.py checks they agree)."""
+    n = _need(config, "num_hidden_layers")
+    rates = {V4_CSA: 4, V4_HCA: 128, **(config.get("compress_rates") or {})}
+    for key, kind in (("compress_rate_csa", V4_CSA), ("compress_rate_hca", V4_HCA)):
+        if config.get(key) is not None:
+            rates[kind] = config[key]
+    types = config.get("layer_types")
+    if types is None and config.get("compress_ratios") is not None:
+        types = [{0: "sliding_attention", 4: V4_CSA, 128: V4_HCA}.get(r, r) for r in config["compress_ratios"]]
+    if types is None:
+        types = [V4_HCA] * min(n, 2) + [V4_CSA if i % 2 else V4_HCA for i in range(max(n - 2, 0))]
+    mlp = config.get("mlp_layer_types")
+    if mlp is None:
+        hashed = config.get("num_hash_layers", 3)
+        mlp = ["hash_moe"] * min(n, hashed) + ["moe"] * max(0, n - hashed)
+    return list(types[:n]), list(mlp[:n]), rates
+
+
+def _v4_attention(config: dict, p: str, i: int) -> list[Tensor]:
+    """DeepSeek V4 attention: low-rank query, one key=value head, grouped output projection,
+    sinks; a CSA layer's compressor (two series) and indexer, an HCA layer's compressor."""
+    D, H, Dh = _need(config, "hidden_size"), _need(config, "num_attention_heads"), _need(config, "head_dim")
+    Rq, G, Ro = _need(config, "q_lora_rank"), _need(config, "o_groups"), _need(config, "o_lora_rank")
+    out = [(f"{p}.q_a_proj.weight", (Rq, D)), (f"{p}.q_a_norm.weight", (Rq,)), (f"{p}.q_b_proj.weight", (H * Dh, Rq)),
+           (f"{p}.kv_proj.weight", (Dh, D)), (f"{p}.kv_norm.weight", (Dh,)),
+           (f"{p}.o_a_proj.weight", (G * Ro, H * Dh // G)), (f"{p}.o_b_proj.weight", (D, G * Ro)), (f"{p}.sinks", (H,))]
+    types, _, rates = v4_schedule(config)
+
+    def compressor(c: str, width: int, series: int, rate: int) -> list[Tensor]:
+        return [(f"{c}.kv_proj.weight", (series * width, D)), (f"{c}.gate_proj.weight", (series * width, D)),
+                (f"{c}.position_bias", (rate, series * width)), (f"{c}.kv_norm.weight", (width,))]
+
+    if types[i] == V4_HCA:
+        out += compressor(f"{p}.compressor", Dh, 1, rates[V4_HCA])
+    elif types[i] == V4_CSA:
+        c, Hi, Di = f"{p}.compressor", _need(config, "index_n_heads"), _need(config, "index_head_dim")
+        out += compressor(c, Dh, 2, rates[V4_CSA]) + compressor(f"{c}.indexer", Di, 2, rates[V4_CSA])
+        out += [(f"{c}.indexer.q_b_proj.weight", (Hi * Di, Rq)), (f"{c}.indexer.scorer.weights_proj.weight", (Hi, D))]
+    return out
+
+
+def _v4_block(config: dict, p: str, i: int) -> list[Tensor]:
+    """A DeepSeek V4 layer's hyper-connections and its MoE block's router (a token -> experts
+    table in hash layers, a correction bias in the others) and shared expert."""
+    D, S = _need(config, "hidden_size"), int(config.get("hc_mult") or 4)
+    E, K = num_experts(config), int(config.get("num_experts_per_tok") or 6)
+    out = [t for hc in ("attn_hc", "ffn_hc") for t in (
+        (f"{p}.{hc}.fn", ((2 + S) * S, S * D)), (f"{p}.{hc}.base", ((2 + S) * S,)), (f"{p}.{hc}.scale", (3,)))]
+    hashed = v4_schedule(config)[1][i] == "hash_moe"
+    out.append((f"{p}.mlp.gate.weight", (E, D)))
+    out.append((f"{p}.mlp.gate.tid2eid", (_need(config, "vocab_size"), K)) if hashed
+               else (f"{p}.mlp.gate.e_score_correction_bias", (E,)))
+    return out + _swiglu(f"{p}.mlp.shared_experts", D, expert_width(config))
 
 
 def is_hybrid(config: dict) -> bool:
@@ -188,6 +256,9 @@ def layer_tensors(config: dict, i: int, kind: str) -> list[Tensor]:
     norms and the dense MLP, or the router and shared experts; routed experts: expert_tensors."""
     D = _need(config, "hidden_size")
     p = f"model.layers.{i}"
+    if _deepseek_v4(config):
+        return (_v4_attention(config, f"{p}.self_attn", i) + _v4_block(config, p, i)
+                + [(f"{p}.input_layernorm.weight", (D,)), (f"{p}.post_attention_layernorm.weight", (D,))])
     if _kimi_linear(config):
         linear = layer_types(config)[i] == "linear_attention"
         attention = (_kda_attention if linear else _mla_attention)(config, f"{p}.self_attn")
