@@ -46,7 +46,8 @@ class ModelFacts:
     probe_files: list[str] = field(default_factory=list)  # where the disk probe reads
     config: dict = field(default_factory=dict)             # config.json (shapes for the prefill workspace)
     slice_layers: int = 0          # > 0: the directory holds only this many layers; sizes are of all num_layers
-    state_bytes_per_slot: int = 0  # a hybrid's recurrent state per conversation, with its kept snapshots
+    state_bytes_per_slot: int = 0  # fixed per conversation: a hybrid's recurrent state with its kept snapshots,
+    #                               DeepSeek V4's compressor rows
 
     @property
     def expert_count(self) -> int:

@@ -79,7 +79,7 @@ def _column(plan: dict) -> dict[str, str]:
         "RAM limit": size_text(t["ram"]["limit_bytes"]),
         "dense weights": f"{size_text(dense)} in {plan['dense_tier'].upper()}",
         "KV cache": f"{size_text(kv['bytes'])} in {kv['tier'].upper()}"
-                    + (f" (recurrent state {size_text(kv['state_bytes'])})" if kv.get("state_bytes") else ""),
+                    + (f" (of which fixed state {size_text(kv['state_bytes'])})" if kv.get("state_bytes") else ""),
         "VRAM slots/layer": _slots(t["vram"]),
         "RAM slots/layer": _slots(t["ram"]),
         "experts on disk only": f"{t['disk']['experts_disk_only']} of {t['disk']['experts']}",
