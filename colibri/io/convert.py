@@ -166,7 +166,7 @@ def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
     with _progress(progress) as bar:
         task = bar.add_task(f"converting {src.name} (--bits {bits})", total=len(names))
         for f, name in names:
-            shape = f.tensors[name].shape
+            shape = reader.shape(f, name)
             target = checkpoint_name(model_type, name)  # the container holds the decoder's names
             if packed and name.endswith(compressed_tensors.PACKED):
                 target = checkpoint_name(model_type, compressed_tensors.weight_name(name))
@@ -175,6 +175,9 @@ def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
                     add_expert(m["prefix"], int(m["e"]), m["proj"], w)
                 else:
                     writer.add_dense(target, w)
+            elif (m := _EXPERT.match(target)) and reader.is_fp4(f, name):  # DeepSeek V4: kept as MXFP4 (lossless)
+                add_expert(m["prefix"], int(m["e"]), m["proj"],
+                           gpt_oss_experts.mxfp4_matrix(*reader.fp4_parts(f, name)))
             elif m := _EXPERT.match(target):
                 proj = m["proj"]
                 add_expert(m["prefix"], int(m["e"]), proj,
@@ -255,7 +258,7 @@ def _quantized(reader: fp8.CheckpointReader, f: SafetensorsFile, name: str, sche
     chunk) -- not the whole float32 matrix and its temporaries, which for DeepSeek-V3's
     embeddings made the peak ~22 GB. Small chunks also keep the temporaries in cache (2-4x
     faster than whole matrices here)."""
-    rows, cols = f.tensors[name].shape
+    rows, cols = reader.shape(f, name)
     out: dict[str, np.ndarray] = {}
     for r, chunk in reader.row_chunks(f, name, _CHUNK_ELEMENTS):
         t = quantize(chunk, scheme)

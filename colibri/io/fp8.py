@@ -25,6 +25,11 @@ from colibri.io.safetensors_io import SafetensorsFile
 from colibri.formats.qtensor import bf16_to_f32
 
 SCALE_SUFFIX = ".weight_scale_inv"
+# DeepSeek V4's release names a weight's scales `<module>.scale` beside `<module>.weight`.
+SCALE_SUFFIXES = (SCALE_SUFFIX, ".scale")
+SCALE_FORMATS = ("float", "ue8m0")   # float32 scales (V3), or E8M0 exponent bytes (V4: 2 ** (byte - 127))
+EXPERT_DTYPES = ("fp8", "fp4")       # fp4: DeepSeek V4's experts, two E2M1 codes a byte, an E8M0 scale per 32
+FP4_BLOCK = 32
 
 
 def _e4m3fn_table() -> np.ndarray:
@@ -56,6 +61,10 @@ def block_size(config: dict) -> tuple[int, int] | None:
     fmt = q.get("fmt", "e4m3")
     if fmt not in ("e4m3", "float8_e4m3fn"):  # MiniMax-M2 spells out the dtype's name
         raise ColibriError(f"config field quantization_config.fmt={fmt!r} is not supported (only 'e4m3')")
+    for field, allowed in (("scale_fmt", SCALE_FORMATS), ("expert_dtype", EXPERT_DTYPES)):
+        if q.get(field) is not None and q[field] not in allowed:
+            raise ColibriError(f"config field quantization_config.{field}={q[field]!r} is not supported "
+                               f"(one of {', '.join(allowed)})")
     block = q.get("weight_block_size")
     if not block or len(block) != 2 or min(block) < 1:
         raise ColibriError(f"config field quantization_config.weight_block_size={block!r} is not supported "
@@ -102,28 +111,60 @@ class CheckpointReader:
 
     def __init__(self, files: list[SafetensorsFile], block: tuple[int, int] | None):
         self.block = block
-        self.scales = {n: f for f in files for n in f.keys() if n.endswith(SCALE_SUFFIX)}
+        names = {n for f in files for n in f.keys()}
+        # a scale: `X.weight_scale_inv`, or `X.scale` beside an `X.weight` (not, say, mHC's `hc_attn_scale`)
+        self.scales = {n: f for f in files for n in f.keys()
+                       if n.endswith(SCALE_SUFFIX) or (n.endswith(".scale") and n[:-6] + ".weight" in names)}
 
     def is_scale(self, name: str) -> bool:
         """Scales are read together with their weight, never on their own."""
-        return name.endswith(SCALE_SUFFIX)
+        return name in self.scales
+
+    def is_fp4(self, f: SafetensorsFile, name: str) -> bool:
+        """A DeepSeek V4 FP4 weight: int8 / uint8 codes, two a byte, with E8M0 scales per 32."""
+        return f.tensors[name].dtype in ("I8", "U8") and self._scale_name(name) is not None
+
+    def shape(self, f: SafetensorsFile, name: str) -> tuple[int, ...]:
+        """The tensor's shape as values (an FP4 row holds two values a byte)."""
+        shape = tuple(f.tensors[name].shape)
+        return (*shape[:-1], 2 * shape[-1]) if self.is_fp4(f, name) else shape
 
     def float32(self, f: SafetensorsFile, name: str) -> np.ndarray:
         dtype = f.tensors[name].dtype
         if dtype == "F8_E4M3":
             return dequantize_fp8(f.read(name), self._scale_inv(f, name), self.block)
+        if self.is_fp4(f, name):
+            return dequantize_fp4(*self.fp4_parts(f, name))
         if dtype.startswith("F8"):
             raise ColibriError(f"{f.path}: tensor {name} is {dtype}; only F8_E4M3 FP8 weights are supported")
         return _float32(f, name)
+
+    def fp4_parts(self, f: SafetensorsFile, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """FP4 weight `name` as (codes uint8 [R, K / 32, 16], E8M0 exponent bytes uint8 [R, K / 32]),
+        the OCP MXFP4 layout (io/gpt_oss_experts.mxfp4_rows repacks it losslessly)."""
+        codes = np.ascontiguousarray(f.read(name)).view(np.uint8)
+        scale_name = self._scale_name(name)
+        sf = self.scales[scale_name]
+        exps = _e8m0_bytes(sf, scale_name)
+        R, half = codes.shape
+        if half % (FP4_BLOCK // 2) or exps.shape != (R, 2 * half // FP4_BLOCK):
+            raise ColibriError(f"{f.path}: FP4 tensor {name} {list(codes.shape)} and its scales {list(exps.shape)} "
+                               f"are not one E8M0 scale per {FP4_BLOCK} values of each row")
+        return codes.reshape(R, -1, FP4_BLOCK // 2), exps
+
+    def _scale_name(self, name: str) -> str | None:
+        base = name.removesuffix(".weight")
+        return next((base + s for s in SCALE_SUFFIXES if base + s in self.scales), None)
 
     def _scale_inv(self, f: SafetensorsFile, name: str) -> np.ndarray:
         """The float32 block scales of FP8 weight `name`, from whichever shard holds them."""
         if self.block is None:
             raise ColibriError(f"{f.path}: tensor {name} is float8 but config.json has no quantization_config "
                                "with weight_block_size; the checkpoint's config is incomplete")
-        scale_name = name.removesuffix(".weight") + SCALE_SUFFIX
-        if scale_name not in self.scales:
-            raise ColibriError(f"{f.path}: FP8 tensor {name} has no {scale_name} in any shard")
+        scale_name = self._scale_name(name)
+        if scale_name is None:
+            raise ColibriError(f"{f.path}: FP8 tensor {name} has no {name.removesuffix('.weight') + SCALE_SUFFIX} "
+                               "(or .scale) in any shard")
         return _float32(self.scales[scale_name], scale_name)
 
     def row_chunks(self, f: SafetensorsFile, name: str, max_elements: int = 1 << 16,
@@ -135,8 +176,13 @@ class CheckpointReader:
         info = f.tensors[name]
         if len(info.shape) != 2:
             raise ColibriError(f"{f.path}: tensor {name} of shape {list(info.shape)} is not a matrix")
-        rows, cols = info.shape
+        rows, cols = self.shape(f, name)
         step = max(1, max_elements // max(cols, 1))
+        if self.is_fp4(f, name):  # (a routed expert's FP4 is kept as it is: only a dense one gets here)
+            full = self.float32(f, name)
+            for r in range(0, rows, step):
+                yield r, full[r:r + step]
+            return
         if info.dtype == "F8_E4M3":
             scale_inv = self._scale_inv(f, name)
             _check_scales(info.shape, scale_inv, self.block)
@@ -163,6 +209,33 @@ class CheckpointReader:
 
 def _float32(f: SafetensorsFile, name: str) -> np.ndarray:
     a = f.read(name)
-    if f.tensors[name].dtype == "BF16":
+    dtype = f.tensors[name].dtype
+    if dtype == "BF16":
         return bf16_to_f32(a)
+    if dtype == "F8_E8M0":  # exponent bytes: 2 ** (byte - 127), 0xFF NaN
+        out = np.exp2(a.astype(np.float32) - np.float32(127))
+        out[a == 0xFF] = np.nan
+        return out
     return a.astype(np.float32, copy=False)
+
+
+def _e8m0_bytes(f: SafetensorsFile, name: str) -> np.ndarray:
+    """Scales as E8M0 exponent bytes: stored so (F8_E8M0 / U8), or float powers of two converted
+    exactly; any other float has no E8M0 form and is refused."""
+    if f.tensors[name].dtype in ("F8_E8M0", "U8"):
+        return np.ascontiguousarray(f.read(name)).view(np.uint8)
+    s = _float32(f, name)
+    mant, exp = np.frexp(s)
+    if not np.all((mant == 0.5) & (exp - 1 >= -127) & (exp - 1 <= 127)):
+        raise ColibriError(f"{f.path}: FP4 scales {name} are not powers of two (E8M0); not a DeepSeek V4 FP4 tensor")
+    return (exp - 1 + 127).astype(np.uint8)
+
+
+_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def dequantize_fp4(codes: np.ndarray, exps: np.ndarray) -> np.ndarray:
+    """FP4 (E2M1 codes [R, G, 16], value 2j low nibble, 2j + 1 high; E8M0 exponents [R, G]) ->
+    float32 [R, 32 G]: every value exact in float32."""
+    vals = np.stack([_E2M1[codes & 0x0F], _E2M1[codes >> 4]], axis=-1).reshape(*exps.shape, FP4_BLOCK)
+    return (vals * np.exp2(exps.astype(np.float32) - np.float32(127))[..., None]).reshape(exps.shape[0], -1)

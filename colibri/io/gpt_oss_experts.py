@@ -52,6 +52,12 @@ def mxfp4_rows(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return np.concatenate([scales[..., None], qs], axis=-1).reshape(R, G * 17)
 
 
+def mxfp4_matrix(blocks: np.ndarray, scales: np.ndarray) -> QTensor:
+    """One OCP MXFP4 matrix (blocks [R, G, 16], E8M0 scales [R, G]) as a ggml MXFP4 QTensor
+    [R, 32 G]: the same values (DeepSeek V4's FP4 experts share the layout)."""
+    return _mxfp4(mxfp4_rows(blocks, scales), blocks.shape[1] * MXFP4_BLOCK)
+
+
 def _mxfp4(rows: np.ndarray, inputs: int) -> QTensor:
     return QTensor("mxfp4", (rows.shape[0], inputs), np.ascontiguousarray(rows))
 

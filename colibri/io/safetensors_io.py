@@ -25,7 +25,7 @@ _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
     "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
-    "F8_E4M3": np.uint8, "F8_E5M2": np.uint8,
+    "F8_E4M3": np.uint8, "F8_E5M2": np.uint8, "F8_E8M0": np.uint8,
 }
 _NUMPY_TO_ST = {
     np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.uint16): "U16",

@@ -147,8 +147,8 @@ class ModelArgs(BaseModelArgs):
             raise ColibriError("config fields sliding_window, hc_mult, hc_sinkhorn_iters and index_topk must be "
                                "positive")
         if self.extra.get("quantization_config"):
-            bad("quantization_config", "is not implemented for deepseek_v4 yet (FP8 / FP4 checkpoints): "
-                "convert a bf16 or float32 one")
+            bad("quantization_config", "is read by `colibri convert` (FP8 weights dequantized, FP4 experts kept "
+                "as MXFP4), not by the model: run the container it writes")
 
     def mlp_kind(self, layer: int) -> str:
         return "moe"
@@ -640,6 +640,9 @@ class V4MoE(RoutedMoE):
     def __call__(self, x: np.ndarray, ids: np.ndarray | None = None) -> np.ndarray:
         t0 = clock() if PHASES.on else 0.0
         weights, chosen = self.route(x, ids)
+        if t0:
+            PHASES.add("router", self.layer, t0)
+            t0 = clock()
         # Every chosen expert once, applied to all its tokens; summed in expert-id order
         # (transformers' order too), whatever order the store delivers them in.
         parts = {}
@@ -652,8 +655,12 @@ class V4MoE(RoutedMoE):
             out[tok] += y
         if t0:
             PHASES.add("routed_experts", self.layer, t0)
+            t0 = clock()
         gate, up, down = self.shared
-        return out + linear(clipped_swiglu(linear(x, gate), linear(x, up), self.limit), down)
+        out += linear(clipped_swiglu(linear(x, gate), linear(x, up), self.limit), down)
+        if t0:
+            PHASES.add("shared_experts", self.layer, t0)
+        return out
 
 
 # ----------------------------------------------------------------------------- layers and model
@@ -675,12 +682,18 @@ class V4Layer:
         streams = merge(streams, self.attn(rms_norm(x, self.input_norm, self.eps), cache, pos0), post, comb)
         if t0:
             PHASES.add("attention", self.index, t0)
+            t0 = clock()
         post, comb, x = self.ffn_hc(streams)
-        return merge(streams, self.mlp(rms_norm(x, self.post_norm, self.eps), ids), post, comb)
+        streams = merge(streams, self.mlp(rms_norm(x, self.post_norm, self.eps), ids), post, comb)
+        if t0:
+            PHASES.add("ffn", self.index, t0)
+        return streams
 
 
 class V4Model(DecoderModel):
     """Embedding -> hc_mult streams -> V4 layers -> hc_head collapse -> norm -> lm_head."""
+
+    read_hash_ahead = True  # streamed experts: request the hash layers' experts before any layer runs
 
     def __init__(self, args: ModelArgs, w, experts):
         ropes = args.ropes()
@@ -703,7 +716,12 @@ class V4Model(DecoderModel):
     @in_activation_mode
     def forward(self, ids: np.ndarray, cache: V4Cache, all_logits: bool = False) -> np.ndarray:
         """Run tokens `ids` [L] after the cache's contents; returns logits [L or 1, V]."""
-        return linear(self.hidden(ids, cache, all_logits), self.lm_head)
+        h = self.hidden(ids, cache, all_logits)
+        t0 = clock() if PHASES.on else 0.0
+        logits = linear(h, self.lm_head)
+        if t0:
+            PHASES.add("head", -1, t0)
+        return logits
 
     def hidden(self, ids: np.ndarray, cache: V4Cache, all_logits: bool = False) -> np.ndarray:
         """The final hidden states (collapsed, normed) [L or 1, D] of forward."""
@@ -711,12 +729,15 @@ class V4Model(DecoderModel):
         L, pos0 = ids.shape[0], cache.length
         cache.reserve(pos0 + L)
         cache.truncate(pos0)  # entries a failed pass derived are dropped (V4Cache.truncate)
-        if self.prefetch:  # hash layers: their experts follow from the ids alone, read them now
+        if self.prefetch and self.read_hash_ahead:  # hash layers: their experts follow from the ids alone
             for layer in self.layers:
                 if layer.mlp.hashed:
                     layer.mlp.experts.prefetch(layer.mlp.prefix, np.unique(layer.mlp.tid2eid[ids]).tolist())
+        t0 = clock() if PHASES.on else 0.0
         x = embedding(self.embed, ids)                                          # [L, D]
         streams = np.ascontiguousarray(np.broadcast_to(x[:, None, :], (L, self.args.hc_mult, x.shape[1])))
+        if t0:
+            PHASES.add("embed", -1, t0)
         try:
             for layer in self.layers:
                 streams = layer(streams, ids, cache, pos0)

@@ -156,6 +156,8 @@ def test_convert_fp8_checkpoint_equals_reference_dequantization(tmp_path):
     ({"quantization_config": {**FP8_CONFIG, "quant_method": "gptq"}}, "quantization_config.quant_method"),
     ({"quantization_config": {**FP8_CONFIG, "weight_block_size": None}}, "quantization_config.weight_block_size"),
     ({"quantization_config": {**FP8_CONFIG, "fmt": "e5m2"}}, "quantization_config.fmt"),
+    ({"quantization_config": {**FP8_CONFIG, "scale_fmt": "e4m3"}}, "quantization_config.scale_fmt"),
+    ({"quantization_config": {**FP8_CONFIG, "expert_dtype": "int4"}}, "quantization_config.expert_dtype"),
 ])
 def test_unsupported_quantization_is_rejected(tmp_path, change, field):
     src, _ = tiny_fp8_checkpoint(tmp_path)
@@ -322,3 +324,26 @@ def test_synthetic_deepseek_v3_fp8_checkpoint_converts_and_decodes(tmp_path):
     engine = Engine.load(c.dir)
     out = engine.generate([1, 2, 3, 4], max_tokens=8, stop_at_eos=False).token_ids
     assert len(out) == 8 and all(0 <= t < 1024 for t in out)
+
+
+def test_fp4_values_and_scales_as_deepseek_v4_ships_them(tmp_path):
+    """E2M1 codes two a byte (value 2j low) with E8M0 scales per 32 dequantize to every code's
+    value times its power of two, as transformers' Fp8Dequantize does; float scales that are
+    not powers of two have no E8M0 form and are refused, naming the tensor."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    from colibri.io.fp8 import CheckpointReader
+    from colibri.io.safetensors_io import SafetensorsFile
+
+    rng = np.random.default_rng(0)
+    codes = torch.from_numpy(rng.integers(-128, 128, (4, 32), dtype=np.int8))   # 4 rows of 64 values
+    exps = torch.from_numpy(rng.integers(120, 134, (4, 2), dtype=np.uint8))
+    save_file({"x.weight": codes, "x.scale": exps.view(torch.float8_e8m0fnu),
+               "y.weight": codes.clone(), "y.scale": torch.full((4, 2), 0.3)}, str(tmp_path / "m.safetensors"))
+    f = SafetensorsFile(tmp_path / "m.safetensors")
+    reader = CheckpointReader([f], (128, 128))
+    assert reader.is_fp4(f, "x.weight") and reader.shape(f, "x.weight") == (4, 64) and reader.is_scale("x.scale")
+    want = Fp8Dequantize(None)._dequantize_one(codes, exps.view(torch.float8_e8m0fnu), torch.float32).numpy()
+    np.testing.assert_array_equal(reader.float32(f, "x.weight"), want)
+    with pytest.raises(ColibriError, match="y.scale are not powers of two"):
+        reader.fp4_parts(f, "y.weight")
