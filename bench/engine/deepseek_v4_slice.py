@@ -84,7 +84,8 @@ def resident(model: str, prompt: list[int], tokens: list[int]) -> dict:
                     "MoE kind, embedding and head once, the glue scaled by layers; experts resident"}
 
 
-def streamed(model: str, prompt: list[int], tokens: list[int], ram_gb: float, repeats: int) -> dict:
+def streamed(model: str, prompt: list[int], tokens: list[int], ram_gb: float, repeats: int,
+             expert_io: str = "pread") -> dict:
     from colibri import Engine
     from colibri.bench import _drop_caches
 
@@ -92,7 +93,8 @@ def streamed(model: str, prompt: list[int], tokens: list[int], ram_gb: float, re
     for _ in range(repeats):
         for ahead in (True, False):
             dropped = _drop_caches()
-            engine = Engine.load(model, max_context=PROMPT + len(tokens) + 8, ram_gb=ram_gb, stream_experts=True)
+            engine = Engine.load(model, max_context=PROMPT + len(tokens) + 8, ram_gb=ram_gb, stream_experts=True,
+                                 expert_io=expert_io)
             engine.model.read_hash_ahead = ahead
             hashed = [i for i, (_, m) in enumerate(_layers(engine)) if m == "hash_moe"]
             s0 = engine.expert_stats
@@ -112,7 +114,7 @@ def streamed(model: str, prompt: list[int], tokens: list[int], ram_gb: float, re
                                                               "other_layers_routed_ms", "disk_wait_ms_per_token")}
     a, d = summary["ahead"]["hash_layers_routed_ms"], summary["on_demand"]["hash_layers_routed_ms"]
     summary["hash_read_time_hidden"] = (d - a) / d if d > 0 else None
-    return {"ram_gb": ram_gb, "repeats": repeats, "runs": {str(k): v for k, v in runs.items()}, "summary": summary}
+    return {"ram_gb": ram_gb, "expert_io": expert_io, "repeats": repeats, "runs": {str(k): v for k, v in runs.items()}, "summary": summary}
 
 
 def main() -> None:
@@ -121,6 +123,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--stream-gb", type=float, default=None, help="also the streamed comparison under this RAM budget")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--expert-io", default="pread", choices=("pread", "direct", "mmap"), help="how missed experts are read")
+    p.add_argument("--skip-resident", action="store_true", help="only the streamed comparison")
     add_json_arg(p)
     a = p.parse_args()
     rng = np.random.default_rng(0)
@@ -128,18 +132,19 @@ def main() -> None:
     vocab = min(int(cfg["vocab_size"]), 49152)  # ids the generator's tokenizer types
     prompt, tokens = rng.integers(100, vocab, PROMPT).tolist(), rng.integers(100, vocab, a.tokens).tolist()
     print(machine_line())
-    report = {"machine": machine_line(), "model": a.model, "resident": resident(a.model, prompt, tokens)}
-    r = report["resident"]
-    print(f"resident {r['slice_layers']}-layer slice: {r['slice_tok_s']:.2f} tok/s")
-    for row in r["layers"]:
-        print(f"  layer {row['layer']}: {row['attention']:<29} {row['mlp']:<8} attention {row['attention_ms']:6.2f} ms"
-              f"  ffn {row['ffn_ms']:6.2f} ms (routed experts {row['routed_experts_ms']:.2f})")
-    print(f"  embedding + head {r['embed_head_ms']:.2f} ms; full {r['full_layers']}-layer model projected: "
-          f"{r['full_tok_s']:.3f} tok/s ({r['full_s_per_token']:.3f} s/token)"
-          + (f"; kinds not in the slice, at the mean of the others: {r['kinds_not_in_slice']}"
-             if r["kinds_not_in_slice"] else ""))
+    report = {"machine": machine_line(), "model": a.model}
+    if not a.skip_resident:
+        report["resident"] = r = resident(a.model, prompt, tokens)
+        print(f"resident {r['slice_layers']}-layer slice: {r['slice_tok_s']:.2f} tok/s")
+        for row in r["layers"]:
+            print(f"  layer {row['layer']}: {row['attention']:<29} {row['mlp']:<8} attention "
+                  f"{row['attention_ms']:6.2f} ms  ffn {row['ffn_ms']:6.2f} ms (routed experts {row['routed_experts_ms']:.2f})")
+        print(f"  embedding + head {r['embed_head_ms']:.2f} ms; full {r['full_layers']}-layer model projected: "
+              f"{r['full_tok_s']:.3f} tok/s ({r['full_s_per_token']:.3f} s/token)"
+              + (f"; kinds not in the slice, at the mean of the others: {r['kinds_not_in_slice']}"
+                 if r["kinds_not_in_slice"] else ""))
     if a.stream_gb:
-        report["streamed"] = s = streamed(a.model, prompt, tokens, a.stream_gb, a.repeats)
+        report["streamed"] = s = streamed(a.model, prompt, tokens, a.stream_gb, a.repeats, a.expert_io)
         for name, v in s["summary"].items():
             if isinstance(v, dict):
                 print(f"streamed {a.stream_gb} GB, hash experts {name}: {v['tok_s']:.2f} tok/s, hash layers' routed "

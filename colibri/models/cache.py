@@ -51,7 +51,10 @@ class KVCache:
             raise ColibriError(f"context full: {n} tokens needed, the context holds {self.max_tokens}")
         if n <= self.capacity:
             return
-        cap = min(self.max_tokens, max(n, 2 * self.capacity))
+        self._grow(min(self.max_tokens, max(n, 2 * self.capacity)))
+
+    def _grow(self, cap: int) -> None:
+        """Room for `cap` positions, the cached ones copied over."""
         k, v = self._arrays(len(self.k), cap)
         for old, new in zip(self.k + self.v, k + v):
             new[:, : self.length] = old[:, : self.length]

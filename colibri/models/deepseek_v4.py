@@ -277,25 +277,21 @@ class V4Cache(KVCache):
         self._index_dim = args.index_head_dim
         self.ring = 2 * max(self._rates.values(), default=0) + (ROW_SLACK if slack is None else slack)
         super().__init__(n, 1, args.head_dim, max_tokens)
-        self.v = self._rings()
         self._low = {i: 0 for i in self._rates}  # per compressed layer: the oldest position whose rows the ring holds
         self._entries: dict[tuple[int, str], list] = {}  # (layer, "kv" | "index") -> window entries [C]
 
-    def _rings(self) -> list:
-        return huge_arrays([((1, self.ring, w), np.float32) for w in self._widths])
+    def _arrays(self, num_layers: int, cap: int) -> tuple[list, list]:
+        """K arrays [1, cap, Dh] and the rings [1, RING, W] (a fixed size, whatever cap)."""
+        arrays = huge_arrays([((1, cap, self._shape[1]), np.float32)] * num_layers
+                             + [((1, self.ring, w), np.float32) for w in self._widths])
+        return arrays[:num_layers], arrays[num_layers:]
 
-    def reserve(self, n: int) -> None:
-        """Grow K (the rings keep their size)."""
-        if n > self.max_tokens:
-            raise ColibriError(f"context full: {n} tokens needed, the context holds {self.max_tokens}")
-        if n <= self.capacity:
-            return
-        cap = min(self.max_tokens, max(n, 2 * self.capacity))
+    def _grow(self, cap: int) -> None:
+        """Grow K; the rings keep their size and contents."""
         grown = huge_arrays([((1, cap, self._shape[1]), np.float32)] * len(self.k))
         for old, new in zip(self.k, grown):
             new[:, :self.length] = old[:, :self.length]
         self.k = grown
-        self._lists = None
 
     # -- compressor rows -------------------------------------------------------------------
     def write_rows(self, layer: int, pos0: int, rows: np.ndarray) -> None:
