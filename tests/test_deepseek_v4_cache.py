@@ -227,19 +227,27 @@ def test_prefix_reuse_past_the_ring_starts_over_with_the_same_tokens(v4, small_r
     assert got.prompt_tokens_reused == 0 and got.token_ids == fresh(v4, far, 6)
 
 
-@pytest.mark.parametrize("over", [{}, {"layer_types": None, "mlp_layer_types": None, "num_hidden_layers": 7},
-                                  {"layer_types": None, "compress_ratios": [0, 4, 128, 4], "num_hash_layers": 1},
-                                  {"compress_rates": None, "compress_rate_csa": 8, "compress_rate_hca": 64}])
-def test_the_planner_derives_the_models_schedule(over):
-    """colibri/plan (which imports no model code) sizes a V4 config by the layer kinds and rates
-    the model derives, legacy fields included."""
-    from colibri.plan.shapes import v4_schedule
-
+@pytest.mark.parametrize("over, types, mlp", [
+    ({"layer_types": None, "mlp_layer_types": None, "num_hidden_layers": 5},  # DeepseekV4Config's defaults
+     ["heavily_compressed_attention"] * 3 + ["compressed_sparse_attention", "heavily_compressed_attention"],
+     ["hash_moe"] * 3 + ["moe"] * 2),
+    ({"layer_types": None, "compress_ratios": [0, 4, 128, 4], "mlp_layer_types": None, "num_hash_layers": 1},
+     ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+      "compressed_sparse_attention"], ["hash_moe"] + ["moe"] * 3),
+])
+def test_legacy_and_default_schedules(over, types, mlp):
     cfg = {k: v for k, v in {**load(GOLDEN_DIR / "deepseek_v4-flash_layout.json")["config"], **over}.items()
            if v is not None}
     args = ModelArgs.from_dict(cfg)
-    assert v4_schedule(cfg) == (args.layer_types[: args.num_hidden_layers],
-                                args.mlp_layer_types[: args.num_hidden_layers], args.compress_rates)
+    assert (args.layer_types, args.mlp_layer_types) == (types, mlp)
+
+
+def test_legacy_compression_fields():
+    cfg = {k: v for k, v in load(GOLDEN_DIR / "deepseek_v4-flash_layout.json")["config"].items() if k != "compress_rates"}
+    args = ModelArgs.from_dict({**cfg, "compress_rate_csa": 8, "compress_rate_hca": 64})
+    assert args.compress_rates == {"compressed_sparse_attention": 8, "heavily_compressed_attention": 64}
+    with pytest.raises(ColibriError, match="layer_types"):
+        ModelArgs.from_dict({**cfg, "layer_types": None, "compress_ratios": [0, 4, 16, 4]})
 
 
 def test_the_planner_counts_what_the_cache_holds():

@@ -12,7 +12,7 @@ What sets it apart from the other families, and where each part lives here:
     the window's projected rows, every entry of a finished window visible;
   - compressed sparse attention (CSA): one entry per `m` tokens (4) over two overlapping
     windows, of which the lightning indexer picks the `index_topk` best per query.
-- The residual is `hc_mult` parallel streams (mHC, `hyper_weights`): each block reads a mix of
+- The residual is `hc_mult` parallel streams (mHC, `HyperConnection`): each block reads a mix of
   them, and its output goes back into each stream beside a Sinkhorn-normalised mixing of the
   streams; a last mix (`hc_head`) collapses them before the final norm.
 - MoE (`V4MoE`): sqrt(softplus) (or sigmoid / softmax) scores, a correction bias that steers the
@@ -22,11 +22,12 @@ What sets it apart from the other families, and where each part lives here:
   streamed model reads them ahead (V4Model.forward).
 
 The compressors' state: transformers keeps a running buffer, the overlap slice and the entries,
-which cannot be cut back. Here the cache keeps each position's projected compressor rows
-(`V4Cache`, the V arrays of a KV cache) and derives the entries from them, window by window, on
-first use: an entry depends only on the rows of its window (and the one before), so cutting the
-cache back to any length is exact (drafts, prefix reuse), a saved slot is its K and V arrays,
-and every path computes each entry with the same call on the same rows (the same bits).
+which cannot be cut back. Here the cache (`V4Cache`) keeps each position's projected compressor
+rows in a ring of the last two windows plus a slack, and a window's entry once its rows are
+complete: an entry depends only on the rows of its window (and the one before), so the cache
+cuts back exactly to any length whose unfinished windows' rows the ring still holds (drafts, a
+re-rendered end of a turn), and every path computes an entry with the same call on the same
+rows (the same bits).
 
 Shape letters: L tokens, N keys, E compressed entries, D hidden, H heads, Dh head dim, R rotated
 dims, S streams (hc_mult), m compression rate, C compressor width, I expert intermediate size.
@@ -47,6 +48,7 @@ from colibri.models.decoder import DecoderModel, in_activation_mode
 from colibri.models.layers import linear, rms_norm
 from colibri.models.moe import RoutedMoE, layer_index
 from colibri.models.rope import Rope, build_rope
+from colibri.plan.shapes import v4_schedule
 from colibri.memory import huge_arrays
 from colibri.profile import PHASES, clock
 from colibri.workspace import V4_ROW_SLACK
@@ -55,7 +57,6 @@ SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily
 LAYER_TYPES = (SLIDING, CSA, HCA)
 MLP_LAYER_TYPES = ("hash_moe", "moe")
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
-_RATIO_TYPES = {0: SLIDING, 4: CSA, 128: HCA}  # legacy `compress_ratios`
 QUERY_BLOCK = 256  # queries whose scores are held at once, at most
 
 
@@ -93,22 +94,11 @@ class ModelArgs(BaseModelArgs):
 
     def __post_init__(self):
         super().__post_init__()
-        n, ex = self.num_hidden_layers, self.extra
-        rates = {CSA: 4, HCA: 128, **(self.compress_rates or {})}
-        for key, kind in (("compress_rate_csa", CSA), ("compress_rate_hca", HCA)):  # legacy fields
-            if ex.get(key) is not None:
-                rates[kind] = ex[key]
-        self.compress_rates = rates
-        if self.layer_types is None and ex.get("compress_ratios") is not None:
-            bad = [r for r in ex["compress_ratios"] if r not in _RATIO_TYPES]
-            if bad:
-                raise ColibriError(f"config field compress_ratios has {bad[0]!r}: only 0, 4 and 128 are implemented")
-            self.layer_types = [_RATIO_TYPES[r] for r in ex["compress_ratios"]]
-        if self.layer_types is None:  # DeepseekV4Config's default: two HCA, then CSA / HCA in turn
-            self.layer_types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
-        if self.mlp_layer_types is None:
-            hashed = ex.get("num_hash_layers", 3)
-            self.mlp_layer_types = ["hash_moe"] * min(n, hashed) + ["moe"] * max(0, n - hashed)
+        n = self.num_hidden_layers
+        # the schedule as DeepseekV4Config derives it, legacy fields included (shared with the planner)
+        self.layer_types, self.mlp_layer_types, self.compress_rates = v4_schedule(
+            {**self.extra, "num_hidden_layers": n, "layer_types": self.layer_types,
+             "mlp_layer_types": self.mlp_layer_types, "compress_rates": self.compress_rates})
         for name, types, allowed in (("layer_types", self.layer_types, LAYER_TYPES),
                                      ("mlp_layer_types", self.mlp_layer_types, MLP_LAYER_TYPES)):
             if len(types) < n or set(types[:n]) - set(allowed):

@@ -115,15 +115,15 @@ V4_CSA, V4_HCA = "compressed_sparse_attention", "heavily_compressed_attention"
 
 def v4_schedule(config: dict) -> tuple[list[str], list[str], dict[str, int]]:
     """DeepSeek V4's (attention kind per layer, "hash_moe" / "moe" per layer, compression rate per
-    kind), as DeepseekV4Config derives them (legacy fields included); models/deepseek_v4.ModelArgs
-    derives the same (tests/test_deepseek_v4_cache.py checks they agree)."""
+    kind), as DeepseekV4Config derives them, legacy fields included (models/deepseek_v4.ModelArgs
+    takes them from here and checks them)."""
     n = _need(config, "num_hidden_layers")
     rates = {V4_CSA: 4, V4_HCA: 128, **(config.get("compress_rates") or {})}
     for key, kind in (("compress_rate_csa", V4_CSA), ("compress_rate_hca", V4_HCA)):
         if config.get(key) is not None:
             rates[kind] = config[key]
     types = config.get("layer_types")
-    if types is None and config.get("compress_ratios") is not None:
+    if types is None and config.get("compress_ratios") is not None:  # (an unknown ratio stays, to be refused)
         types = [{0: "sliding_attention", 4: V4_CSA, 128: V4_HCA}.get(r, r) for r in config["compress_ratios"]]
     if types is None:
         types = [V4_HCA] * min(n, 2) + [V4_CSA if i % 2 else V4_HCA for i in range(max(n - 2, 0))]
