@@ -256,3 +256,23 @@ def test_the_planner_counts_what_the_cache_holds():
     cfg = load(GOLDEN_DIR / "deepseek_v4-flash_layout.json")["config"]
     cache = V4Cache(ModelArgs.from_dict(cfg), 16)
     assert _kv_bytes_per_token(cfg, 4) == cache.bytes_per_token and _state_bytes_per_slot(cfg, 4) == cache.state_bytes
+
+
+def test_deepseek_names_without_transformers_prefix_convert_the_same(v4, tmp_path):
+    """DeepSeek's own release names the tensors at the top level (`layers.N.attn.wq_a.weight`,
+    `embed.weight`, `norm.weight`, `hc_head_fn`); transformers saves them under `model.`. Both
+    convert to the same container."""
+    from safetensors.numpy import load_file, save_file
+
+    hf = write_checkpoint(load(GOLDEN_DIR / "deepseek_v4-flash_layout.json"), tmp_path / "hf")
+    state = load_file(str(hf / "model.safetensors"))
+    top = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
+           "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
+           "model.hc_head.hc_scale": "hc_head_scale"}
+    renamed = {top.get(k, k.removeprefix("model.")): v for k, v in state.items()}
+    assert "layers.0.attn.wq_a.weight" in renamed and "head.weight" in renamed
+    save_file(renamed, str(hf / "model.safetensors"))
+    bare = Container(convert(hf, tmp_path / "c4", bits=4, progress=False))
+    assert set(bare.manifest["tensors"]) == set(Container(v4).manifest["tensors"])
+    ids = prompt(21, 9)
+    assert fresh(bare.dir, ids, 6) == fresh(v4, ids, 6)
