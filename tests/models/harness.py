@@ -86,6 +86,21 @@ def dequantized_reference(hf_dir: Path, container_dir: Path, out_dir: Path) -> P
     return out_dir
 
 
+def requantized_checkpoint(hf_dir: Path, stored: dict, reference: dict, quantization_config: dict) -> Path:
+    """For an `after_save` that rewrites the saved checkpoint into a quantized release format:
+    write `stored` (its tensors in that format) and `quantization_config` into hf_dir, and
+    `reference` (the same values as float, which transformers loads) beside it; returns the
+    reference's directory."""
+    save_file(stored, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**cfg, "quantization_config": quantization_config}))
+    ref_dir = hf_dir.parent / "hf_float"
+    ref_dir.mkdir()
+    save_file(reference, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
+    (ref_dir / "config.json").write_text(json.dumps(cfg))
+    return ref_dir
+
+
 def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], np.ndarray]:
     """Greedy tokens by full recompute each step (no cache: the plainest reference), and the
     logits at the last position of prompt + generated tokens."""

@@ -8,7 +8,7 @@ config fields) are in tests/test_deepseek_v4_cache.py."""
 import numpy as np
 import pytest
 import torch
-from harness import check_against_transformers, prompts_for
+from harness import check_against_transformers, prompts_for, requantized_checkpoint
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
 MODEL = DeepseekV4ForCausalLM
@@ -109,9 +109,7 @@ def to_release_checkpoint(hf_dir):
     expert in FP8 with 128x128 E8M0 block scales (`.scale`), routed experts in FP4 (E8M0 per 32),
     the rest as it was; returns a float checkpoint of the same values, dequantized by transformers'
     own Fp8Dequantize, for transformers to load as the reference."""
-    import json
-
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
     undo = Fp8Dequantize(None)._dequantize_one
@@ -128,16 +126,9 @@ def to_release_checkpoint(hf_dir):
             continue
         state[name], state[f"{base}.scale"] = q, scale
         reference[name] = undo(q, scale, torch.float32)
-    save_file(state, str(path), metadata={"format": "pt"})
-    cfg = json.loads((hf_dir / "config.json").read_text())
-    (hf_dir / "config.json").write_text(json.dumps({**cfg, "quantization_config": {
+    return requantized_checkpoint(hf_dir, state, reference, {
         "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "scale_fmt": "ue8m0",
-        "expert_dtype": "fp4", "activation_scheme": "dynamic"}}))
-    ref_dir = hf_dir.parent / "hf_float"
-    ref_dir.mkdir()
-    save_file(reference, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
-    (ref_dir / "config.json").write_text(json.dumps(cfg))
-    return ref_dir
+        "expert_dtype": "fp4", "activation_scheme": "dynamic"})
 
 
 @pytest.mark.slow

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from harness import check_against_transformers, prompts_for
-from safetensors.torch import load_file, save_file
+from harness import check_against_transformers, prompts_for, requantized_checkpoint
+from safetensors.torch import load_file
 from transformers import GptOssConfig, GptOssForCausalLM
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
@@ -75,15 +75,8 @@ def to_mxfp4_checkpoint(hf_dir: Path) -> Path:
         blocks, scales = ocp_mxfp4(state.pop(name))
         state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, scales
         reference[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
-    save_file(state, str(path), metadata={"format": "pt"})
-    cfg = json.loads((hf_dir / "config.json").read_text())
-    (hf_dir / "config.json").write_text(json.dumps(
-        {**cfg, "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["router", "lm_head"]}}))
-    ref_dir = hf_dir.parent / "hf_float"
-    ref_dir.mkdir()
-    save_file(reference, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
-    (ref_dir / "config.json").write_text(json.dumps(cfg))
-    return ref_dir
+    return requantized_checkpoint(hf_dir, state, reference,
+                                  {"quant_method": "mxfp4", "modules_to_not_convert": ["router", "lm_head"]})
 
 
 @pytest.mark.slow
