@@ -46,7 +46,7 @@ from colibri.models.args import ModelArgs as BaseModelArgs
 from colibri.models.cache import KVCache
 from colibri.models.decoder import DecoderModel, in_activation_mode
 from colibri.models.layers import linear, rms_norm
-from colibri.models.moe import RoutedMoE, layer_index
+from colibri.models.moe import RoutedMoE, layer_index, sum_experts
 from colibri.models.rope import Rope, build_rope
 from colibri.plan.shapes import v4_schedule
 from colibri.memory import huge_arrays
@@ -619,7 +619,8 @@ class V4MoE(RoutedMoE):
     def wants_prefetch(self) -> bool:
         return not self.hashed and super().wants_prefetch()
 
-    def expert(self, x: np.ndarray, ew: dict) -> np.ndarray:
+    def expert(self, x: np.ndarray, e: int, ew: dict) -> np.ndarray:
+        """Expert e's output for tokens x [L, D] (its matrices ew) -> [L, D]."""
         gate, up = linear(x, ew["gate_proj"]), linear(x, ew["up_proj"])
         return linear(clipped_swiglu(gate, up, self.limit), ew["down_proj"])
 
@@ -629,16 +630,7 @@ class V4MoE(RoutedMoE):
         if t0:
             PHASES.add("router", self.layer, t0)
             t0 = clock()
-        # Every chosen expert once, applied to all its tokens; summed in expert-id order
-        # (transformers' order too), whatever order the store delivers them in.
-        parts = {}
-        for e, ew in self.experts.iter_experts(self.prefix, np.unique(chosen).tolist()):
-            tok, slot = np.nonzero(chosen == e)
-            parts[e] = (tok, self.expert(np.ascontiguousarray(x[tok]), ew) * weights[tok, slot][:, None])
-        out = np.zeros_like(x)
-        for e in sorted(parts):
-            tok, y = parts[e]
-            out[tok] += y
+        out = sum_experts(x, weights, chosen, self.experts, self.prefix, self.expert)
         if t0:
             PHASES.add("routed_experts", self.layer, t0)
             t0 = clock()

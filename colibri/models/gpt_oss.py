@@ -24,7 +24,7 @@ from colibri.models.attention import Attention
 from colibri.models.cache import KVCache
 from colibri.models.decoder import DecoderModel, build_decoder
 from colibri.models.layers import linear
-from colibri.models.moe import RoutedMoE, layer_index
+from colibri.models.moe import RoutedMoE, layer_index, sum_experts
 from colibri.models.rope import apply_rope
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -177,18 +177,7 @@ class GptOssMoE(RoutedMoE):
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         weights, ids = self.route(x)  # [L, K], [L, K]
-        # As run_experts: every chosen expert once, applied to all its tokens; the sum in
-        # expert-id order (transformers' order too), whatever order the store delivers them in.
-        parts = {}
-        for e, ew in self.experts.iter_experts(self.prefix, np.unique(ids).tolist()):
-            tok, slot = np.nonzero(ids == e)
-            y = self.expert(np.ascontiguousarray(x[tok]), e, ew)
-            parts[e] = (tok, y * weights[tok, slot][:, None])
-        out = np.zeros_like(x)
-        for e in sorted(parts):
-            tok, y = parts[e]
-            out[tok] += y
-        return out
+        return sum_experts(x, weights, ids, self.experts, self.prefix, self.expert)
 
     def rows(self, hs: list[np.ndarray]) -> list[np.ndarray]:
         return [self(h) for h in hs]  # each row as decoding it alone: the same bits

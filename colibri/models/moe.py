@@ -125,14 +125,19 @@ def run_experts(x: np.ndarray, weights: np.ndarray, ids: np.ndarray, experts, pr
         kernel = experts.fused(prefix)
         if kernel is not None:
             return _decode_fused(x, weights[0], ids[0], experts, prefix, kernel)
-    # Experts arrive in the order the store has them ready (RAM hits first, disk reads as they
-    # land), so computing overlaps reading; the contributions are added in expert-id order
-    # afterwards, so the sum, and the tokens, do not depend on placement.
+    return sum_experts(x, weights, ids, experts, prefix, lambda xe, e, ew: swiglu_expert(xe, ew))
+
+
+def sum_experts(x: np.ndarray, weights: np.ndarray, ids: np.ndarray, experts, prefix: str, expert) -> np.ndarray:
+    """sum_k weights[:, k] * expert(x, ids[:, k]) [L, D]: every chosen expert run once on all its
+    tokens (`expert(x_rows, e, its matrices)`). Experts arrive in the order the store has them
+    ready (RAM hits first, disk reads as they land), so computing overlaps reading; the
+    contributions are added in expert-id order afterwards, so the sum, and the tokens, do not
+    depend on placement."""
     parts = {}
     for e, ew in experts.iter_experts(prefix, np.unique(ids).tolist()):
         tok, slot = np.nonzero(ids == e)
-        y = swiglu_expert(np.ascontiguousarray(x[tok]), ew)
-        parts[e] = (tok, y * weights[tok, slot][:, None])
+        parts[e] = (tok, expert(np.ascontiguousarray(x[tok]), e, ew) * weights[tok, slot][:, None])
     out = np.zeros_like(x)
     for e in sorted(parts):
         tok, y = parts[e]
