@@ -13,6 +13,10 @@ O_DIRECT needs the file offset, the length and the buffer 4096-aligned. A contai
 start anywhere, so each is read as the aligned span that covers it into an aligned bounce
 buffer of this thread, and copied (a memcpy at ~10 GB/s against a disk's 1-7).
 
+With mirrors (copies of the expert files on other drives, colibri/io/mirrors.py) each expert is
+read whole from the drive it is striped to; a read that fails on a mirror is read again from the
+primary, and that mirror file is left alone from then on.
+
 Failures are EngineFaults naming the file and the expert: the client's request is fine, the
 model files are not.
 """
@@ -25,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from colibri.errors import ColibriError, EngineFault
+from colibri.io.mirrors import Drives
 
 _ALIGN = 4096
 
@@ -42,13 +47,16 @@ DIRECT_MODES = ("off", "prefer", "require")
 class ExpertReader:
     """Reads one container's experts. `direct`: "off" (buffered preads), "prefer" (O_DIRECT
     where the file system takes it, else buffered: tmpfs has none) or "require" (a file that
-    refuses O_DIRECT is an error). Thread-safe: reader threads share one reader."""
+    refuses O_DIRECT is an error). `mirrors`: (directory, weight or None) per copy of the expert
+    files on another drive, `primary_weight` the model directory's weight (mirrors.Drives; None:
+    1). Thread-safe: reader threads share one reader."""
 
-    def __init__(self, container, direct: str = "off"):
+    def __init__(self, container, direct: str = "off", mirrors=(), primary_weight: float | None = None):
         if direct not in DIRECT_MODES:
             raise ValueError(f"direct must be one of {DIRECT_MODES}, not {direct!r}")
         self.container = container
         self.direct = direct
+        self.drives = Drives(container, mirrors, primary_weight)
         self._fds: dict[Path, tuple[int, bool]] = {}  # path -> (fd, opened with O_DIRECT)
         self._lock = threading.Lock()
         self._local = threading.local()  # bounce and scratch buffers, one set per reader thread
@@ -69,22 +77,47 @@ class ExpertReader:
 
     def read(self, prefix: str, e: int, buf: np.ndarray, verify: bool) -> int:
         """Expert e of `prefix` into buf (its blob layout), checked when `verify`; returns the
-        bytes read from disk."""
+        bytes read from disk. From the drive the expert is striped to; a mirror's failure is
+        read again from the primary (the same bytes as without mirrors)."""
+        ranges = self.container.expert_ranges(prefix, e)
+        drive = self.drives.drive_for(prefix, e, [r.path for r in ranges])
+        if drive:
+            try:
+                return self._read_from(drive, ranges, prefix, e, buf, verify)
+            except (EngineFault, ColibriError) as err:  # (ColibriError: the copy would not open)
+                self.drives.failed(drive, [r.path for r in ranges], err)
+        return self._read_from(0, ranges, prefix, e, buf, verify)
+
+    def _read_from(self, drive: int, ranges, prefix: str, e: int, buf: np.ndarray, verify: bool) -> int:
         c = self.container
         total = 0
         digest = c.new_digest(prefix) if verify else None
-        for r in c.expert_ranges(prefix, e):
-            fd, direct = self._fd(r.path)
+        for r in ranges:
+            path = self.drives.path_on(drive, r.path)
+            fd, direct = self._fd(path)
             dst = buf[r.blob_offset: r.blob_offset + r.nbytes] if r.repack is None else self._buffer("scratch", r.nbytes)
-            self._pread(fd, direct, dst, r.offset, r.path, prefix, e)
+            with self.drives.reading(drive):
+                self._pread(fd, direct, dst, r.offset, path, prefix, e)
             if digest is not None:
                 digest.update(dst)
             if r.repack is not None:
                 r.repack(dst, buf)
             total += r.nbytes
         if digest is not None:
-            c.check_digest(prefix, e, digest, buf)
+            try:
+                c.check_digest(prefix, e, digest, buf)
+            except EngineFault:
+                if drive == 0:
+                    raise
+                # (the container's message names the primary's file)
+                raise EngineFault(f"expert {e} of {prefix} failed its checksum") from None
+        self.drives.record(drive, total)
         return total
+
+    def drive_stats(self) -> dict[str, dict]:
+        """Per drive (its directory): bytes_read, reads, read_s (seconds with a read in flight on
+        it: bytes_read / read_s is its rate), errors, weight."""
+        return self.drives.stats()
 
     def _pread(self, fd: int, direct: bool, dst: np.ndarray, offset: int, path: Path, prefix: str, e: int) -> None:
         n = dst.size

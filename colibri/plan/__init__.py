@@ -13,7 +13,8 @@ Placement policy (one rule, so a plan is reproducible):
   The KV cache (max context), expert staging buffers and the runtime's own memory come next.
 - What is left of each tier becomes expert cache slots, the same number in every MoE layer:
   VRAM slots first, then RAM slots for experts not already in VRAM. Every expert stays on disk.
-- Projection per decoded token: misses read from disk (expert-sized reads at the probed rate),
+- Projection per decoded token: misses read from disk (expert-sized reads at the probed rate,
+  times the identical drives the experts are striped over: `--drives`, `--mirror`),
   the touched weights read from memory, the int4 kernels' speed per core, and the per-layer
   Python overhead. The hit-rate range runs from uniform routing (slots / experts) to a Zipf(1)
   heat (the share of the hottest `slots` experts); the tok/s range from "no overlap, low hit

@@ -111,7 +111,10 @@ def build_plan(model: ModelFacts, machine: Machine, ram_gb: float | None = None,
     # Projection for one decoded token.
     hit_lo, hit_hi = _hit_range(layers, cached)
     vram_share = _hit_range(layers, vram_taken)[0] if layers else 0.0
-    disk_gbs = machine.disk_read_gbs or p.disk_gbs
+    # Striped over identical drives (--mirror), each expert is read from one of them and reads
+    # are in flight on all at once: the drives' rates add up.
+    drives = max(1, machine.drives)
+    disk_gbs = (machine.disk_read_gbs or p.disk_gbs) * drives
     mem_gbs = machine.mem_read_gbs or p.mem_gbs
     active = model.active_expert_bytes
     miss_hi, miss_lo = active * (1 - hit_lo), active * (1 - hit_hi)   # bytes from disk per token
@@ -133,7 +136,9 @@ def build_plan(model: ModelFacts, machine: Machine, ram_gb: float | None = None,
     else:
         costs = {"disk": t_disk_mid, "memory": t_mem, "compute": t_compute + t_overhead}
         bottleneck = max(costs, key=costs.get)
-        why = {"disk": f"{size_text(int((miss_lo + miss_hi) / 2))} of expert misses per token at {disk_gbs:.2f} GB/s",
+        striped = f" ({drives} drives)" if drives > 1 else ""
+        why = {"disk": f"{size_text(int((miss_lo + miss_hi) / 2))} of expert misses per token at {disk_gbs:.2f} GB/s"
+                       f"{striped}",
                "memory": f"{size_text(int(cpu_bytes))} of weights per token at {mem_gbs:.1f} GB/s",
                "compute": f"{size_text(int(cpu_bytes))} of weights per token through the kernels on "
                           f"{machine.cores} cores, plus {t_overhead * 1000:.0f} ms of per-layer overhead"}[bottleneck]
@@ -145,8 +150,9 @@ def build_plan(model: ModelFacts, machine: Machine, ram_gb: float | None = None,
         warn("info", "the GPU holds the plan's VRAM tier with --device cuda (or auto): dense weights, the KV "
                      "cache and routed experts up to --vram-gb (--auto-tier applies the plan's)")
     disk_only = model.expert_count - vram_experts - ram_experts
-    if fits and disk_only and machine.disk_read_gbs is not None and machine.disk_read_gbs < p.slow_disk_gbs:
-        warn("warning", f"slow disk ({machine.disk_read_gbs:.2f} GB/s): {disk_only} experts are read from it on demand")
+    if fits and disk_only and machine.disk_read_gbs is not None and machine.disk_read_gbs * drives < p.slow_disk_gbs:
+        warn("warning", f"slow disk ({machine.disk_read_gbs * drives:.2f} GB/s): {disk_only} experts are read from "
+                        "it on demand")
     if fits and layers and 0 < cached[0] < model.top_k:
         warn("warning", f"the cache holds {min(cached)} experts per layer, fewer than top-k ({model.top_k}): "
                         "most expert uses will read from disk")
@@ -218,7 +224,7 @@ def build_plan(model: ModelFacts, machine: Machine, ram_gb: float | None = None,
             "tok_s": [round(tok_lo, 3), round(tok_hi, 3)] if fits else [0.0, 0.0],
             "disk_bytes_per_token": [int(miss_lo), int(miss_hi)],
             # the rates the projection used: the machine's, or the policy's assumption where it has none
-            "disk_gbs": disk_gbs, "mem_gbs": mem_gbs,
+            "disk_gbs": disk_gbs, "drives": drives, "mem_gbs": mem_gbs,
             "seconds_per_token": {"disk": [t_disk_lo, t_disk_hi], "memory": t_mem, "compute": t_compute,
                                   "overhead": t_overhead, "gpu": t_gpu},
         },

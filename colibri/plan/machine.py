@@ -40,6 +40,9 @@ class Machine:
     mem_read_gbs: float | None = None   # one thread, from the probe (a described machine: all cores)
     source: str = "probed"
     name: str = ""                      # a named machine's name (machine_specs.py); "" for this one
+    # Identical drives the experts are striped over (--mirror: a copy of the expert files on
+    # each); the plan reads disk_read_gbs from each of them at once.
+    drives: int = 1
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -67,6 +70,8 @@ class Machine:
             k = bad[0] if bad else "cores"
             raise ColibriError(f"machine description: {k} must be a non-negative number (cores at least 1), "
                                f"not {sizes[k]!r}")
+        if not isinstance(m.drives, int) or isinstance(m.drives, bool) or m.drives < 1:
+            raise ColibriError(f"machine description: drives must be a whole number >= 1, not {m.drives!r}")
         m.source = d.get("source", "file")
         return m
 

@@ -9,6 +9,7 @@ A file holds one table per machine, named by the machine (JSON: an object of obj
     disk_gbs = 2.0       # disk read rate, GB/s
     cores = 8
     mem_gbs = 60         # optional: memory read bandwidth the kernels can draw, GB/s
+    drives = 2           # optional: identical drives the experts are striped over (--mirror), each at disk_gbs
     gpus = [{ name = "24 GB GPU", vram_gb = 24, bandwidth_gbs = 1000 }]   # optional
 """
 from __future__ import annotations
@@ -29,12 +30,13 @@ FIELDS = {  # what each field of a machine holds, as error messages say it
     "disk_gbs": "disk read rate in GB/s",
     "cores": "CPU cores",
     "mem_gbs": "memory read bandwidth in GB/s",
+    "drives": "identical drives the experts are striped over (--mirror), each reading disk_gbs",
     "gpus": "a list of {name, vram_gb, bandwidth_gbs}",
 }
 REQUIRED = ("ram_gb", "disk_gbs", "cores")
 GPU_FIELDS = {"name": "its name", "vram_gb": "its memory in GiB", "bandwidth_gbs": "its memory bandwidth in GB/s"}
-SPEC_KEYS = ("ram_gb", "disk_gbs", "cores", "mem_gbs", "vram_gb")  # a file's fields; one vram_gb per GPU
-SPEC_SYNTAX = "NAME:ram_gb=64,disk_gbs=2,cores=8[,mem_gbs=60][,vram_gb=24]"
+SPEC_KEYS = ("ram_gb", "disk_gbs", "cores", "mem_gbs", "drives", "vram_gb")  # a file's fields; one vram_gb per GPU
+SPEC_SYNTAX = "NAME:ram_gb=64,disk_gbs=2,cores=8[,mem_gbs=60][,drives=2][,vram_gb=24]"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 
 
@@ -70,6 +72,7 @@ def machine_from_spec(name: str, spec, source: str) -> Machine:
                    gpus=[_gpu(g, i, where) for i, g in enumerate(gpus)],
                    disk_read_gbs=float(_positive(spec["disk_gbs"], where, "disk_gbs")), disk_probe="described",
                    mem_read_gbs=float(_positive(spec["mem_gbs"], where, "mem_gbs")) if "mem_gbs" in spec else None,
+                   drives=int(_positive(spec["drives"], where, "drives", whole=True)) if "drives" in spec else 1,
                    source=source, name=name)
 
 
@@ -123,7 +126,7 @@ def read_machines(source: str) -> list[Machine]:
 
 
 def parse_machine_spec(text: str) -> Machine:
-    """`--machine-spec NAME:ram_gb=64,disk_gbs=2,cores=8[,mem_gbs=60][,vram_gb=24]`: the fields of a
+    """`--machine-spec NAME:ram_gb=64,disk_gbs=2,cores=8[,mem_gbs=60][,drives=2][,vram_gb=24]`: the fields of a
     machine file in one line, vram_gb once per GPU."""
     name, sep, rest = text.partition(":")
     if not sep or not rest.strip():

@@ -33,9 +33,11 @@ def render_plan(plan: dict, console) -> None:
                   highlight=False)
     gpus = ", ".join(f"{g['name']} {size_text(g['free_bytes'])} free" for g in mach["gpus"]) or "no GPU"
     disk = f"{mach['disk_read_gbs']:.2f} GB/s" if mach.get("disk_read_gbs") else "not measured"
+    # --mirror: the projection reads from every drive at once
+    striped = f", striped over {pr['drives']} drives: {pr['disk_gbs']:.2f} GB/s" if pr.get("drives", 1) > 1 else ""
     console.print(f"machine: {mach['cores']} cores, {size_text(mach['ram_available_bytes'])} of "
                   f"{size_text(mach['ram_total_bytes'])} RAM available, {gpus}, disk {disk} "
-                  f"({mach.get('disk_probe', '')})", highlight=False)
+                  f"({mach.get('disk_probe', '')}){striped}", highlight=False)
     console.print(_model_line(m), highlight=False)
     if note := _slice_line(m):
         console.print(note, highlight=False)
@@ -74,7 +76,8 @@ def _column(plan: dict) -> dict[str, str]:
     return {
         "machine": f"{mach['cores']} cores, {size_text(mach['ram_total_bytes'])}",
         "GPUs": ", ".join(f"{g['name']} {size_text(g['total_bytes'])}" for g in mach["gpus"]) or "none",
-        "disk read": f"{pr['disk_gbs']:.2f} GB/s" + ("" if mach.get("disk_read_gbs") else " (assumed)"),
+        "disk read": f"{pr['disk_gbs']:.2f} GB/s" + (f" ({pr['drives']} drives)" if pr.get("drives", 1) > 1 else "")
+                     + ("" if mach.get("disk_read_gbs") else " (assumed)"),
         "memory read": f"{pr['mem_gbs']:.0f} GB/s" + ("" if mach.get("mem_read_gbs") else " (assumed)"),
         "RAM limit": size_text(t["ram"]["limit_bytes"]),
         "dense weights": f"{size_text(dense)} in {plan['dense_tier'].upper()}",
