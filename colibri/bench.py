@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-BENCH_VERSION = 2  # 2: per-phase decode breakdown, projection for slices
+BENCH_VERSION = 3  # 2: per-phase decode breakdown, projection for slices; 3: the measured decode's profile
 
 
 def _drop_caches() -> bool:
@@ -56,6 +56,7 @@ def layer_kinds(engine) -> tuple[list[str], list[str] | None]:
 
 
 def _measure(engine, tokens: list[int], prompt: list[int]) -> dict:
+    from colibri.engine.turn_profile import profile_between, read_counters
     from colibri.profile import PHASES, breakdown
 
     engine.reset()
@@ -67,11 +68,13 @@ def _measure(engine, tokens: list[int], prompt: list[int]) -> dict:
     whole_token = getattr(engine.model, "_token_program", lambda: None)() is not None
     if whole_token:
         times = engine.feed(tokens)
+    counters0 = read_counters(engine.experts, engine.vram_tier)
     PHASES.start()
     try:
         phase_times = engine.feed(tokens)
     finally:
         seconds = PHASES.stop()
+    counters1 = read_counters(engine.experts, engine.vram_tier)
     if not whole_token:
         times = phase_times
     s1, r1 = engine.expert_stats, _disk_read_bytes()
@@ -92,6 +95,13 @@ def _measure(engine, tokens: list[int], prompt: list[int]) -> dict:
     kept, full = layer_kinds(engine)
     row["breakdown"] = breakdown(seconds, sum(phase_times), len(phase_times), wait, kept, full)
     row["breakdown"]["path"] = "layer by layer (decoding runs every layer in one call)" if whole_token else "as decoded"
+    # The timed decode as one turn, in the shape the server's `colibri` field has
+    # (engine/turn_profile.py): whole seconds instead of per token, the cache per tier, bytes
+    # per drive, prediction, routing entropy per layer.
+    row["profile"] = profile_between(counters0, counters1, turn=0, prompt_tokens=0, reused_tokens=0,
+                                     completion_tokens=len(phase_times), prefill_s=0.0, decode_s=sum(phase_times),
+                                     phase_seconds=seconds, phase_span_s=sum(phase_times),
+                                     layer_kinds=kept).as_dict()
     return row
 
 

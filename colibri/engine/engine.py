@@ -23,9 +23,11 @@ from colibri.engine import loader, slots
 from colibri.engine.config import DEFAULT_MAX_CONTEXT, EngineConfig, check
 from colibri.engine.slots import KVSlot
 from colibri.engine.stats import store_stats, turn_stats
+from colibri.engine.turn_profile import TurnRecorder
 from colibri.errors import ColibriError
 from colibri.generate import TokenEvent
 from colibri.io.container import Container
+from colibri.io.expert_store import ExpertStore
 from colibri.threads import ThreadPolicy
 from colibri.tokenizer import Tokenizer
 
@@ -47,6 +49,7 @@ class Generation:
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     grammar_s: float = 0.0              # time spent masking logits with a grammar
     speculative: dict | None = None     # drafted passes, drafted and accepted tokens (when drafting)
+    profile: dict | None = None         # the turn's profile (engine/turn_profile.py, TurnProfile.as_dict)
 
     @property
     def completion_tokens(self) -> int:
@@ -86,6 +89,10 @@ class Engine:
         self._local = threading.local()  # `last`, per thread: concurrent streams (batching) each see their own
         self._threads = ThreadPolicy(config.threads)  # kernel threads: explicit, else adapted to the machine's load
         self._passes = gen.Passes(model, self._threads.apply)  # batched while start_batching holds
+        phases = config.profile_phases
+        if phases is None:
+            phases = isinstance(experts, ExpertStore) or config.cluster is not None
+        self._recorder = TurnRecorder(experts, self.vram_tier, phases, self._layer_kinds())
 
     @classmethod
     def load(cls, model_dir: str | Path | None = None, progress: bool = False, **options) -> "Engine":
@@ -147,6 +154,23 @@ class Engine:
         # The model's public name for it, once the models package gives it one; until then its own.
         program = getattr(self.model, "token_program", None) or getattr(self.model, "_token_program", None)
         return program is not None and program() is not None
+
+    def _layer_kinds(self) -> list[str]:
+        """"dense" or "moe" per decoder layer (the phase split's dense MLP counts the dense
+        layers' feed-forward); empty for a model without per-layer kinds."""
+        try:
+            return [self.model.args.mlp_kind(i) for i in range(len(self.model.layers))]
+        except (AttributeError, IndexError, TypeError):
+            return []
+
+    @property
+    def profile_phases(self) -> bool:
+        """Whether turns time their phases for their profiles (EngineConfig.profile_phases, resolved)."""
+        return self._recorder.phases
+
+    def profiles(self) -> list[dict]:
+        """The profiles of the last turns (at most turn_profile.PROFILES_KEPT), oldest first."""
+        return self._recorder.profiles()
 
     @property
     def device_bytes(self) -> int | None:
@@ -314,7 +338,6 @@ class Engine:
             cancel=cancel, logprobs=logprobs, scored=[] if prompt_logprobs is not None else None,
             prompt_top=prompt_logprobs)
 
-        stats0 = self._store_stats()
         reused = slots.reuse_prefix(kv, ids, keep=turn.scored is None)
         # Room for the whole generation before prefill: one allocation, where growing on demand
         # doubled the cache (copying all of it) inside the prompt and again inside the answer.
@@ -325,6 +348,7 @@ class Engine:
         t_decode0 = t_prefill0
         turn.drafts = self._speculator(ids, speculative, draft_tokens) if speculative != "off" else None
         batcher = self._passes.batcher
+        recording = self._recorder.begin()
         if batcher is not None:
             batcher.join()
         try:
@@ -340,6 +364,7 @@ class Engine:
                     yield from gen.decode_n_tokens(turn, logits)
             yield from gen.flush_text(turn)
         finally:
+            recording.finish()  # (lets the phase clock go, also when the turn failed or was left)
             # The cache holds exactly the tokens in kv.ids (no drafts past them), also when the
             # consumer stops early.
             if batcher is not None:
@@ -348,10 +373,12 @@ class Engine:
                 turn.drafts.finish(kv.cache, len(kv.ids))
             kv.cache.truncate(len(kv.ids))
             kv.ids = kv.ids[: kv.cache.length]  # (a recurrent state that failed mid-pass went back further)
+        decode_s = time.perf_counter() - t_decode0
+        profile = recording.profile(len(ids), reused, len(turn.out), prefill_s, decode_s, turn.finish, slot)
         self.last = Generation(turn.out, "".join(turn.text), turn.finish, len(ids), reused, turn.ttft, prefill_s,
-                               time.perf_counter() - t_decode0, slot, turn_stats(stats0, self._store_stats()),
+                               decode_s, slot, turn_stats(recording.start.store, recording.end.store),
                                turn.scored, constraint.mask_seconds if constraint is not None else 0.0,
-                               turn.drafts.stats.as_dict() if turn.drafts is not None else None)
+                               turn.drafts.stats.as_dict() if turn.drafts is not None else None, profile)
         if hasattr(self.experts, "save_history"):  # a streaming store, or the cluster's head
             self.experts.save_history()
 

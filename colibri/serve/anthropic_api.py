@@ -13,6 +13,7 @@ from colibri.serve.state import ClientGone, ServerState, Turn, collect, error_ev
 from colibri.serve.errors import bad_request
 from colibri.serve.reasoning import prompt_opens_thinking
 from colibri.serve.openai_api import stop_list
+from colibri.serve.profile_api import profile_field
 from colibri.serve.scheduler import Failed, Finished
 from colibri.serve.schemas import AnthropicPrompt, CountTokensRequest, MessagesRequest
 from colibri.serve.tools import (AnswerStream, ArgsDelta, CallStart, Reasoning, TextDelta, ToolPlan, check_tool_count,
@@ -232,8 +233,8 @@ async def messages(request: Request):
         content.append({"type": "tool_use", "id": _use_id(c.id), "name": c.name, "input": json.loads(c.arguments)})
     reason, sequence = _stop(state, g, stops, answer.calls)
     return JSONResponse({"id": mid, "type": "message", "role": "assistant", "model": state.model_id,
-                         "content": content, "stop_reason": reason, "stop_sequence": sequence, "usage": _usage(g)},
-                        headers=turn.headers)
+                         "content": content, "stop_reason": reason, "stop_sequence": sequence, "usage": _usage(g),
+                         "colibri": profile_field([g])}, headers=turn.headers)
 
 
 async def _stream(state: ServerState, turn: Turn, mid: str, stops: list[str], answer: AnswerStream):
@@ -297,8 +298,10 @@ async def _stream(state: ServerState, turn: Turn, mid: str, stops: list[str], an
                 for frame in close():
                     yield frame
                 reason, sequence = _stop(state, g, stops, answer.calls)
+                # the turn's profile as an extra field of the event the official client already
+                # reads at the end (it keeps unknown fields, in model_extra)
                 yield sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                           "usage": _usage(g)}, "message_delta")
+                           "usage": _usage(g), "colibri": profile_field([g])}, "message_delta")
                 yield sse({"type": "message_stop"}, "message_stop")
                 return
             for frame in frames(answer.feed(item.text)):

@@ -1,6 +1,6 @@
 """The ASGI app of `colibri serve` (FastAPI): one Engine behind the Scheduler; OpenAI- and
 Anthropic-shaped routes in openai_api.py / anthropic_api.py / responses_api.py; the dashboard
-(web/) and its telemetry (telemetry.py); health, metrics, models and the tokenizer routes here. What the routes share (the server state, a generation's
+(web/) and its telemetry (telemetry.py) and turn profiles (profile_api.py); health, metrics, models and the tokenizer routes here. What the routes share (the server state, a generation's
 async side) is in state.py, so imports run one way: app -> API modules -> state.
 
 Follows llama.cpp's and vLLM's OpenAI servers in shape; the engine is reached only through its
@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 
 from colibri.engine import Engine
 from colibri.errors import EngineFault
-from colibri.serve import anthropic_api, openai_api, responses_api, schemas, telemetry, web
+from colibri.serve import anthropic_api, openai_api, profile_api, responses_api, schemas, telemetry, web
 from colibri.serve.errors import ApiError, api_error_response, bad_request, error_response
 from colibri.serve.metrics import CONTENT_TYPE, ServeMetrics
 from colibri.serve.scheduler import Scheduler
@@ -146,6 +146,7 @@ def create_app(engine: Engine, scheduler: Scheduler, config: ServeConfig, metric
     app.include_router(anthropic_api.router)
     app.include_router(responses_api.router)
     app.include_router(telemetry.router)
+    app.include_router(profile_api.router)
     web.mount(app)
 
     # Outermost last: request id -> Host check -> Origin and content type -> CORS -> API key ->

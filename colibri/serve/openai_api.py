@@ -15,6 +15,7 @@ from colibri.serve.tools import (AnswerStream, ArgsDelta, CallStart, Reasoning, 
                                  compile_grammar, guided_spec, openai_tools, parse_arguments, plan,
                                  render_messages, response_format_spec)
 from colibri.serve.errors import bad_request
+from colibri.serve.profile_api import profile_field
 from colibri.serve.reasoning import prompt_opens_thinking
 from colibri.serve.scheduler import Failed, Finished
 from colibri.serve.schemas import MAX_STOP, MAX_STOP_CHARS, ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
@@ -283,7 +284,8 @@ async def chat_completions(request: Request):
                     "logprobs": lp})
     gens = [done.generation for _, done in choices]
     body = {"id": rid, "object": "chat.completion", "created": created, "model": state.model_id,
-            "system_fingerprint": "colibri", "choices": out, "usage": usage(gens[0], gens)}
+            "system_fingerprint": "colibri", "choices": out, "usage": usage(gens[0], gens),
+            "colibri": profile_field(gens)}
     return JSONResponse(body, headers=turn.headers)
 
 
@@ -291,12 +293,14 @@ async def _chat_stream(state: ServerState, turn: Turn, setup: ChatSetup, rid: st
                        want_logprobs: bool):
     index = 0
 
-    def chunk(delta: dict, finish=None, logprobs=None) -> str:
+    def chunk(delta: dict, finish=None, logprobs=None, profile=None) -> str:
         c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_id,
              "system_fingerprint": "colibri",
              "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
         if include_usage:
             c["usage"] = None
+        if profile is not None:
+            c["colibri"] = profile
         return sse(c)
 
     def deltas(events: list) -> list[dict]:
@@ -325,10 +329,16 @@ async def _chat_stream(state: ServerState, turn: Turn, setup: ChatSetup, rid: st
                     return
                 if isinstance(item, Finished):
                     g = item.generation
+                    gens.append(g)
                     for delta in deltas(answer.finish()):
                         yield chunk(delta)
-                    yield chunk({}, finish=finish_reason(g, answer.calls))
-                    gens.append(g)
+                    # The turns' profile (`colibri`) rides on the stream's last chunk: the usage
+                    # chunk when asked for (its choices empty, as OpenAI sends it), else this one.
+                    # A chunk of its own with empty choices would break the usual
+                    # `chunk.choices[0]` loop of clients that never asked for usage.
+                    last = index == turn.job.n - 1 and not include_usage
+                    yield chunk({}, finish=finish_reason(g, answer.calls),
+                                profile=profile_field(gens) if last else None)
                     break
                 logprobs = None
                 if want_logprobs and item.token_id is not None and not item.end:  # None: held-back text
@@ -341,7 +351,8 @@ async def _chat_stream(state: ServerState, turn: Turn, setup: ChatSetup, rid: st
             index += 1
         if include_usage:
             yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_id,
-                       "system_fingerprint": "colibri", "choices": [], "usage": usage(gens[0], gens)})
+                       "system_fingerprint": "colibri", "choices": [], "usage": usage(gens[0], gens),
+                       "colibri": profile_field(gens)})
         yield sse("[DONE]")
     except ClientGone:
         return
@@ -405,7 +416,8 @@ async def completions(request: Request):
         out.append({"index": index, "text": text, "finish_reason": g.finish_reason, "logprobs": lp})
     gens = [done.generation for _, done in choices]
     body = {"id": rid, "object": "text_completion", "created": created, "model": state.model_id,
-            "system_fingerprint": "colibri", "choices": out, "usage": usage(gens[0], gens)}
+            "system_fingerprint": "colibri", "choices": out, "usage": usage(gens[0], gens),
+            "colibri": profile_field(gens)}
     return JSONResponse(body, headers=turn.headers)
 
 
@@ -441,12 +453,14 @@ async def _completion_stream(state: ServerState, turn: Turn, rid: str, created: 
                              want_logprobs: bool, echo):
     index = 0
 
-    def chunk(text: str, finish=None, logprobs=None) -> str:
+    def chunk(text: str, finish=None, logprobs=None, profile=None) -> str:
         c = {"id": rid, "object": "text_completion", "created": created, "model": state.model_id,
              "system_fingerprint": "colibri",
              "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
         if include_usage:
             c["usage"] = None
+        if profile is not None:
+            c["colibri"] = profile
         return sse(c)
 
     gens, scores = [], None
@@ -467,7 +481,8 @@ async def _completion_stream(state: ServerState, turn: Turn, rid: str, created: 
                     echoed = True
                 if isinstance(item, Finished):
                     gens.append(item.generation)
-                    yield chunk("", finish=item.generation.finish_reason)
+                    last = index == turn.job.n - 1 and not include_usage
+                    yield chunk("", finish=item.generation.finish_reason, profile=profile_field(gens) if last else None)
                     break
                 logprobs = None
                 if want_logprobs and item.token_id is not None:
@@ -478,7 +493,8 @@ async def _completion_stream(state: ServerState, turn: Turn, rid: str, created: 
             index += 1
         if include_usage:
             yield sse({"id": rid, "object": "text_completion", "created": created, "model": state.model_id,
-                       "system_fingerprint": "colibri", "choices": [], "usage": usage(gens[0], gens)})
+                       "system_fingerprint": "colibri", "choices": [], "usage": usage(gens[0], gens),
+                       "colibri": profile_field(gens)})
         yield sse("[DONE]")
     except ClientGone:
         return

@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse
 
 from colibri.serve.errors import ApiError, bad_request
 from colibri.serve.openai_api import ChatSetup, answer_stream, prepare_chat, response_format_spec
+from colibri.serve.profile_api import profile_field
 from colibri.serve.scheduler import Failed, Finished
 from colibri.serve.schemas import ResponsesRequest
 from colibri.serve.state import ClientGone, ServerState, Turn, collect, error_event, read_json, sse, sse_response
@@ -326,6 +327,7 @@ def _finish(shell: dict, builder: OutputBuilder, g) -> dict:
                      "total_tokens": g.prompt_tokens + g.completion_tokens,
                      "input_tokens_details": {"cached_tokens": g.prompt_tokens_reused},
                      "output_tokens_details": {"reasoning_tokens": 0}}
+    body["colibri"] = profile_field([g])
     return body
 
 

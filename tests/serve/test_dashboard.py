@@ -2,7 +2,8 @@
 `chromium` package, through Playwright's driver from PyPI; no browser is downloaded), against a
 real server running a small synthetic MoE whose experts stream from disk (--ram-gb below the
 model's size): the page loads, a message streams in, Stop cancels on the server, the tier bar and
-the expert heat map change while a request runs, and with --api-key the page asks for the key.
+the expert heat map change while a request runs, the last turn's profile is drawn when it ends,
+and with --api-key the page asks for the key.
 Screenshots of each step are written to test-artifacts/dashboard/ at the repository root.
 
 The telemetry JSON itself (/v1/telemetry) is checked with plain HTTP, as a script would read it.
@@ -158,6 +159,16 @@ def test_chat_streams_stops_and_telemetry_moves(moe_server, page):
     stats = page.inner_text(".msg.assistant:nth-child(4) .stats")
     assert "tok/s" in stats and "TTFT" in stats and "prefilled" in stats and "expert hit rate" in stats, stats
     _shot(page, "3-finished")
+    # The last turn's panel shows that turn's profile (/v1/profile): its time split by phase
+    # (experts stream, so the phase clock ran), the hit rate, and the routing entropy per layer.
+    last = httpx.get(moe_server.url + "/v1/profile", params={"limit": 1}, timeout=30).json()["data"][0]
+    page.wait_for_function(f"document.getElementById('last-turn').dataset.turn === '{last['turn']}'", timeout=20000)
+    assert page.locator("#turn-split i").count() == 7 and "routed experts" in page.inner_text("#turn-legend")
+    assert f"#{last['turn']}: " in page.inner_text("#turn-note")
+    assert "hit rate: RAM" in page.inner_text("#turn-cache")
+    assert page.locator("#turn-entropy i").count() == 4  # the small preset's MoE layers
+    page.locator("#last-turn").scroll_into_view_if_needed()
+    _shot(page, "3b-last-turn")
     page.reload()
     page.wait_for_selector(".msg.assistant:nth-child(4) .stats", timeout=20000)
     assert page.inner_text(".msg.user:first-child") == "Tell me a long story about a hummingbird."
@@ -209,6 +220,7 @@ def test_the_page_asks_for_the_api_key(start_server, moe_model, browser, page):
     assert r.status_code == 200 and KEY not in r.text
     assert httpx.get(srv.url + "/v1/telemetry", timeout=30).status_code == 401
     assert httpx.get(srv.url + "/v1/telemetry/stream", timeout=30).status_code == 401
+    assert httpx.get(srv.url + "/v1/profile", timeout=30).status_code == 401
     page.goto(srv.url + "/")
     page.wait_for_selector("#key-dialog[open]", timeout=20000)
     page.fill("#key-input", "wrong-key")

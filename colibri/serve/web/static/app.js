@@ -1,4 +1,5 @@
-// colibri dashboard: chat (OpenAI chat route, streamed) and live telemetry (/v1/telemetry/stream).
+// colibri dashboard: chat (OpenAI chat route, streamed), live telemetry (/v1/telemetry/stream) and
+// the last turn's profile (/v1/profile).
 // Plain browser JavaScript, no build step. The server's API key, when it has one, is asked for
 // once and kept in this tab's sessionStorage; every request sends it as a Bearer token (which is
 // why the telemetry stream is read with fetch: EventSource cannot send headers).
@@ -18,6 +19,8 @@ const app = {
   running: null,          // AbortController of the generation in flight
   telemetry: null,        // the last snapshot
   telemetryAbort: null,
+  turnsSeen: null,        // turns ended (completed + cancelled) when the last profile was fetched
+  profileFetch: null,     // the /v1/profile request in flight
 };
 
 // ------------------------------------------------------------------------------------ the API
@@ -311,6 +314,7 @@ async function generate() {
       renderSoon();
     }
     reply.stats = turnStats(t0, tFirst, performance.now(), usage, tokens, before, await expertCountsNow());
+    refreshProfile();
   } catch (e) {
     if (e.name === "AbortError") reply.stats = `stopped after ${tokens} tokens`;
     else reply.error = e.message || String(e);
@@ -468,9 +472,127 @@ function renderQueue(s, maxContext) {
   });
 }
 
+// ------------------------------------------------------------------------------------ the last turn
+const PHASE_COLORS = {
+  attention: "#5fb3f9", dense_mlp: "#8e7cc3", routing: "#e5c07b", routed_experts: "#58d68d",
+  disk_wait: "#f28b82", head: "#c678dd", other: "#5d6470", compute: "#7d8796",
+};
+
+function seconds(s) {
+  return s >= 1 ? s.toFixed(2) + " s" : (1000 * s).toFixed(s >= 0.01 ? 0 : 1) + " ms";
+}
+
+function percent(x) {
+  return x === null || x === undefined ? "-" : (100 * x).toFixed(1) + "%";
+}
+
+function renderProfile(p) {
+  const box = $("last-turn");
+  if (!p) {
+    $("turn-note").textContent = "no turn yet";
+    return;
+  }
+  box.dataset.turn = String(p.turn);
+  const s = p.seconds;
+  $("turn-note").textContent =
+    `#${p.turn}: ${p.tokens.prompt} prompt tokens (${p.tokens.reused} reused), ${p.tokens.completion} generated ` +
+    `at ${p.tok_s.decode.toFixed(1)} tok/s, ${seconds(s.total)} in all`;
+  // The time split: the phase clock's when it ran, else only the disk wait against the rest.
+  let parts, span;
+  if (p.phases) {
+    parts = Object.entries(p.phases);
+    span = s.total;
+  } else {
+    const wait = s.disk_wait || 0;
+    parts = [["disk_wait", wait], ["compute", Math.max(0, s.total - wait)]];
+    span = s.total;
+  }
+  const bar = $("turn-split");
+  const legend = $("turn-legend");
+  bar.replaceChildren();
+  legend.replaceChildren();
+  for (const [name, secs] of parts) {
+    const seg = document.createElement("i");
+    seg.style.background = PHASE_COLORS[name] || PHASE_COLORS.other;
+    seg.style.width = ((100 * secs) / Math.max(span, 1e-9)).toFixed(2) + "%";
+    seg.title = `${name.replace("_", " ")} ${seconds(secs)}`;
+    bar.append(seg);
+    if (secs <= 0) continue; // (a phase this model has not: a MoE-only model's dense MLP)
+    const item = document.createElement("span");
+    const sw = document.createElement("i");
+    sw.className = "sw";
+    sw.style.background = seg.style.background;
+    item.append(sw, `${name.replace("_", " ")} ${seconds(secs)}`);
+    legend.append(item);
+  }
+  if (!p.phases) legend.append(Object.assign(document.createElement("span"), { className: "muted", textContent: "(phases not timed)" }));
+  if (p.overlapping_turns)
+    legend.append(Object.assign(document.createElement("span"), { className: "muted", textContent: `(shared with ${p.overlapping_turns} other turn(s))` }));
+
+  const c = p.cache;
+  if (!c) $("turn-cache").textContent = "expert cache: every expert resident (or no routed experts)";
+  else {
+    const tiers = [];
+    if (c.vram) tiers.push(`VRAM ${percent(c.vram.hit_rate)}`);
+    tiers.push(`RAM ${percent(c.ram.hit_rate)} (${c.ram.hits} hits, ${c.ram.misses} misses)`);
+    $("turn-cache").textContent = `hit rate: ${tiers.join(" · ")} · ${gb(c.bytes_read)} read`;
+  }
+  const drives = Object.entries(p.drives || {});
+  $("turn-drives").textContent = drives.length
+    ? "drives: " + drives.map(([dir, d]) => `${dir.split("/").filter(Boolean).pop() || dir} ${gb(d.bytes_read)}`).join(" · ")
+    : "";
+  const pr = p.prediction;
+  const guessed = pr && pr.predicted
+    ? `prediction: precision ${percent(pr.precision)}, recall ${percent(pr.recall)} (${pr.used} of ${pr.predicted} guesses used)`
+    : pr ? "prediction: nothing guessed this turn" : "";
+  $("turn-prediction").textContent = [guessed, p.repins ? `${p.repins} re-pins` : ""].filter(Boolean).join(" · ");
+
+  const spark = $("turn-entropy");
+  spark.replaceChildren();
+  const r = p.routing;
+  if (!r || !r.layers.length) {
+    $("turn-entropy-note").textContent = "(no routed experts)";
+    return;
+  }
+  const known = r.entropy_bits.filter((h) => h !== null);
+  const mean = known.length ? known.reduce((a, b) => a + b, 0) / known.length : null;
+  $("turn-entropy-note").textContent =
+    `(0 to ${r.max_bits} bits` + (mean === null ? ")" : `; mean ${mean.toFixed(2)})`);
+  r.entropy_bits.forEach((h, i) => {
+    const b = document.createElement("i");
+    if (h === null) b.className = "none";
+    b.style.height = (h === null ? 4 : Math.max(4, (100 * h) / (r.max_bits || 1))).toFixed(1) + "%";
+    b.title = `layer ${r.layers[i]}: ${h === null ? "not routed" : h.toFixed(2) + " bits"}`;
+    spark.append(b);
+  });
+}
+
+async function refreshProfile() {
+  // One request at a time: a turn ending while one is in flight is caught by the next frame.
+  if (app.profileFetch) return;
+  app.profileFetch = (async () => {
+    try {
+      const r = await api("/v1/profile?limit=1");
+      if (r.ok) {
+        const body = await r.json();
+        renderProfile(body.data[body.data.length - 1] || null);
+      }
+    } catch (e) {
+      // offline or refused: the next telemetry frame tries again
+    } finally {
+      app.profileFetch = null;
+    }
+  })();
+}
+
 function renderTelemetry(t) {
   const t0 = performance.now();
   app.telemetry = t;
+  const ended = t.scheduler.completed + t.scheduler.cancelled;
+  if (ended !== app.turnsSeen) {
+    app.turnsSeen = ended; // a turn ended (here or from another client): its profile
+    refreshProfile();
+  }
   renderTiers(t.tiers);
   renderBrain(t.experts);
   $("tok-s").textContent = t.rates.tok_s.toFixed(1);
