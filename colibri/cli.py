@@ -104,6 +104,42 @@ def wait_for_experts_option(**kw):
                         "of ~20 s on Qwen3-30B-A3B's shapes, docs/benchmarks.md: Start-up).", **kw)
 
 
+def mirror_option(**kw):
+    """--mirror for the commands that load a model (EngineConfig.mirrors)."""
+    return typer.Option(None, "--mirror", callback=checked("mirrors"), metavar="DIR[:WEIGHT]", help="A copy of the "
+                        "model's expert files on another drive (repeatable; make one with `cp -r MODEL DIR`): each "
+                        "expert is read from one drive, so N drives read up to N times as fast. WEIGHT sets the "
+                        "drive's share of the experts (default 1). A file that differs from the model's, or fails "
+                        "a read, is read from the model's own drive instead, with a warning.", **kw)
+
+
+def prefetch_option(**kw):
+    """--prefetch: EngineConfig.prefetch (the store's guesses of the coming layers' experts)."""
+    return typer.Option(False, "--prefetch/--no-prefetch", help="When experts stream from disk: read the experts "
+                        "the next layers are predicted to use while the current one computes (a guess never "
+                        "evicts an expert likelier to be used; docs/benchmarks.md: Expert placement).", **kw)
+
+
+def prefetch_depth_option(**kw):
+    """--prefetch-depth: EngineConfig.prefetch_depth."""
+    return typer.Option(1, "--prefetch-depth", callback=checked("prefetch_depth"), help="With --prefetch: guess "
+                        "the experts of the layer this many ahead as each layer starts (0-8; 0: each layer's "
+                        "own, as it starts).", **kw)
+
+
+def repin_option(**kw):
+    """--repin: EngineConfig.repin."""
+    return typer.Option(True, "--repin/--no-repin", help="When experts stream from disk: the pinned hot set "
+                        "follows the routing heat at every turn end (bounded reads per turn); off, it is "
+                        "pinned once at start from the saved heat.", **kw)
+
+
+def primary_weight_option(**kw):
+    """--primary-weight: EngineConfig.primary_weight."""
+    return typer.Option(None, "--primary-weight", callback=checked("primary_weight"), help="With --mirror: the "
+                        "weight of the drive holding the model itself (default 1, as a mirror's).", **kw)
+
+
 def tiers(model, ram_gb: float | None, vram_gb: float | None, auto_tier: bool) -> tuple:
     """(--ram-gb, --vram-gb): as given; with --auto-tier and no --ram-gb, the plan's budgets for
     both (a --vram-gb given still wins)."""
@@ -196,8 +232,11 @@ def run(
     ram_gb: Optional[float] = typer.Option(None, "--ram-gb", help="RAM budget for weights (dense + cached "
                                            "experts); default: planned from available memory."),
     expert_io: str = typer.Option("pread", "--expert-io", help="How missed experts are read: pread, direct, mmap."),
-    prefetch: bool = typer.Option(False, "--prefetch/--no-prefetch", help="Prefetch the next layer's predicted "
-                                  "experts (off: it measured slower, docs/benchmarks.md)."),
+    mirror: Optional[list[str]] = mirror_option(),
+    primary_weight: Optional[float] = primary_weight_option(),
+    prefetch: bool = prefetch_option(),
+    prefetch_depth: int = prefetch_depth_option(),
+    repin: bool = repin_option(),
     threads: Optional[int] = threads_option(),
     auto_tier: bool = typer.Option(False, "--auto-tier", help="Apply `colibri plan` (its RAM and VRAM budgets) where "
                                    "--ram-gb is not given."),
@@ -223,10 +262,11 @@ def run(
     need_tokenizer(model)
     ram_gb, vram_gb = tiers(model, ram_gb, vram_gb, auto_tier)
     engine = Engine.load(model, progress=True, max_context=max_context, ram_gb=ram_gb, expert_io=expert_io,
-                         prefetch=prefetch, threads=threads, speculative=speculative, draft_tokens=draft_tokens,
+                         prefetch=prefetch, prefetch_depth=prefetch_depth, repin=repin, threads=threads,
+                         speculative=speculative, draft_tokens=draft_tokens,
                          activations=activations, kv_cache=kv_cache, cluster=cluster, expert_workers=expert_workers,
-                         device=device, vram_gb=vram_gb, gpu_layers=gpu_layers,
-                         experts_in_background=not wait_for_experts)
+                         device=device, vram_gb=vram_gb, gpu_layers=gpu_layers, mirrors=mirror,
+                         primary_weight=primary_weight, experts_in_background=not wait_for_experts)
     fit_max_tokens(engine, prompt, max_tokens, raw=raw, system=system)
     for ev in engine.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, seed=seed, raw=raw, system=system):
@@ -295,6 +335,11 @@ def chat(
     cluster: Optional[str] = cluster_option(),
     expert_workers: int = expert_workers_option(),
     wait_for_experts: bool = wait_for_experts_option(),
+    mirror: Optional[list[str]] = mirror_option(),
+    primary_weight: Optional[float] = primary_weight_option(),
+    prefetch: bool = prefetch_option(),
+    prefetch_depth: int = prefetch_depth_option(),
+    repin: bool = repin_option(),
 ):
     """Talk with a model in the terminal (plain lines in, plain text out when not a terminal)."""
     from colibri.plan import engine_options
@@ -312,8 +357,12 @@ def chat(
         options["threads"] = threads
     if not attach:
         options.update(speculative=speculative, draft_tokens=draft_tokens, activations=activations,
-                       kv_cache=kv_cache, device=device, experts_in_background=not wait_for_experts)
-        options.update({k: v for k, v in (("vram_gb", vram_gb), ("gpu_layers", gpu_layers)) if v is not None})
+                       kv_cache=kv_cache, device=device, experts_in_background=not wait_for_experts,
+                       prefetch=prefetch, prefetch_depth=prefetch_depth, repin=repin)
+        options.update({k: v for k, v in (("vram_gb", vram_gb), ("gpu_layers", gpu_layers),
+                                          ("primary_weight", primary_weight)) if v is not None})
+        if mirror:
+            options["mirrors"] = mirror
     if cluster and not attach:
         options.update(cluster=cluster, expert_workers=expert_workers)
     run_chat(model, attach=attach, system=system, max_tokens=max_tokens, stats=stats, sampling=sampling,
@@ -331,11 +380,13 @@ def plan(
     machines: Optional[str] = typer.Option(
         None, "--machines", help="Also plan for named machines, side by side with this one (probed): "
         "`default` (desktop-64g, workstation-128g-24gvram, server-512g) or a .toml/.json file holding one "
-        "[NAME] table per machine: ram_gb (GiB), disk_gbs (GB/s), cores, optional mem_gbs (GB/s) and "
+        "[NAME] table per machine: ram_gb (GiB), disk_gbs (GB/s), cores, optional mem_gbs (GB/s), drives and "
         "gpus = [{name, vram_gb, bandwidth_gbs}]. Add :NAME,NAME to take only those: default:server-512g."),
     machine_spec: Optional[list[str]] = typer.Option(
         None, "--machine-spec", help="One more named machine, repeatable: "
-        "NAME:ram_gb=64,disk_gbs=2,cores=8[,mem_gbs=60][,vram_gb=24] (GiB, GB/s; vram_gb once per GPU)."),
+        "NAME:ram_gb=64,disk_gbs=2,cores=8[,mem_gbs=60][,drives=2][,vram_gb=24] (GiB, GB/s; vram_gb once per GPU)."),
+    drives: Optional[int] = typer.Option(None, "--drives", min=1, help="Plan this machine with its experts striped "
+                                         "over N identical drives (`--mirror`): the disk's read rate times N."),
     as_stored: bool = typer.Option(False, "--as-stored", help="Plan a --layers slice as the layers it holds "
                                    "(what the engine loads), not as the full model."),
     machine: Optional[Path] = typer.Option(None, "--machine", hidden=True, help="Machine description JSON (tests)."),
@@ -351,6 +402,8 @@ def plan(
     model = model_dir(model, progress=not json_out, default=True)
     facts = planner.analyze_model(model, project_slice=not as_stored)
     here = planner.read_machine_file(machine) if machine else planner.probe_machine(facts)
+    if drives is not None:
+        here.drives = drives
     options = {"ram_gb": ram_gb, "vram_gb": vram_gb, "max_context": max_context}
     if named:  # a comparison: a machine the model does not fit is a finding, not an error
         plans = planner.plan_machines(facts, [here, *named], **options)
@@ -440,6 +493,11 @@ def serve(
     prefill_chunk: int = typer.Option(512, "--prefill-chunk", envvar="COLI_PREFILL_CHUNK", min=1,
                                       help="Prompt tokens per forward pass: bounds a long prompt's memory, and a "
                                            "client that leaves stops its prefill within one chunk."),
+    profile_phases: Optional[bool] = typer.Option(
+        None, "--profile-phases/--no-profile-phases", envvar="COLI_PROFILE_PHASES",
+        show_default="on where experts stream from disk or run on a cluster",
+        help="Time each turn's phases (attention, dense MLP, routing, routed experts, head) for its profile "
+             "(the `colibri` field of answers, GET /v1/profile). Off, a dense model decodes each token in one call."),
     max_batch: Optional[int] = typer.Option(None, "--max-batch", envvar="COLI_MAX_BATCH", show_default="4, fewer "
                                             "if 4 full-context KV caches would not fit in half the free memory",
                                             help="Generations run at once, sharing each forward pass (1-16; each holds "
@@ -453,6 +511,13 @@ def serve(
     gpu_layers: Optional[int] = gpu_layers_option(envvar="COLI_GPU_LAYERS"),
     cluster: Optional[str] = cluster_option(envvar="COLI_CLUSTER"),
     expert_workers: int = expert_workers_option(envvar="COLI_EXPERT_WORKERS"),
+    expert_io: str = typer.Option("pread", "--expert-io", envvar="COLI_EXPERT_IO",
+                                  help="How missed experts are read: pread, direct (O_DIRECT), mmap."),
+    mirror: Optional[list[str]] = mirror_option(envvar="COLI_MIRROR"),
+    primary_weight: Optional[float] = primary_weight_option(envvar="COLI_PRIMARY_WEIGHT"),
+    prefetch: bool = prefetch_option(envvar="COLI_PREFETCH"),
+    prefetch_depth: int = prefetch_depth_option(envvar="COLI_PREFETCH_DEPTH"),
+    repin: bool = repin_option(envvar="COLI_REPIN"),
 ):
     """Serve the model over an OpenAI- and Anthropic-compatible HTTP API."""
     from colibri.serve.server import ServeOptions
@@ -472,12 +537,14 @@ def serve(
                             max_connections_per_ip=max_connections_per_ip, header_timeout=header_timeout,
                             read_timeout=read_timeout,
                             drain_timeout=drain_timeout, log_level=log_level, ram_gb=ram_gb, threads=threads,
-                            prefill_chunk=prefill_chunk, speculative=speculative, draft_tokens=draft_tokens,
-                            max_batch=max_batch, activations=activations, kv_cache=kv_cache, device=device,
+                            prefill_chunk=prefill_chunk, profile_phases=profile_phases,
+                            speculative=speculative, draft_tokens=draft_tokens, max_batch=max_batch, activations=activations, kv_cache=kv_cache, device=device,
                             vram_gb=vram_gb,
                             gpu_layers=gpu_layers,
                             cluster=cluster,
-                            expert_workers=expert_workers))
+                            expert_workers=expert_workers,
+                            experts={"expert_io": expert_io, "mirrors": mirror or [], "primary_weight": primary_weight,
+                                     "prefetch": prefetch, "prefetch_depth": prefetch_depth, "repin": repin}))
 
 
 @app.command()
@@ -485,8 +552,12 @@ def bench(
     model: Optional[Path] = ModelOpt,
     ram_gb: Optional[float] = typer.Option(None, "--ram-gb", help="RAM budget for weights (dense + cached experts)."),
     expert_io: str = typer.Option("pread", "--expert-io", help="pread, direct or mmap."),
-    prefetch: bool = typer.Option(False, "--prefetch/--no-prefetch"),
+    mirror: Optional[list[str]] = mirror_option(),
+    primary_weight: Optional[float] = primary_weight_option(),
+    prefetch: bool = prefetch_option(),
+    prefetch_depth: int = prefetch_depth_option(),
     hot_set: bool = typer.Option(True, "--hot-set/--no-hot-set"),
+    repin: bool = repin_option(),
     tokens: int = typer.Option(32, "--tokens", help="Forced tokens decoded per run."),
     prompt_tokens: int = typer.Option(256, "--prompt-tokens", help="Prompt length for prefill and TTFT."),
     threads: Optional[int] = threads_option(),
@@ -514,8 +585,9 @@ def bench(
     model = model_dir(model)
     ram_gb, vram_gb = tiers(model, ram_gb, vram_gb, auto_tier)
     report = run_bench(model, tokens=tokens, prompt_tokens=prompt_tokens, ram_gb=ram_gb, expert_io=expert_io, prefetch=prefetch,
-                       hot_set=hot_set, threads=threads, activations=activations, kv_cache=kv_cache, cluster=cluster,
-                       expert_workers=expert_workers, device=device, vram_gb=vram_gb, gpu_layers=gpu_layers)
+                       prefetch_depth=prefetch_depth, hot_set=hot_set, repin=repin, threads=threads, activations=activations, kv_cache=kv_cache, cluster=cluster,
+                       expert_workers=expert_workers, device=device, vram_gb=vram_gb, gpu_layers=gpu_layers,
+                       mirrors=mirror, primary_weight=primary_weight)
     if as_json:
         print(json.dumps(report, indent=1))
     else:

@@ -26,6 +26,15 @@ that router model, at Qwen3-30B's 128 experts / top-8, an LRU cache holding a qu
 layer's experts hits 67% of the time with skew 1.0 (0: 23%, uniform; 1.5: 88%), inside the
 66-72% the seeds report for the C engine at its budgets; measured on a 48-layer Qwen3-30B-shaped
 model, 65-68% in every layer (skew 0: 22-30%).
+
+Topics (`--topics T`, default 0: none): token ids fall into T topics (id % T) and each MoE layer
+ranks its experts once more per topic, so which experts are popular depends on what the prompt is
+about, as in trained models (a code prompt and a chat prompt heat different experts). A token of
+topic k carries a +-1 pattern t_k on the next SHARED_DIMS dims (rows of a Hadamard matrix:
+orthogonal, so topics do not leak into each other), isolated like the shared dims, and each
+router row adds `--topic-affinity` * -log(1 + rank_k / top_k) * t_k / 64 there. `topic_tokens`
+draws a prompt of one topic. This is what a hot set learned on one topic is measured against
+when the prompts move to another (bench/engine/expert_placement.py).
 """
 from __future__ import annotations
 
@@ -50,6 +59,7 @@ from colibri.models.linear_attention import UnitOffsetNorms
 from colibri.plan import shapes
 
 DEFAULT_SKEW = 1.0
+DEFAULT_TOPIC_AFFINITY = 1.5
 GAIN = 0.5            # each matrix maps an input of rms 1 to an output of rms ~GAIN ...
 RESIDUAL_WRITERS = ("o_proj", "down_proj")  # ... but these, GAIN / sqrt(layers): see residual_gain
 SHARED_DIMS = 64      # the first int4 group of the hidden state carries the shared component
@@ -63,6 +73,40 @@ def _rng(seed: int, name: str) -> np.random.Generator:
 
 def _f16_exact(a: np.ndarray) -> np.ndarray:
     return a.astype(np.float16).astype(np.float32)
+
+
+def topics_of(cfg: dict) -> tuple[int, float]:
+    """(number of topics, topic affinity) of a synthetic config; (0, 0.0) without topics."""
+    syn = cfg.get("colibri_synthetic", {})
+    return int(syn.get("topics", 0)), float(syn.get("topic_affinity", 0.0))
+
+
+def isolated_dims(cfg: dict) -> int:
+    """Leading hidden dims only the routers read: the shared pattern, and the topic pattern."""
+    return SHARED_DIMS * (2 if topics_of(cfg)[0] else 1)
+
+
+def topic_patterns(seed: int, topics: int) -> np.ndarray:
+    """[topics, SHARED_DIMS] +-1: distinct rows of a Sylvester Hadamard matrix (mutually
+    orthogonal), the all-ones row left out, chosen by the seed."""
+    if not 0 < topics < SHARED_DIMS:
+        raise ColibriError(f"--topics must be between 1 and {SHARED_DIMS - 1}, not {topics}")
+    h = np.ones((1, 1), np.int8)
+    while h.shape[0] < SHARED_DIMS:
+        h = np.block([[h, h], [h, -h]])
+    rows = 1 + _rng(seed, "topic-patterns").permutation(SHARED_DIMS - 1)[:topics]
+    return h[rows]
+
+
+def topic_tokens(cfg: dict, topic: int, n: int, seed: int = 0, low: int = 100, high: int = 49000) -> list[int]:
+    """n token ids of `topic` (id % topics == topic), drawn uniformly from [low, high): a prompt
+    about one topic, for teacher-forced runs."""
+    topics = topics_of(cfg)[0]
+    if not 0 <= topic < topics:
+        raise ColibriError(f"topic {topic} does not exist (the model has {topics} topics)")
+    rng = np.random.default_rng([seed, topic])
+    base = rng.integers(low // topics, high // topics, size=n)
+    return (base * topics + topic).tolist()
 
 
 def _direction(seed: int) -> np.ndarray:
@@ -87,29 +131,40 @@ def random_q8(rng: np.random.Generator, rows: int, cols: int, gain: float = GAIN
     return QTensor("q8_0", (rows, cols), q, scales)
 
 
-def embedding(seed: int, V: int, D: int) -> QTensor:
-    """q8_0 rows: the signs m on the shared dims (the same for every token), uniform noise of
-    rms 1 on the others."""
+def embedding(seed: int, V: int, D: int, topics: int = 0) -> QTensor:
+    """q8_0 rows: the signs m on the shared dims (the same for every token), with topics the
+    token's topic pattern on the next SHARED_DIMS, uniform noise of rms 1 on the others."""
     m = _direction(seed)
     rng = _rng(seed, "model.embed_tokens.weight")
+    fixed = SHARED_DIMS * (2 if topics else 1)
+    patterns = topic_patterns(seed, topics) if topics else None
     q = np.empty((V, D), np.int8)
     for r0 in range(0, V, 8192):
         r1 = min(V, r0 + 8192)
         q[r0:r1, :SHARED_DIMS] = 60 * m
-        q[r0:r1, SHARED_DIMS:] = rng.integers(-104, 105, size=(r1 - r0, D - SHARED_DIMS), dtype=np.int8)
+        if topics:
+            q[r0:r1, SHARED_DIMS:fixed] = 60 * patterns[np.arange(r0, r1) % topics]
+        q[r0:r1, fixed:] = rng.integers(-104, 105, size=(r1 - r0, D - fixed), dtype=np.int8)
     return QTensor("q8_0", (V, D), q, np.full((V, D // 32), np.float32(1 / 60), np.float32))
 
 
-def router(seed: int, name: str, E: int, D: int, top_k: int, skew: float) -> np.ndarray:
+def router(seed: int, name: str, E: int, D: int, top_k: int, skew: float, topics: int = 0,
+           affinity: float = 0.0) -> np.ndarray:
     """[E, D] float32: a token-dependent N(0, 1) logit from the token dims, plus the expert's
     popularity skew * -log(1 + rank / top_k) from the shared dims (ranks: a random permutation
-    per layer)."""
+    per layer), plus with topics its popularity in the token's topic, affinity * -log(1 +
+    rank_k / top_k) from the topic dims (a permutation per layer and topic)."""
     rng = _rng(seed, name)
+    fixed = SHARED_DIMS * (2 if topics else 1)
     w = np.empty((E, D), np.float32)
-    w[:, SHARED_DIMS:] = rng.standard_normal((E, D - SHARED_DIMS), dtype=np.float32) / np.float32(np.sqrt(D - SHARED_DIMS))
+    w[:, fixed:] = rng.standard_normal((E, D - fixed), dtype=np.float32) / np.float32(np.sqrt(D - fixed))
     popularity = -np.log1p(rng.permutation(E) / top_k).astype(np.float32)
     # A normalized hidden state holds ~m on the shared dims: m . h ~ SHARED_DIMS.
     w[:, :SHARED_DIMS] = np.outer(skew * popularity / SHARED_DIMS, _direction(seed).astype(np.float32))
+    if topics:  # topic k's tokens hold ~t_k there: t_j . t_k is SHARED_DIMS for j == k, else 0
+        topic_rng = _rng(seed, name + ".topics")
+        per_topic = np.stack([-np.log1p(topic_rng.permutation(E) / top_k) for _ in range(topics)])  # [T, E]
+        w[:, SHARED_DIMS:fixed] = (affinity * per_topic.T / SHARED_DIMS) @ topic_patterns(seed, topics)
     return w
 
 
@@ -121,14 +176,15 @@ def _isolate_shared_dims(t, cfg: dict, name: str):
     after a few layers all tokens route alike (measured: 96% LRU hits at a 25% cache in the
     last of 48 layers with skew 0)."""
     D = cfg["hidden_size"]
+    fixed = isolated_dims(cfg)
     if isinstance(t, QTensor):
         rows, cols = t.shape
         if cols == D:
-            t.scales[:, : SHARED_DIMS // GROUP_SIZE[t.scheme]] = 0
+            t.scales[:, : fixed // GROUP_SIZE[t.scheme]] = 0
         if rows == D and name.rsplit(".", 2)[-2] in RESIDUAL_WRITERS:
-            t.scales[:SHARED_DIMS] = 0
+            t.scales[:fixed] = 0
     elif t.ndim == 2 and t.shape[1] == D:
-        t[:, :SHARED_DIMS] = 0
+        t[:, :fixed] = 0
     return t
 
 
@@ -146,7 +202,7 @@ def _gain(cfg: dict, name: str) -> float:
 def dense_tensor(spec: Spec, cfg: dict, seed: int, skew: float):
     rng = _rng(seed, spec.name)
     if spec.kind == "embedding":
-        return embedding(seed, *spec.shape)
+        return embedding(seed, *spec.shape, topics=topics_of(cfg)[0])
     if spec.kind == "norm":  # (the hybrids store their norms as offsets from 1: models/linear_attention.py)
         offset = shapes.is_hybrid(cfg) and UnitOffsetNorms.OFFSET.search(spec.name)
         return np.zeros(spec.shape, np.float32) if offset else np.ones(spec.shape, np.float32)
@@ -159,7 +215,7 @@ def dense_tensor(spec: Spec, cfg: dict, seed: int, skew: float):
     if spec.kind == "router_bias":  # e_score_correction_bias: small, the skew lives in the router
         return (0.01 * rng.standard_normal(spec.shape)).astype(np.float32)
     if spec.kind == "router":
-        return router(seed, spec.name, *spec.shape, cfg["num_experts_per_tok"], skew)
+        return router(seed, spec.name, *spec.shape, cfg["num_experts_per_tok"], skew, *topics_of(cfg))
     if spec.kind == "hash_table":  # each token's experts, distinct (ids as float32: exact below 2**24)
         E = shapes.num_experts(cfg)
         return np.argsort(rng.random((spec.shape[0], E)), axis=1)[:, :spec.shape[1]].astype(np.float32)
@@ -199,7 +255,8 @@ def container_bytes(cfg: dict) -> int:
 
 
 def build_config(preset: str, layers: int | None = None, skew: float = DEFAULT_SKEW, seed: int = 0,
-                 width_divisor: int = 1, vocab: int | None = None) -> dict:
+                 width_divisor: int = 1, vocab: int | None = None, topics: int = 0,
+                 topic_affinity: float = DEFAULT_TOPIC_AFFINITY) -> dict:
     cfg = moe_presets.preset_config(preset)
     if width_divisor < 1:
         raise ColibriError(f"--width-divisor must be at least 1, not {width_divisor}")
@@ -210,16 +267,22 @@ def build_config(preset: str, layers: int | None = None, skew: float = DEFAULT_S
         cfg["vocab_size"] = vocab
     cfg = moe_presets.slice_config(cfg, preset, layers, skew, seed)
     cfg["colibri_synthetic"]["width_divisor"] = width_divisor
+    if topics:
+        topic_patterns(seed, topics)  # (checks the count)
+        if cfg["hidden_size"] < 3 * SHARED_DIMS:
+            raise ColibriError(f"--topics needs a hidden size of at least {3 * SHARED_DIMS} "
+                               f"({preset} has {cfg['hidden_size']})")
+        cfg["colibri_synthetic"].update(topics=topics, topic_affinity=topic_affinity)
     return cfg
 
 
 def write_container(out: Path, preset: str = "tiny", seed: int = 0, progress: bool = True,
                     layers: int | None = None, skew: float = DEFAULT_SKEW, width_divisor: int = 1,
-                    vocab: int | None = None) -> Path:
+                    vocab: int | None = None, topics: int = 0, topic_affinity: float = DEFAULT_TOPIC_AFFINITY) -> Path:
     """Write the model; `out` must not exist. On any failure (a full disk included) the partly
     written directory is removed, so nothing half-written is left looking like a model."""
     out = Path(out)
-    cfg = build_config(preset, layers, skew, seed, width_divisor, vocab)
+    cfg = build_config(preset, layers, skew, seed, width_divisor, vocab, topics, topic_affinity)
     if out.exists():
         raise ColibriError(f"{out} already exists; choose a new directory (nothing was written)")
     need = container_bytes(cfg)
@@ -297,6 +360,9 @@ def main() -> None:
     ap.add_argument("--preset", default="tiny", help=f"one of: {', '.join(PRESETS)}")
     ap.add_argument("--layers", type=int, default=None, help="keep only the first N decoder layers")
     ap.add_argument("--skew", type=float, default=DEFAULT_SKEW, help="routing skew (0: uniform popularity)")
+    ap.add_argument("--topics", type=int, default=0, help="token topics with their own popular experts (0: none)")
+    ap.add_argument("--topic-affinity", type=float, default=DEFAULT_TOPIC_AFFINITY,
+                    help="how strongly a topic's popularity steers routing (with --topics)")
     ap.add_argument("--width-divisor", type=int, default=1, help="divide every width (tests)")
     ap.add_argument("--vocab", type=int, default=None, help="override the vocabulary size")
     ap.add_argument("--seed", type=int, default=0)
@@ -306,7 +372,7 @@ def main() -> None:
         if a.gguf is not None and a.gguf.exists():
             raise ColibriError(f"{a.gguf} already exists; choose a new file (nothing was written)")
         write_container(a.out, a.preset, a.seed, layers=a.layers, skew=a.skew, width_divisor=a.width_divisor,
-                        vocab=a.vocab)
+                        vocab=a.vocab, topics=a.topics, topic_affinity=a.topic_affinity)
         if a.gguf:
             from tools.gguf_synthetic import write_gguf
 

@@ -8,7 +8,7 @@ read when a value is checked.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from colibri import speculative as spec
 from colibri.errors import ColibriError
@@ -28,13 +28,19 @@ class EngineConfig:
     ram_gb: float | None = None     # budget for resident weights (dense + cached experts); None = planned
     expert_io: str = "pread"        # how missed experts are read: pread | direct (O_DIRECT) | mmap
     stream_experts: bool | None = None  # None: stream only when the experts do not fit the budget
-    # Read the next layer's predicted experts ahead. Off by default: it measured slower, as
-    # mispredictions evict experts that were about to be used.
+    # Read the experts coming layers are predicted to use (io/expert_store.py, "Guesses").
     prefetch: bool = False
-    hot_set: bool = True            # pin each layer's historically hottest experts
+    prefetch_depth: int = 1         # guess layer i + depth's experts as layer i starts (0: at its own start)
+    hot_set: bool = True            # pin the hottest experts (by the routing heat kept across runs)
+    repin: bool = True              # the hot set follows the heat at turn ends (False: pinned once at start)
     read_threads: int = 2           # readahead threads
     threads: int | None = None      # kernel threads (default: all cores; 1 when cores are busy elsewhere)
     verify_experts: bool = True     # check each expert read from disk against the container's checksum
+    # Copies of the model's expert files on other drives, "DIR" or "DIR:WEIGHT" (io/mirrors.py):
+    # each expert is read from one drive, by weight, so N drives read about N times what one
+    # does. primary_weight: the model directory's own drive's weight (None: 1, as a mirror's).
+    mirrors: list[str] = field(default_factory=list)
+    primary_weight: float | None = None
     # Resident experts (all in RAM): False, load() returns when every expert is in (shown); True,
     # load() returns once the dense weights are in and the experts go on loading in the
     # background, an answer waiting only for the experts its tokens route to (ResidentExperts:
@@ -79,6 +85,12 @@ class EngineConfig:
     expert_workers: int = 2             # Ray actors holding the experts (--cluster)
     expert_placement: str = "contiguous"  # contiguous | balanced (by routing history)
     worker_ram_gb: float | None = None  # each worker's expert budget; None: its whole shard, resident
+    # Time each turn's phases (attention, dense MLP, routing, routed experts, head) for its
+    # profile (engine/turn_profile.py). None: on where experts stream from disk (an ExpertStore)
+    # or run on a cluster, where a turn's time is worth splitting and the clock's cost (a clock
+    # read per block) is noise; off otherwise, as a dense model then leaves its one-compiled-call
+    # decode (DecoderModel._one_token) for layer-by-layer calls.
+    profile_phases: bool | None = None
 
     @classmethod
     def from_options(cls, options: dict) -> "EngineConfig":
@@ -93,6 +105,9 @@ class EngineConfig:
         for name in CHECKED:
             check(name, getattr(self, name))
         spec.check_mode(self.speculative, self.draft_tokens)
+        if self.mirrors and self.expert_io == "mmap":
+            raise ColibriError("--expert-io mmap maps the model's own files and cannot read mirrors; "
+                               "use --expert-io pread or direct with --mirror")
         return self
 
 
@@ -120,9 +135,21 @@ def check(name: str, value, flag: bool = False) -> None:
     elif name == "kv_slots":
         if not 1 <= value <= MAX_KV_SLOTS:
             raise ColibriError(f"{label} must be between 1 and {MAX_KV_SLOTS}, not {value}")
+    elif name == "mirrors":
+        from colibri.io.mirrors import parse_mirrors
+
+        parse_mirrors(value)  # (each message names --mirror and the directory)
+    elif name == "primary_weight":
+        if value is not None:
+            from colibri.io.mirrors import check_weight
+
+            check_weight(value, "--primary-weight")
     elif name == "prefill_chunk":
         if value < 1:
             raise ColibriError(f"{label} must be at least 1, not {value}")
+    elif name == "prefetch_depth":
+        if not 0 <= value <= 8:
+            raise ColibriError(f"{label} must be between 0 and 8 layers, not {value}")
     elif name == "vram_gb":
         if value is not None and value < 0:
             raise ColibriError(f"{label} must be >= 0, not {value:g}")
@@ -135,4 +162,4 @@ def check(name: str, value, flag: bool = False) -> None:
 
 # What validate() checks, in this order (speculative and draft_tokens after, as a pair).
 CHECKED = ("activations", "vram_gb", "gpu_layers", "device", "weight_layout", "kv_cache", "kv_slots",
-           "prefill_chunk")
+           "prefill_chunk", "prefetch_depth", "mirrors", "primary_weight")

@@ -11,7 +11,7 @@ from threadpoolctl import threadpool_limits
 from colibri.engine.config import EngineConfig
 from colibri.io.container import Container
 from colibri.io.expert_store import ExpertStore, load_history, shown
-from colibri.io.experts import ResidentExperts, experts_fit, open_experts, verify_reads
+from colibri.io.experts import ResidentExperts, experts_fit, mirror_drives, open_experts, verify_reads
 from colibri.models import family
 from colibri.threads import run_apart
 from colibri.tokenizer import Tokenizer
@@ -73,6 +73,7 @@ def load(model_dir: str | Path, config: EngineConfig, progress: bool = False) ->
         # layer's coming experts first (RoutedMoE.wants_prefetch stops it once all are in).
         model.prefetch = (isinstance(experts, ExpertStore) and config.prefetch) or (
             isinstance(experts, ResidentExperts) and not experts.complete)
+        model.prefetch_depth = config.prefetch_depth
         if config.device != "cpu":
             from colibri.placement.cuda_model import place
 
@@ -113,7 +114,7 @@ def load_resident(container: Container, config: EngineConfig, module, show):
     # flight, and the first token comes sooner. Waiting for all, the readers start at once and
     # the dense build overlaps them.
     experts = ResidentExperts(container, verify=verify_reads(config), background=True,
-                              start=not config.experts_in_background)
+                              start=not config.experts_in_background, **mirror_drives(config))
     try:
         model = build_dense(container, module, experts, show)
     except BaseException:

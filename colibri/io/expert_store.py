@@ -11,8 +11,23 @@ a RAM cache under one byte budget, else disk — so models larger than RAM run.
 - Placement, each part switchable so it can be measured: one LRU over the slots of all MoE
   layers (layers differ a lot in how many experts they use: a per-layer split left the busy
   layers missing while quiet ones kept idle slots); a pinned hot set, the experts with the most
-  routing history across all layers; prefetch of the next layer's likely experts (the model
-  calls `prefetch`).
+  routing heat across all layers, re-pinned at turn ends as the heat moves (`_repin`); reads
+  of the experts the model predicts a coming layer will use (`prefetch`, see "Guesses").
+
+Guesses. A prefetch is a guess: the read it starts must not cost more than it can save. Its
+slot comes from a free slot or from an LRU expert whose measured use rate (the share of its
+layer's passes that used it) is below the guessing layer's measured precision: never from an
+expert more likely to be used than the guess is. A guessed expert is protected until its layer
+runs; then, if that layer did not use it, it goes to the cold end of the LRU (the next slot
+taken), so a wrong guess costs one read and one cold slot. Every guess is scored when its layer
+runs (precision and recall per layer, `prediction_by_layer`).
+
+Heat and re-pinning. Each layer keeps its routing counts, and a decayed copy (`heat`, halved
+every HEAT_HALF_LIFE passes of the layer) that follows the workload. At a turn end the store
+marks a re-pin due; the next call (on the compute thread, so no forward pass sees slots move)
+swaps pinned experts for hotter unpinned ones, when hotter by REPIN_MARGIN, at most
+`repin_reads` of them needing a read per turn (one already in an LRU slot changes owner
+without a read). The heat is saved with the routing history and pins the next start's hot set.
 
 Placement changes speed, never tokens: the bytes served are the container's bytes.
 
@@ -31,8 +46,8 @@ import os
 import threading
 import time
 import warnings
-from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import OrderedDict, deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,33 +74,55 @@ def shown(show, what: str, total: int):
     return show(what, total) if show is not None and total >= SHOW_BYTES else contextlib.nullcontext()
 
 
-def load_history(path: Path) -> dict:
-    """Routing counts per MoE layer; a missing file is empty, a corrupt one is ignored with a warning."""
+def _history_file(path: Path) -> dict:
+    """The history file's JSON; a missing file is empty, a corrupt one is ignored with a warning."""
     if not path.exists():
         return {}
     try:
         data = json.loads(path.read_text())
-        return {k: [int(c) for c in v] for k, v in data["counts"].items()}
+        data["counts"] = {k: [int(c) for c in v] for k, v in data["counts"].items()}
+        return data
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        warnings.warn(f"ignoring unreadable routing history {path}: {e}", stacklevel=2)
+        warnings.warn(f"ignoring unreadable routing history {path}: {e}", stacklevel=3)
         return {}
 
 
-def save_history(path: Path | None, earlier: dict, counts: dict[str, np.ndarray]) -> None:
+def load_history(path: Path) -> dict:
+    """Routing counts per MoE layer; a missing file is empty, a corrupt one is ignored with a warning."""
+    return _history_file(path).get("counts", {})
+
+
+def load_heat(path: Path) -> dict:
+    """The decayed routing heat the last process saved, prefix -> (passes, heat per expert):
+    what the hot set follows. {} when there is none (a history saved before heat was kept:
+    the hot set then follows its counts)."""
+    data = _history_file(path)
+    try:
+        return {k: (float(data["heat_passes"][k]), [float(c) for c in v]) for k, v in data.get("heat", {}).items()}
+    except (TypeError, ValueError, KeyError, AttributeError):
+        return {}
+
+
+def save_history(path: Path | None, earlier: dict, counts: dict[str, np.ndarray],
+                 heat: dict[str, tuple[float, np.ndarray]] | None = None) -> None:
     """Write `earlier` routing history plus this process's `counts` to `path` (None: nowhere),
-    atomically (a crash leaves the old file or the new, never half of one). A layer whose
-    earlier counts have another length (the model was re-converted) starts over. The caller
-    serializes calls (a lock), as concurrent turn ends would race on the temporary file; each
-    process writes a temporary file of its own, since processes serving one model (two servers,
-    a server and `colibri run`) share its history file."""
+    atomically (a crash leaves the old file or the new, never half of one), with the decayed
+    `heat` (prefix -> (passes, heat per expert)) when given. A layer whose earlier counts have another length (the model was
+    re-converted) starts over. The caller serializes calls (a lock), as concurrent turn ends
+    would race on the temporary file; each process writes a temporary file of its own, since
+    processes serving one model (two servers, a server and `colibri run`) share its history file."""
     if path is None:
         return
     merged = {p: (np.asarray(earlier[p], dtype=np.int64) + c).tolist() if len(earlier.get(p, [])) == c.size
               else c.tolist() for p, c in counts.items()}
+    data = {"version": 1, "counts": merged}
+    if heat is not None:
+        data["heat"] = {p: np.round(h, 3).tolist() for p, (_, h) in heat.items()}
+        data["heat_passes"] = {p: round(float(n), 3) for p, (n, _) in heat.items()}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"version": 1, "counts": merged}))
+        tmp.write_text(json.dumps(data))
         os.replace(tmp, path)
     except OSError as e:
         warnings.warn(f"could not save routing history to {path}: {e}", stacklevel=3)
@@ -116,11 +153,24 @@ class StoreConfig:
     ram_bytes: int = 0              # RAM budget for cached experts (pinned hot set + LRU)
     io: str = "pread"               # "pread" | "direct" (O_DIRECT) | "mmap"
     threads: int = 2                # readahead threads
-    hot_fraction: float = 0.5       # share of the slots pinned to the historically hottest experts
-    prefetch: bool = True           # read the next layer's predicted experts during attention
+    hot_fraction: float = 0.5       # share of the slots pinned to the hottest experts
+    prefetch: bool = True           # read the experts the model predicts coming layers use
+    repin: bool = True              # the hot set follows the heat at turn ends (False: pinned once at start)
+    repin_reads: int = 0            # most re-pins needing a disk read per turn (0: an eighth of the hot set)
     verify: bool = True             # check each blob read from disk against the manifest checksum
+    mirrors: list = field(default_factory=list)  # (directory, weight or None) per mirror drive (io/mirrors.py)
+    primary_weight: float | None = None  # the model directory's drive's weight beside mirrors (None: 1)
     history: dict = field(default_factory=dict)  # prefix -> routing counts [E] (from usage history)
+    heat: dict = field(default_factory=dict)     # prefix -> (passes, decayed heat [E]) (load_heat; {}: pin by history)
     history_file: Path | None = None  # where save_history keeps them (None: nowhere)
+
+
+HEAT_HALF_LIFE = 64      # passes of a layer after which a routing count weighs half
+REPIN_MARGIN = 1.25      # an unpinned expert replaces a pinned one when its heat is this much higher ...
+REPIN_MIN_GAP = 1.0      # ... and higher by at least this (one use: noise on a short history)
+GUESS_PRIOR = (1.0, 2.0)  # a layer's guess precision before any is scored: 1 used of 2 guessed
+GUESS_SCAN = 64          # LRU entries a guess looks through for one colder than itself
+GUESS_QUEUE = 2          # guessed reads queued (not started) per reader thread at most
 
 
 @dataclass
@@ -131,12 +181,84 @@ class StoreStats:
     bytes_read: int = 0
     reads: int = 0
     wait_s: float = 0.0          # time the compute thread spent blocked on disk
+    predicted: int = 0           # experts guessed for a layer before it ran (scored ones)
+    predicted_used: int = 0      # ... of which the layer used
+    needed: int = 0              # experts the guessed-for layers used
+    guess_reads: int = 0         # disk reads a guess started
+    guess_reads_used: int = 0    # ... whose expert the layer used
+    guess_skipped: int = 0       # guesses not read: no slot held an expert colder than the guess
+    repins: int = 0              # hot-set swaps
 
     def as_dict(self) -> dict:
         asked = self.hits + self.misses
         return {"hits": self.hits, "misses": self.misses, "prefetch_hits": self.prefetch_hits,
                 "hit_rate": self.hits / asked if asked else 0.0, "bytes_read": self.bytes_read,
-                "reads": self.reads, "wait_s": self.wait_s}
+                "reads": self.reads, "wait_s": self.wait_s, "predicted": self.predicted,
+                "predicted_used": self.predicted_used, "needed": self.needed, "guess_reads": self.guess_reads,
+                "guess_reads_used": self.guess_reads_used, "guess_skipped": self.guess_skipped,
+                "repins": self.repins}
+
+
+class ReadQueue:
+    """The reader threads, taking reads from two queues: first the reads a forward pass needs
+    now, then guesses (reads for coming layers). A queued guess never delays a read someone waits
+    for, and one that someone comes to wait for moves to the front (`promote`). Futures as
+    concurrent.futures makes them (cancel() stops a read not started)."""
+
+    def __init__(self, threads: int, name: str = "colibri-read"):
+        self._cv = threading.Condition()
+        self._now: deque = deque()
+        self._guesses: deque = deque()
+        self._closed = False
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+                         for i in range(max(1, threads))]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn, *args, guess: bool = False) -> Future:
+        fut = Future()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the expert store is closed")
+            (self._guesses if guess else self._now).append((fut, fn, args))
+            self._cv.notify()
+        return fut
+
+    def promote(self, fut: Future) -> None:
+        """A queued guess someone now waits for: read it next."""
+        with self._cv:
+            for item in self._guesses:
+                if item[0] is fut:
+                    self._guesses.remove(item)
+                    self._now.appendleft(item)
+                    return
+
+    @property
+    def queued_guesses(self) -> int:
+        return len(self._guesses)
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._now or self._guesses or self._closed):
+                    self._cv.wait()
+                if not (self._now or self._guesses):
+                    return  # closed, and nothing left
+                fut, fn, args = (self._now or self._guesses).popleft()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - the waiter gets it
+                fut.set_exception(e)
+
+    def shutdown(self) -> None:
+        """Finish what is queued, then stop the threads."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join()
 
 
 class _Pool:
@@ -151,13 +273,15 @@ class _Pool:
         self.free = list(range(n_slots))
         self.lru: OrderedDict[tuple[str, int], int] = OrderedDict()  # (prefix, expert) -> slot, oldest first
         self.loading: dict[tuple[str, int], Future] = {}            # read in flight into its slot
+        self.guessed: set[tuple[str, int]] = set()  # read by a guess, kept until its layer runs
 
     def take_slot(self, protect: set[tuple[str, int]]) -> int | None:
-        """A free slot, else evict the least recently used expert not in `protect`."""
+        """A free slot, else evict the least recently used expert not in `protect` and not
+        waiting for its layer after a guess."""
         if self.free:
             return self.free.pop()
         for key in self.lru:
-            if key in protect:
+            if key in protect or key in self.guessed:
                 continue
             fut = self.loading.get(key)
             if fut is not None and not fut.done():
@@ -175,7 +299,20 @@ class _Layer:
         self.layout = layout
         self.pool = pool
         self.pinned: dict[int, int] = {}                    # expert -> slot, never evicted
-        self.counts = np.zeros(layout.num_experts, dtype=np.int64)  # routing heat (this process)
+        self.counts = np.zeros(layout.num_experts, dtype=np.int64)  # routing counts (this process)
+        # Passes of the layer (one per forward step, whatever its tokens) and, per expert, the
+        # passes that used it; decayed copies of both (HEAT_HALF_LIFE) for the heat.
+        self.passes = 0
+        self.heat = np.zeros(layout.num_experts, dtype=np.float64)
+        self.heat_passes = 0.0
+        self.folded = np.zeros(layout.num_experts, dtype=np.int64)  # counts already in the heat
+        self.folded_passes = 0
+        # Guesses since the layer last ran (all of them, and those that started a read), and
+        # the scores of all earlier ones: guessed, used, needed.
+        self.guesses: set[int] = set()
+        self.guess_reads: set[int] = set()
+        self.scores = np.zeros(3, dtype=np.int64)
+        self.read_scores = np.zeros(2, dtype=np.int64)  # guesses that started a read: read, used
         # The fused decode kernel for this layer's blob layout, and the slot pool seen through it.
         self.fused = FusedExperts.of(layout.projections, interleaved)
         self.stacked = StackedExperts.view(pool.memory, pool.slot_bytes, len(pool.buffers), layout.projections,
@@ -184,6 +321,32 @@ class _Layer:
     def slot_of(self, e: int) -> int | None:
         s = self.pinned.get(e)
         return s if s is not None else self.pool.lru.get((self.prefix, e))
+
+    def use_rate(self, e: int) -> float:
+        """The share of the layer's recent passes that used expert e (its decayed heat, with the
+        passes not yet folded in)."""
+        passes = self.heat_passes + (self.passes - self.folded_passes)
+        return (self.heat[e] + (self.counts[e] - self.folded[e])) / passes if passes > 0 else 0.0
+
+    def read_precision(self) -> float:
+        """The share of this layer's guessed reads (guesses of experts not in RAM: less
+        predictable than the hot ones) it used, GUESS_PRIOR before any is scored."""
+        return (self.read_scores[1] + GUESS_PRIOR[0]) / (self.read_scores[0] + GUESS_PRIOR[1])
+
+    def fold(self) -> None:
+        """Move the counts since the last fold into the decayed heat."""
+        new_passes = self.passes - self.folded_passes
+        if new_passes <= 0:
+            return
+        keep = 0.5 ** (new_passes / HEAT_HALF_LIFE)
+        self.heat = self.heat * keep + (self.counts - self.folded)
+        self.heat_passes = self.heat_passes * keep + new_passes
+        self.folded = self.counts.copy()
+        self.folded_passes = self.passes
+
+    def heat_rates(self) -> np.ndarray:
+        """use_rate of every expert, after a fold."""
+        return self.heat / self.heat_passes if self.heat_passes > 0 else self.heat
 
 
 class ExpertStore:
@@ -199,7 +362,11 @@ class ExpertStore:
         if config.io == "mmap" and container.gguf:
             raise ColibriError("--expert-io mmap maps a container's expert files; a model read from a GGUF "
                                "streams its experts with --expert-io pread or direct")
-        self._reader = ExpertReader(container, "require" if config.io == "direct" else "off")
+        if config.io == "mmap" and config.mirrors:
+            raise ColibriError("--expert-io mmap maps the model's own files and cannot read mirrors; "
+                               "use --expert-io pread or direct with --mirror")
+        self._reader = ExpertReader(container, "require" if config.io == "direct" else "off",
+                                    mirrors=config.mirrors, primary_weight=config.primary_weight)
         self._maps: dict[str, np.ndarray] = {}
         self._verified: set[tuple[str, int]] = set()  # mmap: experts checked since the files were mapped
         prefixes = list(container.expert_layouts)
@@ -219,11 +386,17 @@ class ExpertStore:
         # Staging buffers serve misses that have no RAM slot (budget 0, or every slot in use by
         # this very call); 2 per reader keeps the pipeline full.
         self._staging = [aligned_buffer(max_blob) for _ in range(2 * max(1, config.threads))] if max_blob else []
-        self._readers = ThreadPoolExecutor(max_workers=max(1, config.threads), thread_name_prefix="colibri-read")
+        self._readers = ReadQueue(config.threads)
+        for p, layer in self.layers.items():  # the heat goes on where the last process left it
+            passes, heat = config.heat.get(p, (0.0, []))
+            if len(heat) == layer.layout.num_experts and passes > 0:
+                layer.heat, layer.heat_passes = np.asarray(heat, dtype=np.float64), passes
+        self.n_hot = int(len(self.slots.buffers) * config.hot_fraction)
+        self._repin_due = False  # set at a turn end, done by the compute thread's next call
         try:
             for p in prefixes:
                 self._open(p)
-            if config.hot_fraction > 0 and config.history:
+            if self.n_hot > 0 and (config.heat or config.history):
                 self._pin_hot_set(show)
         except BaseException:
             self.close()  # a damaged hot expert fails the load: leave no reader threads or fds behind
@@ -269,21 +442,20 @@ class ExpertStore:
 
     # ------------------------------------------------------------------ placement
     def _pin_hot_set(self, show=None) -> None:
-        """Load the experts with the most routing history, across all layers, into pinned slots
-        (start-up warm-up). Counts compare across layers: every layer routes each token to
-        top-k experts, so one count is one read saved wherever it is."""
-        n_hot = int(len(self.slots.buffers) * self.config.hot_fraction)
-        if n_hot <= 0:
-            return
+        """Load the hottest experts across all layers into pinned slots (start-up warm-up): by
+        the heat the last process saved, else by the routing history's counts. Counts compare
+        across layers: every layer routes each token to top-k experts, so one count is one read
+        saved wherever it is."""
         heat = []  # (count, layer index, expert): ties go to earlier layers, lower ids
         for li, (prefix, layer) in enumerate(self.layers.items()):
-            counts = np.asarray(self.config.history.get(prefix, []), dtype=np.float64)
+            counts = np.asarray(self.config.heat[prefix][1] if prefix in self.config.heat
+                                else self.config.history.get(prefix, []), dtype=np.float64)
             if counts.size != layer.layout.num_experts:
                 continue
             heat += [(-counts[e], li, e) for e in range(counts.size) if counts[e] > 0]
         prefixes = list(self.layers)
         futures = []
-        for _, li, e in sorted(heat)[:n_hot]:
+        for _, li, e in sorted(heat)[:self.n_hot]:
             layer = self.layers[prefixes[li]]
             slot = self.slots.free.pop()
             layer.pinned[int(e)] = slot
@@ -295,24 +467,147 @@ class ExpertStore:
                     progress.add(self.slots.slot_bytes)
 
     def prefetch(self, prefix: str, ids) -> None:
-        """Start reading experts the next layer will probably ask for into RAM slots."""
+        """A guess: layer `prefix` will probably ask for `ids`. Start reading those not in RAM,
+        each into a slot that holds nothing more likely to be used than the guess (see the
+        module's "Guesses"); the guesses are scored when the layer runs."""
         if not self.config.prefetch or not self.slots.buffers:
             return
-        layer = self.layers[prefix]
+        self._repin_if_due()
+        layer, pool = self.layers[prefix], self.slots
+        precision = layer.read_precision()
         protect = {(prefix, int(e)) for e in ids}
         for _, e in protect:
+            layer.guesses.add(e)
             if layer.slot_of(e) is not None:
                 continue
-            slot = self.slots.take_slot(protect)
+            # Guesses use the disk's idle time: a few queued at most, behind every needed read.
+            if self._readers.queued_guesses >= GUESS_QUEUE * max(1, self.config.threads):
+                self.stats.guess_skipped += 1
+                continue
+            slot = self._guess_slot(protect, precision)
             if slot is None:
-                return
-            self.slots.lru[(prefix, e)] = slot
-            self.slots.loading[(prefix, e)] = self._readers.submit(self._read, prefix, e, self.slots.buffers[slot])
+                self.stats.guess_skipped += 1
+                continue
+            key = (prefix, e)
+            pool.lru[key] = slot
+            pool.guessed.add(key)
+            layer.guess_reads.add(e)
+            self.stats.guess_reads += 1
+            pool.loading[key] = self._readers.submit(self._read, prefix, e, pool.buffers[slot], guess=True)
+
+    def _guess_slot(self, protect: set[tuple[str, int]], precision: float) -> int | None:
+        """A free slot, else the slot of the least recently used expert (of the GUESS_SCAN
+        oldest) whose use rate is below `precision`; None when each is more likely to be used
+        than the guess."""
+        pool = self.slots
+        if pool.free:
+            return pool.free.pop()
+        for n, key in enumerate(pool.lru):
+            if n >= GUESS_SCAN:
+                return None
+            if key in protect or key in pool.guessed:
+                continue
+            fut = pool.loading.get(key)
+            if fut is not None and not fut.done():
+                continue
+            if self.layers[key[0]].use_rate(key[1]) < precision:
+                pool.loading.pop(key, None)
+                return pool.lru.pop(key)
+        return None
+
+    def _score_guesses(self, layer: _Layer, ids) -> None:
+        """Layer `layer` runs with experts `ids`: score its guesses, send the guessed reads it did
+        not use to the cold end of the LRU, and count the pass."""
+        layer.passes += 1
+        if not layer.guesses:
+            return
+        used = set(ids)
+        right = len(layer.guesses & used)
+        layer.scores += (len(layer.guesses), right, len(used))
+        self.stats.predicted += len(layer.guesses)
+        self.stats.predicted_used += right
+        self.stats.needed += len(used)
+        pool = self.slots
+        for e in layer.guess_reads:
+            key = (layer.prefix, e)
+            pool.guessed.discard(key)
+            layer.read_scores[0] += 1
+            if e in used:
+                self.stats.guess_reads_used += 1
+                layer.read_scores[1] += 1
+            elif key in pool.lru:
+                pool.lru.move_to_end(key, last=False)
+        layer.guesses.clear()
+        layer.guess_reads.clear()
+
+    def prediction_by_layer(self) -> dict[str, dict[str, int]]:
+        """Per MoE layer, the scored guesses so far: experts guessed, of them used, and used in all."""
+        return {p: {"predicted": int(l.scores[0]), "used": int(l.scores[1]), "needed": int(l.scores[2])}
+                for p, l in self.layers.items()}
+
+    # ------------------------------------------------------------------ re-pinning
+    def _repin_if_due(self) -> None:
+        if self._repin_due:
+            self._repin_due = False
+            self._repin()
+
+    def _repin(self) -> None:
+        """Fold the counts into the heat; then, while the hottest unpinned expert's heat beats
+        the coldest pinned one's by REPIN_MARGIN and REPIN_MIN_GAP, swap them: the pinned one
+        becomes an LRU entry (it stays in RAM), the new one takes its LRU slot if it has one,
+        else a slot read now (at most `repin_reads` such reads per turn). Heat compares across
+        layers as counts do (every layer sees every token). Runs on the compute thread."""
+        for layer in self.layers.values():
+            layer.fold()
+        if not self.config.repin or self.n_hot <= 0 or self.config.io == "mmap":
+            return
+        pool = self.slots
+        prefixes = list(self.layers)
+        pinned = sorted((l.heat[e], li, e) for li, l in enumerate(self.layers.values()) for e in l.pinned)
+        unpinned = sorted(((-l.heat[e], li, e) for li, l in enumerate(self.layers.values())
+                           for e in np.flatnonzero(l.heat > 0).tolist() if e not in l.pinned))
+        reads_left = self.config.repin_reads or max(1, self.n_hot // 8)
+        n_pinned = len(pinned)
+        for neg_heat, li, e in unpinned:
+            layer = self.layers[prefixes[li]]
+            key = (layer.prefix, e)
+            in_ram = key in pool.lru and not (key in pool.loading and not pool.loading[key].done())
+            if n_pinned < self.n_hot:  # room in the hot set (a start without history): no swap
+                out = None
+            elif pinned and -neg_heat > pinned[0][0] * REPIN_MARGIN + REPIN_MIN_GAP:
+                out = pinned.pop(0)
+            else:
+                break
+            if not in_ram:
+                if reads_left <= 0:
+                    if out is not None:
+                        pinned.insert(0, out)
+                    break
+                slot = pool.take_slot({key})
+                if slot is None:
+                    if out is not None:
+                        pinned.insert(0, out)
+                    break
+                reads_left -= 1
+                fut = self._readers.submit(self._read, layer.prefix, e, pool.buffers[slot])
+                pool.loading[key] = fut
+            else:
+                slot = pool.lru.pop(key)
+            pool.guessed.discard(key)
+            layer.guess_reads.discard(e)
+            layer.pinned[e] = slot
+            if out is not None:  # the old one keeps its slot as an LRU entry
+                old_layer = self.layers[prefixes[out[1]]]
+                pool.lru[(old_layer.prefix, out[2])] = old_layer.pinned.pop(out[2])
+            else:
+                n_pinned += 1
+            self.stats.repins += 1
 
     def stacked(self, prefix: str, ids: list[int]):
         """(StackedExperts, slot of each id) when every one of `ids` is in a RAM slot with its
         read done, so the fused decode kernel can run them in place (counted as hits, as
         iter_experts would); else None and nothing changes: the caller takes iter_experts."""
+        self._repin_if_due()
         layer = self.layers[prefix]
         if layer.stacked is None or self.config.io == "mmap":
             return None
@@ -326,6 +621,7 @@ class ExpertStore:
             if slot is None or (fut is not None and (not fut.done() or fut.cancelled() or fut.exception())):
                 return None
             slots.append(slot)
+        self._score_guesses(layer, ids)
         for e in ids:
             key = (prefix, e)
             layer.counts[e] += 1
@@ -346,9 +642,11 @@ class ExpertStore:
         blob) with `blobs`: those already in RAM first, then the ones being read, in `ids`
         order, so the caller computes while reads land. A yielded expert's buffer stays valid
         until the next one is requested (staging buffers are reused after that)."""
+        self._repin_if_due()
         layer = self.layers[prefix]
         layout = layer.layout
         unpack = (lambda blob: blob) if blobs else (lambda blob: layout.unpack(blob, self.interleaved))
+        self._score_guesses(layer, ids)
         for e in ids:
             layer.counts[e] += 1
         if self.config.io == "mmap":
@@ -408,6 +706,8 @@ class ExpertStore:
                     self.stats.misses += 1
                 if fut is not None:
                     t0 = time.perf_counter()
+                    if theirs and not fut.done():
+                        self._readers.promote(fut)  # (a guess, queued behind needed reads)
                     try:
                         try:
                             buf = fut.result()
@@ -449,21 +749,39 @@ class ExpertStore:
                     pass
 
     def _forget(self, prefix: str, e: int) -> None:
-        """After a failed read, the slot must not claim to hold the expert."""
+        """After a failed read, the slot must not claim to hold the expert (an LRU entry, or a
+        hot-set place a re-pin was reading into)."""
         self.slots.loading.pop((prefix, e), None)
+        self.slots.guessed.discard((prefix, e))
         slot = self.slots.lru.pop((prefix, e), None)
+        if slot is None:
+            slot = self.layers[prefix].pinned.pop(e, None)
         if slot is not None:
             self.slots.free.append(slot)
 
     # ------------------------------------------------------------------ history
     def save_history(self) -> None:
-        """Persist routing counts (earlier history + this process) crash-safely; called at every
-        turn end so the next start pins the right hot set."""
+        """A turn ended: persist routing counts (earlier history + this process) and the heat
+        crash-safely, so the next start pins the right hot set, and have the hot set follow the
+        heat (re-pinned by the compute thread's next call: this may run on another thread)."""
+        self._repin_due = True
         with self._history_lock:
             save_history(self.config.history_file, self.config.history,
-                         {p: l.counts for p, l in self.layers.items()})
+                         {p: l.counts.copy() for p, l in self.layers.items()},
+                         {p: self._heat_now(l) for p, l in self.layers.items()})
+
+    @staticmethod
+    def _heat_now(layer: _Layer) -> tuple[float, np.ndarray]:
+        """(passes, heat) with the counts not yet folded in, leaving the layer as it is."""
+        new = layer.passes - layer.folded_passes
+        keep = 0.5 ** (max(0, new) / HEAT_HALF_LIFE)
+        return layer.heat_passes * keep + max(0, new), layer.heat * keep + (layer.counts - layer.folded)
 
     # ------------------------------------------------------------------ telemetry
+    def drive_stats(self) -> dict[str, dict]:
+        """What each drive read: the model's own and its mirrors (ExpertReader.drive_stats)."""
+        return self._reader.drive_stats()
+
     def routing_counts(self) -> dict[str, list[int]]:
         return {p: l.counts.tolist() for p, l in self.layers.items()}
 
@@ -478,10 +796,15 @@ class ExpertStore:
         return out
 
     def reset_counters(self) -> None:
-        """Forget hits, reads and this process's routing counts (what a warm-up left)."""
+        """Forget hits, reads, guesses' scores and this process's routing counts and heat (what
+        a warm-up left)."""
         self.stats = StoreStats()
         for layer in self.layers.values():
             layer.counts[:] = 0
+            layer.folded[:] = 0
+            layer.passes = layer.folded_passes = 0
+            layer.scores[:] = 0
+            layer.read_scores[:] = 0
 
     def heat_map(self) -> dict[str, tuple[list[int], str]]:
         """Per layer, for the dashboard (colibri/serve/telemetry.py): routing counts of this
@@ -510,6 +833,6 @@ class ExpertStore:
         return self.config.ram_bytes
 
     def close(self) -> None:
-        self._readers.shutdown(wait=True)
+        self._readers.shutdown()
         self._reader.close()
 

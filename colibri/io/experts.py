@@ -21,7 +21,8 @@ import numpy as np
 from colibri.errors import ColibriError
 from colibri.io.container import Container
 from colibri.io.expert_reader import ExpertReader
-from colibri.io.expert_store import ExpertStore, StoreConfig, arena, load_history, read_expert, shown
+from colibri.io.expert_store import ExpertStore, StoreConfig, arena, load_heat, load_history, read_expert, shown
+from colibri.io.mirrors import parse_mirrors
 from colibri.memory import available_memory  # in colibri.memory so the kernels' CUDA simulator can size by it too
 from colibri.formats.expert_blob import FusedExperts, StackedExperts
 
@@ -34,9 +35,12 @@ _PENDING, _READING, _READY, _FAILED = 0, 1, 2, 3
 
 class ResidentExperts:
     def __init__(self, container: Container, verify: bool = True,
-                 on_read: Callable[[int], None] | None = None, background: bool = False, start: bool = True):
+                 on_read: Callable[[int], None] | None = None, background: bool = False, start: bool = True,
+                 mirrors=(), primary_weight: float | None = None):
         """Every expert of `container` read into RAM by READ_THREADS reader threads, `on_read(nbytes)`
-        after each one (a progress display). Without `background` this returns when all are in.
+        after each one (a progress display), each from the drive it is striped to where `mirrors`
+        gives copies of the expert files on other drives (ExpertReader). Without `background`
+        this returns when all are in.
 
         With `background` it returns at once and the experts serve while the rest load: a forward
         that asks for experts not read yet reads them itself (or waits for the reader that has
@@ -84,7 +88,7 @@ class ResidentExperts:
         # Through the page cache, a model about the size of RAM also fills the cache with a
         # second copy, and the kernel must evict it while the arena's pages are being allocated:
         # a 16.3 GB load ran at 0.6 GB/s that way on a 24 GB machine.
-        self._reader = ExpertReader(container, "prefer")
+        self._reader = ExpertReader(container, "prefer", mirrors, primary_weight)
         self._cancelled = threading.Event()
         self._readers = [threading.Thread(target=self._read_queue, name=f"colibri-expert-load-{i}", daemon=True)
                          for i in range(min(READ_THREADS, self._left))]
@@ -245,6 +249,15 @@ class ResidentExperts:
         """As ExpertStore.heat_map: every expert is resident for good ("p")."""
         return {p: (c.tolist(), "p" * c.size) for p, c in self._counts.items()}
 
+    def drive_stats(self) -> dict[str, dict]:
+        """What each drive read (ExpertReader.drive_stats); kept after the load closes the files."""
+        return self._reader.drive_stats()
+
+    def routing_counts(self) -> dict[str, list[int]]:
+        """As ExpertStore.routing_counts: per MoE layer, how often each expert was routed to in
+        this process (a turn's routing entropy is computed from two readings)."""
+        return {p: c.tolist() for p, c in self._counts.items()}
+
     @property
     def bytes_budget(self) -> int:
         return self.bytes_resident
@@ -285,20 +298,30 @@ def verify_reads(config) -> bool:
     return bool(getattr(config, "verify_experts", True))
 
 
+def mirror_drives(config) -> dict:
+    """EngineConfig.mirrors and primary_weight as the readers take them (ExpertReader's `mirrors`,
+    `primary_weight`). Read with defaults, as verify_reads does."""
+    return {"mirrors": parse_mirrors(getattr(config, "mirrors", ())),
+            "primary_weight": getattr(config, "primary_weight", None)}
+
+
 def open_experts(container: Container, config, show=None, history_file: Path | None = None):
     """Resident experts when they all fit the budget (or streaming is off), else an ExpertStore
     holding what the budget allows. Raises when the dense part alone does not fit. `show`
     displays the reads at start (expert_store.shown); `history_file` keeps the store's routing
     history between runs (its hot set; None: none kept)."""
     verify = verify_reads(config)
+    drives = mirror_drives(config)
     if experts_fit(container, config):
         with shown(show, f"reading the experts of {container.dir.name}", container.expert_bytes) as progress:
-            return ResidentExperts(container, verify=verify, on_read=progress.add if progress else None)
+            return ResidentExperts(container, verify=verify, on_read=progress.add if progress else None, **drives)
     history = load_history(history_file) if history_file is not None else {}
     budget, dense = plan_budget(config.ram_gb), container.dense_bytes
     store_cfg = StoreConfig(ram_bytes=budget - dense, io=config.expert_io, threads=config.read_threads,
                             hot_fraction=0.5 if config.hot_set else 0.0, prefetch=config.prefetch,
-                            history=history, history_file=history_file, verify=verify)
+                            repin=getattr(config, "repin", True),
+                            heat=load_heat(history_file) if history_file is not None else {},
+                            history=history, history_file=history_file, verify=verify, **drives)
     return ExpertStore(container, store_cfg, show=show)
 
 

@@ -213,6 +213,9 @@ class DecoderModel:
         self.norm = w.tensor("model.norm.weight")
         self.lm_head = w.tensor("lm_head.weight") if w.has("lm_head.weight") else self.embed
         self.prefetch = False  # set by the engine when experts stream from disk
+        # Guess layer i + prefetch_depth's experts (and refresh layer i's) as layer i starts:
+        # set by the engine (EngineConfig.prefetch_depth); 0 guesses each layer only at its start.
+        self.prefetch_depth = 1
         self._kv_memo = None   # (rows' caches, typed lists of their K/V arrays per layer): _kv_lists
         self._program = None   # decode.token_layers' arguments, False where it does not cover the model
         self._parts = None     # (layers' fused-block tuples, shapes) of _token_parts, False: not covered
@@ -249,8 +252,8 @@ class DecoderModel:
             x = one
         else:
             for i, layer in enumerate(self.layers):
-                if self.prefetch and isinstance(layer.mlp, RoutedMoE) and layer.mlp.wants_prefetch():
-                    layer.mlp.prefetch_for(x, layer.post_norm, self.args.rms_norm_eps)
+                if self.prefetch:
+                    self._guess_experts(i, x)
                 x = layer(x, cache, i, pos0, cos, sin)
         cache.length = pos0 + L
         if not all_logits:
@@ -260,6 +263,18 @@ class DecoderModel:
         if t0:
             PHASES.add("head", -1, t0)
         return logits
+
+    def _guess_experts(self, i: int, x: np.ndarray) -> None:
+        """As layer i starts on x: guess the experts of MoE layer i + prefetch_depth, and of
+        layer i itself (a second, closer guess), by routing x with their routers, so the store
+        reads them while the layers between compute (a wrong guess costs a read, never a token:
+        the layer routes on its own input when it runs). The first layer also guesses every
+        layer up to the depth."""
+        depth = self.prefetch_depth
+        for j in sorted({i, i + depth} if i else set(range(depth + 1))):
+            mlp = self.layers[j].mlp if j < len(self.layers) else None
+            if isinstance(mlp, RoutedMoE) and mlp.wants_prefetch():
+                mlp.prefetch_for(x, self.layers[j].post_norm, self.args.rms_norm_eps)
 
     def _one_token(self, x, cache, pos: int, cos, sin):
         """x [1, D] through every layer in one compiled call (decode.token_layers), or, while
@@ -403,12 +418,22 @@ class DecoderModel:
         else:
             kv_lists = self._kv_lists(caches) if len(ids) > 1 else None
             for i, layer in enumerate(self.layers):
+                t0 = clock() if PHASES.on else 0.0
                 x = layer.attend_rows(x, caches, i, pos, cos, sin, kv_lists and kv_lists[i])
+                if t0:
+                    PHASES.add("attention", i, t0)
+                    t0 = clock()
                 x = layer.mlp_rows(x)
+                if t0:
+                    PHASES.add("ffn", i, t0)
         for c in caches:
             c.length = end[id(c)]
+        t0 = clock() if PHASES.on else 0.0
         self.rows_hidden = h = rms_norm(x, self.norm, self.args.rms_norm_eps)
-        return linear_rows(h, self.lm_head)
+        logits = linear_rows(h, self.lm_head)
+        if t0:
+            PHASES.add("head", -1, t0)
+        return logits
 
 
 def build_decoder(args: ModelArgs, weights, attention, moe=None, *, rope_head_dim: int | None = None,

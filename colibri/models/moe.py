@@ -79,12 +79,21 @@ class RoutedMoE:
     def rows(self, hs: list[np.ndarray]) -> list[np.ndarray]:
         """self(h) for each one-token row h [1, D], the same bits, with each expert the rows
         route to read once for all of them (DecoderModel.forward_rows)."""
+        t0 = clock() if PHASES.on else 0.0
         routes = [self.route(h) for h in hs]
+        if t0:
+            PHASES.add("router", self.layer, t0)
+            t0 = clock()
         outs = run_experts_rows(hs, routes, self.experts, self.prefix)
+        if t0:
+            PHASES.add("routed_experts", self.layer, t0)
+            t0 = clock()
         for h, out in zip(hs, outs):
             shared = self.shared_out(h)
             if shared is not None:
                 out += shared
+        if t0:
+            PHASES.add("shared_experts", self.layer, t0)
         return outs
 
 

@@ -49,6 +49,10 @@ class ServeOptions:
     ram_gb: float | None = None       # engine budget for resident weights (None: planned)
     threads: int | None = None        # kernel threads (None: all cores)
     prefill_chunk: int = 512          # prompt tokens per forward pass (memory bound, cancellation point)
+    profile_phases: bool | None = None  # time each turn's phases for its profile (None: where experts stream)
+    # How streamed experts are read and placed: EngineConfig's expert_io, mirrors, primary_weight,
+    # prefetch, prefetch_depth and repin (absent: the engine's defaults).
+    experts: dict = field(default_factory=dict)
     speculative: str = "off"          # draft tokens and check them in one pass: off | ngram | mtp | auto
     draft_tokens: int = 6             # drafts per pass
     activations: str = "f32"          # int4 matrices' activations: f32 (exact) | int8
@@ -175,10 +179,11 @@ def run(o: ServeOptions) -> None:
         kv_slots = max(o.kv_slots, o.max_batch or 1)
         engine = Engine.load(o.model, progress=True, kv_slots=kv_slots, max_context=o.max_context,
                              ram_gb=o.ram_gb, threads=o.threads, prefill_chunk=o.prefill_chunk,
+                             profile_phases=o.profile_phases,
                              speculative=o.speculative, draft_tokens=o.draft_tokens,
                              activations=o.activations, kv_cache=o.kv_cache, device=o.device, vram_gb=o.vram_gb,
                              gpu_layers=o.gpu_layers, cluster=o.cluster,
-                             expert_workers=o.expert_workers,
+                             expert_workers=o.expert_workers, **o.experts,
                              # up once the dense weights are in: requests wait only for the
                              # resident experts they route to while the rest load
                              experts_in_background=True)
