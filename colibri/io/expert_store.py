@@ -475,8 +475,9 @@ class ExpertStore:
         self._repin_if_due()
         layer, pool = self.layers[prefix], self.slots
         precision = layer.read_precision()
-        protect = {(prefix, int(e)) for e in ids}
-        for _, e in protect:
+        wanted = sorted({int(e) for e in ids})  # (in id order: the same reads in every run)
+        protect = {(prefix, e) for e in wanted}
+        for e in wanted:
             layer.guesses.add(e)
             if layer.slot_of(e) is not None:
                 continue
