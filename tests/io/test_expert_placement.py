@@ -3,6 +3,7 @@
 re-pinned as the heat moves (bounded reads per turn, kept across starts), topic-dependent
 synthetic routing. No lever changes a token."""
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -57,8 +58,11 @@ SEQ = np.random.default_rng(5).integers(0, 49152, size=32).tolist()
     {"prefetch": True, "prefetch_depth": 2, "repin": True},
     {"prefetch": False, "repin": True, "hot_set": True},
     {"prefetch": True, "repin": True, "hot_set": False},
+    {"prefetch": True, "repin": True, "mirrors": "copy", "expert_io": "direct"},  # every lever at once
 ])
-def test_no_lever_changes_a_token(tiny, options):
+def test_no_lever_changes_a_token(tiny, options, tmp_path):
+    if options.get("mirrors") == "copy":  # a second drive: a copy of the model's files
+        options = dict(options, mirrors=[str(shutil.copytree(tiny, tmp_path / "mirror"))])
     ref = Engine.load(tiny, stream_experts=False)
     want = [ref.generate(SEQ[:6], max_tokens=10, stop_at_eos=False).token_ids for _ in range(2)]
     want_logits = ref.logits(SEQ)
@@ -72,6 +76,8 @@ def test_no_lever_changes_a_token(tiny, options):
         assert 0 < stats["predicted_used"] <= min(stats["predicted"], stats["needed"])
     else:
         assert stats["predicted"] == 0
+    if "mirrors" in options:  # both drives were read
+        assert all(d["bytes_read"] > 0 for d in e.experts.drive_stats().values())
 
 
 def test_guesses_are_scored_per_layer(topical):
