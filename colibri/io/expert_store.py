@@ -333,20 +333,19 @@ class _Layer:
         predictable than the hot ones) it used, GUESS_PRIOR before any is scored."""
         return (self.read_scores[1] + GUESS_PRIOR[0]) / (self.read_scores[0] + GUESS_PRIOR[1])
 
+    def heat_now(self) -> tuple[float, np.ndarray]:
+        """(passes, heat) with the counts since the last fold decayed in, the layer unchanged
+        (save_history reads it from another thread)."""
+        new_passes = max(0, self.passes - self.folded_passes)
+        keep = 0.5 ** (new_passes / HEAT_HALF_LIFE)
+        return self.heat_passes * keep + new_passes, self.heat * keep + (self.counts - self.folded)
+
     def fold(self) -> None:
         """Move the counts since the last fold into the decayed heat."""
-        new_passes = self.passes - self.folded_passes
-        if new_passes <= 0:
-            return
-        keep = 0.5 ** (new_passes / HEAT_HALF_LIFE)
-        self.heat = self.heat * keep + (self.counts - self.folded)
-        self.heat_passes = self.heat_passes * keep + new_passes
-        self.folded = self.counts.copy()
-        self.folded_passes = self.passes
-
-    def heat_rates(self) -> np.ndarray:
-        """use_rate of every expert, after a fold."""
-        return self.heat / self.heat_passes if self.heat_passes > 0 else self.heat
+        if self.passes > self.folded_passes:
+            self.heat_passes, self.heat = self.heat_now()
+            self.folded = self.counts.copy()
+            self.folded_passes = self.passes
 
 
 class ExpertStore:
@@ -769,14 +768,7 @@ class ExpertStore:
         with self._history_lock:
             save_history(self.config.history_file, self.config.history,
                          {p: l.counts.copy() for p, l in self.layers.items()},
-                         {p: self._heat_now(l) for p, l in self.layers.items()})
-
-    @staticmethod
-    def _heat_now(layer: _Layer) -> tuple[float, np.ndarray]:
-        """(passes, heat) with the counts not yet folded in, leaving the layer as it is."""
-        new = layer.passes - layer.folded_passes
-        keep = 0.5 ** (max(0, new) / HEAT_HALF_LIFE)
-        return layer.heat_passes * keep + max(0, new), layer.heat * keep + (layer.counts - layer.folded)
+                         {p: l.heat_now() for p, l in self.layers.items()})
 
     # ------------------------------------------------------------------ telemetry
     def drive_stats(self) -> dict[str, dict]:
