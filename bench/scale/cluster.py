@@ -1,12 +1,12 @@
 """Expert-parallel decode on a local Ray cluster (colibri/cluster) against one process.
 
-1. Ray's transport at the sizes a MoE layer sends: one decode row up to a prefill chunk, the
-   array passed in the call (Ray inlines it under 100 KiB, else puts it in the shared-memory
-   object store) against ray.put first and the reference passed, round trip to an actor that
-   returns it.
+1. The transport at the sizes a MoE layer sends: one decode row up to a prefill chunk, round
+   trip to an actor that returns it: as a Ray call (the array passed in the call: Ray inlines
+   it under 100 KiB, else puts it in the shared-memory object store; or ray.put first and the
+   reference passed), and over the actor's wire (colibri/cluster/wire.py: one TCP connection).
 2. Decode and prefill tok/s with every expert resident: one process against the head plus N
-   workers, and where the cluster's time per MoE layer goes (workers' compute, transport, head
-   fallback).
+   workers over each wire (tcp, ray), and where the cluster's time per MoE layer goes
+   (workers' compute, transport, head fallback).
 3. Experts that do not fit one process's budget: one process streaming under budget B, against
    N workers each with the same budget B holding their shard (hit rate and disk reads over
    the timed pass, after a warm-up pass).
@@ -41,20 +41,37 @@ def transport(repeats: int, width: int) -> list[dict]:
         def back(self, a):
             return a
 
+        def wire(self, secret):  # the same rows back over a WireServer of this actor
+            from colibri.cluster.wire import WireServer
+
+            self.server = WireServer(ray.util.get_node_ip_address(), secret,
+                                     lambda prefix, x, w, ids, experts, one, mode: (x, 0.0))
+            return ray.util.get_node_ip_address(), self.server.port
+
+    from colibri.cluster.wire import WireLink
+
     echo = Echo.remote()
     ray.get(echo.back.remote(np.zeros(1, np.float32)))
+    secret = os.urandom(32)
+    link = WireLink(*ray.get(echo.wire.remote(secret)), secret)
     rows = []
     for n in (1, 8, 64, 512):
         a = np.random.default_rng(0).standard_normal((n, width)).astype(np.float32)
-        for how in ("in the call", "ray.put first"):
+        weights, ids = np.ones((n, 1), np.float32), np.zeros((n, 1), np.int64)
+        for how in ("in the call", "ray.put first", "wire"):
             times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                arg = a if how == "in the call" else ray.put(a)
-                out = ray.get(echo.back.remote(arg))
+                if how == "wire":
+                    link.send("p", a, weights, ids, [0], True, "f32")
+                    out, _ = link.receive(30.0)
+                else:
+                    arg = a if how == "in the call" else ray.put(a)
+                    out = ray.get(echo.back.remote(arg))
                 times.append(time.perf_counter() - t0)
             assert np.array_equal(out, a)
             rows.append({"rows": n, "bytes": a.nbytes, "how": how, "ms": 1e3 * median(times)})
+    link.close()
     ray.kill(echo)
     return rows
 
@@ -148,7 +165,7 @@ def main() -> None:
     report = {"model": str(a.model), "workers": a.workers, "tokens": a.tokens}
 
     report["transport"] = transport(a.repeats, width)
-    print("\n1. Ray round trip to an actor returning the array (median ms)")
+    print("\n1. round trip to an actor returning the array (median ms)")
     for r in report["transport"]:
         print(f"   {r['rows']:4d} rows x {width} f32 ({r['bytes'] / 1024:7.0f} KiB), {r['how']:13s}: {r['ms']:.3f}")
 
@@ -158,16 +175,20 @@ def main() -> None:
         single = measure(a.model, seq, prompt, a.greedy, stream_experts=False)
         print(f"   one process:      decode {single['tok_s']:.2f} tok/s, prefill {single['prefill_tok_s']:.1f} tok/s",
               flush=True)
-        cluster = measure(a.model, seq, prompt, a.greedy, cluster="local", expert_workers=a.workers)
-        print(f"   head + {a.workers} workers: decode {cluster['tok_s']:.2f} tok/s, prefill "
-              f"{cluster['prefill_tok_s']:.1f} tok/s", flush=True)
-        for what, p in (("decode", cluster["per_layer"]),
-                        (f"prefill ({a.prompt_tokens} tokens)", cluster["prefill_per_layer"])):
-            print(f"     {what}, per MoE layer: {p['wall_ms_per_layer']:.2f} ms = workers computing "
-                  f"{p['compute_ms_per_layer']:.2f} + transport {p['transport_ms_per_layer']:.2f} (+ head fallback "
-                  f"{p['local_ms_per_layer']:.2f})", flush=True)
-        print(f"     greedy tokens: {same(single, cluster, a.greedy)}", flush=True)
-        report["resident"].append({"single": single, "cluster": cluster})
+        entry = {"single": single}
+        for wire in ("tcp", "ray"):
+            cluster = measure(a.model, seq, prompt, a.greedy, cluster="local", expert_workers=a.workers,
+                              cluster_wire=wire)
+            print(f"   head + {a.workers} workers, {wire} wire: decode {cluster['tok_s']:.2f} tok/s, prefill "
+                  f"{cluster['prefill_tok_s']:.1f} tok/s", flush=True)
+            for what, p in (("decode", cluster["per_layer"]),
+                            (f"prefill ({a.prompt_tokens} tokens)", cluster["prefill_per_layer"])):
+                print(f"     {what}, per MoE layer: {p['wall_ms_per_layer']:.2f} ms = workers computing "
+                      f"{p['compute_ms_per_layer']:.2f} + transport {p['transport_ms_per_layer']:.2f} (+ head "
+                      f"fallback {p['local_ms_per_layer']:.2f})", flush=True)
+            print(f"     greedy tokens: {same(single, cluster, a.greedy)}", flush=True)
+            entry[f"cluster_{wire}"] = cluster
+        report["resident"].append(entry)
 
     budget = a.budget_share * experts_gb
     print(f"\n3. expert budget B = {budget:.2f} GiB per process ({a.budget_share:.0%} of the experts), "

@@ -47,8 +47,7 @@ def open_cluster_experts(container: Container, config, history_file: Path | None
         print(placement.describe(), file=out, flush=True)
     # Where the plan put each worker; its budget only when the shards do not fit (a fitting shard
     # is held whole and read at start) and no --worker-ram-gb overrides it.
-    by_address = {n["address"]: n["id"] for n in nodes}
-    worker_nodes = [by_address.get(w["node"]) for w in plan["workers"]]
+    worker_nodes = [w["node"] for w in plan["workers"]]  # addresses: a restarted node keeps its workers
     budgets = None
     if config.worker_ram_gb is None and not plan["fits"]:
         budgets = [max(1, w["budget_bytes"]) for w in plan["workers"]]
@@ -59,7 +58,8 @@ def open_cluster_experts(container: Container, config, history_file: Path | None
     worker_ram = None if config.worker_ram_gb is None else int(config.worker_ram_gb * GiB)
     return ClusterExperts(container, placement, worker_ram_bytes=worker_ram, worker_budgets=budgets,
                           worker_nodes=worker_nodes, heat=history or None, history_file=history_file, verify=bool(config.verify_experts),
-                          threads=config.threads, activations=config.activations, fallback_bytes=fallback)
+                          threads=config.threads, activations=config.activations, fallback_bytes=fallback,
+                          wire=config.cluster_wire)
 
 
 __all__ = ["open_cluster_experts", "place", "Placement", "PLACEMENTS", "DEFAULT_WORKERS"]

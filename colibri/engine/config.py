@@ -85,6 +85,10 @@ class EngineConfig:
     expert_workers: int = 2             # Ray actors holding the experts (--cluster)
     expert_placement: str = "contiguous"  # contiguous | balanced (by routing history)
     worker_ram_gb: float | None = None  # each worker's expert budget; None: its whole shard, resident
+    # How a MoE layer's arrays reach the workers: "tcp" (one direct connection per worker,
+    # colibri/cluster/wire.py) or "ray" (Ray actor calls: ~2 ms more per layer, for networks
+    # that admit only Ray's own ports).
+    cluster_wire: str = "tcp"
     # Time each turn's phases (attention, dense MLP, routing, routed experts, head) for its
     # profile (engine/turn_profile.py). None: on where experts stream from disk (an ExpertStore)
     # or run on a cluster, where a turn's time is worth splitting and the clock's cost (a clock

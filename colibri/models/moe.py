@@ -65,6 +65,16 @@ class RoutedMoE:
         if t0:
             PHASES.add("router", self.layer, t0)
             t0 = clock()
+        begin = getattr(self.experts, "begin", None)
+        if begin is not None:  # experts computed elsewhere (colibri/cluster): the shared expert meanwhile
+            collect = begin(self.prefix, x, weights, ids, one_token_rows=x.shape[0] == 1)
+            try:
+                shared = self.shared_out(x)
+            finally:
+                out = collect()
+            if t0:
+                PHASES.add("routed_experts", self.layer, t0)
+            return out if shared is None else out + shared
         out = run_experts(x, weights, ids, self.experts, self.prefix)
         if t0:
             PHASES.add("routed_experts", self.layer, t0)

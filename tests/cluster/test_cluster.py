@@ -428,3 +428,49 @@ def test_a_worker_that_cannot_restart_backs_off_and_returns(ray_cluster, models,
         assert experts.workers[1].failures == 0  # it served: the next fault restarts it at once
     finally:
         experts.close()
+
+
+def test_a_restarted_head_adopts_its_workers(ray_cluster, models):
+    """A head that goes away without closing (its connections dropped, as when its process
+    dies) leaves its workers running; the next head with the same model and placement adopts
+    them, shards already loaded, with the same tokens. Another placement starts its own."""
+    model = models["olmoe-1b-7b"]
+    expected = _single(model).generate(PROMPT[:8], max_tokens=8, stop_at_eos=False).token_ids
+    first = _cluster(model, expert_workers=2)
+    pids = first.experts.worker_pids
+    assert first.generate(PROMPT[:8], max_tokens=8, stop_at_eos=False).token_ids == expected
+    for w in first.experts.workers:  # the process "dies": its sockets close, nothing else happens
+        w.link.close()
+    second = _cluster(model, expert_workers=2)
+    try:
+        assert second.experts.adopted == 2 and second.experts.worker_pids == pids
+        assert all(w.link is not None for w in second.experts.workers)  # the wire, with the new secret
+        assert second.generate(PROMPT[:8], max_tokens=8, stop_at_eos=False).token_ids == expected
+        assert second.experts.faults == 0
+        other = _cluster(model, expert_workers=2, expert_placement="balanced", worker_ram_gb=0.001)
+        try:
+            assert other.experts.adopted == 0 and not set(other.experts.worker_pids) & set(pids)
+        finally:
+            other.experts.close()
+    finally:
+        second.experts.close()
+
+
+def test_a_worker_without_a_head_exits(ray_cluster, models):
+    """The orphan watchdog: a worker no head connects to or calls for orphan_s exits."""
+    from colibri.cluster.worker import ExpertWorker
+    from colibri.io.container import Container
+
+    c = Container(models["olmoe-1b-7b"])
+    owned = {p: [0] for p in c.expert_layouts}
+    worker = ExpertWorker.remote(str(c.dir), owned, None, None, True, 1, "f32", bytes(32), 2.0, "test")
+    pid = ray_cluster.get(worker.ready.remote())["pid"]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError("the orphaned worker is still running after 60 s")
