@@ -179,6 +179,7 @@ class ClusterExperts:
         # Store figures of workers since replaced, as last read: the totals stay monotonic counters.
         self._last_stats: dict[int, dict] = {}
         self._retired: list[dict] = []
+        self._waiting: set[int] = set()  # workers whose node is gone (logged once)
         self._lock = threading.Lock()  # one layer at a time: warm-up, batching and generation threads
         self._history_lock = threading.Lock()
         # Routing counts of this process, counted where the routing happens (here), for the
@@ -255,8 +256,11 @@ class ClusterExperts:
 
             node = self._node_id(address)
             if node is None:  # the node is gone: the head computes its experts until it is back
-                log.warning("expert worker %d waits for its node %s to join again", index, address)
+                if index not in self._waiting:
+                    log.warning("expert worker %d waits for its node %s to join again", index, address)
+                    self._waiting.add(index)
                 return _Worker(index, None, None, failures=failures, respawn_at=time.monotonic() + NODE_RETRY_S)
+            self._waiting.discard(index)
             strategy = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
         else:  # one worker per node as far as the nodes go
             strategy = "SPREAD"
