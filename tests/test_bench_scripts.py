@@ -121,6 +121,10 @@ SMOKE: dict[str, tuple] = {
         lambda c: ["--model", c["tiny"], "--workers", "1", "--tokens", "4", "--prompt-tokens", "8", "--rounds", "1",
                    "--budget-workers", "1", "--budget-tokens", "4", "--repeats", "2", "--greedy", "4",
                    "--json", c["json"]], True, {}),
+    "bench.scale.cluster_nodes": (
+        "network namespaces: head + 1 worker node, one delay, both wires; 2 nodes in 1 GiB cgroups",
+        lambda c: ["--model", c["tiny"], "--workers", "1", "--tokens", "4", "--greedy", "4", "--delays", "0,0.5",
+                   "--node-gb", "1", "--budget-workers", "1", "--json", c["json"]], True, {}),
     "bench.scale.gpu": (
         "--smoke --dry-run (CPU preparation; the CUDA simulator run is tests/gpu's)",
         lambda c: ["--smoke", "--dry-run", "--model", c["smol"], "--work", c["tmp"]], False, {}),

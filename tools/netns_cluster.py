@@ -464,7 +464,10 @@ class NetnsCluster:
     def _base_env(self) -> dict[str, str]:
         env = dict(os.environ)
         # Our values only: an inherited address or token source would point at another cluster.
-        for var in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 is what `--cluster local` sets in its process to keep
+        # Ray on one machine: inherited, it makes `ray start --address` refuse to join.
+        for var in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH",
+                    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"):
             env.pop(var, None)
         env["RAY_USAGE_STATS_ENABLED"] = "0"
         if self.auth_token:

@@ -64,7 +64,7 @@ def transport(repeats: int, width: int) -> list[dict]:
                 t0 = time.perf_counter()
                 if how == "wire":
                     link.send("p", a, weights, ids, [0], True, "f32")
-                    out, _ = link.receive(30.0)
+                    out = link.receive(30.0)[0]
                 else:
                     arg = a if how == "in the call" else ray.put(a)
                     out = ray.get(echo.back.remote(arg))

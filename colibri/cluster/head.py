@@ -33,7 +33,7 @@ from numba import get_num_threads
 
 from colibri.cluster.placement import Placement
 from colibri.cluster.shard import expert_outputs, split_outputs, sum_in_id_order
-from colibri.cluster.wire import SECRET_BYTES, WireError, WireLink
+from colibri.cluster.wire import SECRET_BYTES, WireError, WireLink, quick_handoff
 from colibri.errors import ColibriError
 from colibri.io.container import Container
 from colibri.io.expert_store import ExpertStore, StoreConfig, save_history
@@ -53,6 +53,8 @@ def respawn_delay(failures: int) -> float:
     """Seconds to wait before restarting a worker that has failed `failures` times in a row."""
     first, second, cap = RESPAWN_BACKOFF_S
     return first if failures <= 1 else min(cap, second * 2.0 ** (failures - 2))
+
+
 WIRES = ("tcp", "ray")
 # A worker no head has connected to (or called) for this long exits: a head that crashed and
 # never came back must not leave shards holding the nodes' memory.
@@ -136,6 +138,11 @@ class Transport:
     compute_s: float = 0.0     # the slowest worker's own compute time per layer, summed
     local_s: float = 0.0       # the head computing a failed worker's experts
     overlap_s: float = 0.0     # the head's own work (shared experts) while the requests were out
+    # Of the wire answer the layer waited for last: its round trip less the worker's handling
+    # (the network, the head's sending and receiving, waking up), and the worker's handling less
+    # its compute (reading, parsing, writing the frames).
+    network_s: float = 0.0
+    worker_io_s: float = 0.0
 
     @property
     def transport_s(self) -> float:
@@ -147,7 +154,8 @@ class Transport:
         per = 1e3 / self.layers if self.layers else 0.0
         return {"layers": self.layers, "wall_ms_per_layer": self.wall_s * per,
                 "compute_ms_per_layer": self.compute_s * per, "transport_ms_per_layer": self.transport_s * per,
-                "local_ms_per_layer": self.local_s * per, "overlap_ms_per_layer": self.overlap_s * per}
+                "local_ms_per_layer": self.local_s * per, "overlap_ms_per_layer": self.overlap_s * per,
+                "network_ms_per_layer": self.network_s * per, "worker_io_ms_per_layer": self.worker_io_s * per}
 
 
 @dataclass
@@ -188,6 +196,8 @@ class ClusterExperts:
         if self.wire not in WIRES:
             raise ColibriError(f"the cluster wire must be one of {', '.join(WIRES)}, not {self.wire!r}")
         self._secret = secrets.token_bytes(SECRET_BYTES)  # the wire's, for this head's lifetime
+        if self.wire == "tcp":
+            quick_handoff()
         self._identity = self._identity_of()
         found = self._named_workers() if self.adopt else {}
         self.workers = []
@@ -397,10 +407,11 @@ class ClusterExperts:
         waiting = time.perf_counter()  # from here the head only waits (before it: its own work overlapped)
         outputs: dict[int, np.ndarray] = {}
         slowest = 0.0
+        last = None  # (round trip, handled) of the answer that came last: what the layer waited for
         for index, link in links.items():  # every request is out: now the answers, by one deadline
             w, experts = self.workers[index], by_worker[index]
             try:
-                stacked, seconds = link.receive(deadline - time.perf_counter())
+                stacked, seconds, handled = link.receive(deadline - time.perf_counter())
             except WireError as e:
                 self._fail(w, f"did not answer within {self.deadline_s:g} s" if "no answer" in str(e)
                            else f"failed ({e})")
@@ -409,6 +420,12 @@ class ClusterExperts:
             slowest = max(slowest, seconds)
             w.failures = 0
             outputs.update(split_outputs(stacked, ids, experts))
+            if last is None or link.answered_at > last[0]:
+                last = (link.answered_at, link.round_trip_s, handled, seconds)
+        if last is not None:  # the wire's own share: the network and both ends' reading and writing
+            _, round_trip, handled, seconds = last
+            self.transport.network_s += round_trip - handled
+            self.transport.worker_io_s += handled - seconds
         if calls:
             _, late = ray.wait(list(calls.values()), num_returns=len(calls),
                                timeout=max(0.0, deadline - time.perf_counter()))

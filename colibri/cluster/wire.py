@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import socket
 import struct
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -37,8 +39,9 @@ SECRET_BYTES = 32
 # magic, sequence, flags (bit 0: one_token_rows), prefix length, mode length, L, D, K, experts
 REQUEST = struct.Struct("<4sIBHBIIII")
 REQUEST_MAGIC = b"CXQ1"
-# magic, sequence, status, N, D, the worker's compute seconds
-RESPONSE = struct.Struct("<4sIBIId")
+# magic, sequence, status, N, D, the worker's compute seconds, and its seconds from having the
+# request's header to sending this answer (compute plus reading, parsing and writing)
+RESPONSE = struct.Struct("<4sIBIIdd")
 RESPONSE_MAGIC = b"CXR1"
 MAX_ROWS = 1 << 20    # a frame asking for more is damaged, not a prefill chunk
 MAX_WIDTH = 1 << 17
@@ -46,6 +49,20 @@ HELLO_TIMEOUT_S = 10.0
 # A head that vanished without closing (a cut link, a frozen machine) is noticed by TCP
 # keepalive: first probe after 20 s idle, then every 5 s, dropped after 4 unanswered.
 KEEPALIVE = (20, 5, 4)
+
+
+# Python hands the GIL to a waiting thread only every switch interval (5 ms by default). A thread
+# woken by its socket (the worker's on a request, the head's on an answer) waits that long when
+# another thread of the process holds the GIL (Ray's own threads; a numba kernel holds it while it
+# runs): measured with the head and one worker on a core each, 2.6-2.9 ms of each layer's round
+# trip went to that, 0.28 ms was left at 0.1 ms. Both ends set it on their process.
+SWITCH_INTERVAL_S = 1e-4
+
+
+def quick_handoff() -> None:
+    """Set this process's GIL switch interval to SWITCH_INTERVAL_S (never raise it)."""
+    if sys.getswitchinterval() > SWITCH_INTERVAL_S:
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
 
 
 class WireError(ConnectionError):
@@ -91,6 +108,27 @@ def _send(sock: socket.socket, parts: list) -> None:
 
 
 # ---------------------------------------------------------------------------------- worker side
+PORTS_ENV = "COLIBRI_WIRE_PORTS"
+
+
+def _listen(host: str, ports: str | None) -> socket.socket:
+    """A listening socket on `host`: the first free port of `ports` ("LO-HI", for a firewall
+    rule; default: COLIBRI_WIRE_PORTS in the environment of the node's `ray start`), else any."""
+    ports = ports if ports is not None else os.environ.get(PORTS_ENV, "")
+    if not ports:
+        return socket.create_server((host, 0), backlog=8)
+    try:
+        lo, hi = (int(p) for p in ports.split("-")) if "-" in ports else (int(ports), int(ports))
+    except ValueError:
+        raise ValueError(f"{PORTS_ENV} must be a port or a range LO-HI, not {ports!r}") from None
+    for port in range(lo, hi + 1):
+        try:
+            return socket.create_server((host, port), backlog=8)
+        except OSError:
+            continue
+    raise OSError(f"no free port in {PORTS_ENV}={ports} on {host}")
+
+
 class WireServer:
     """Serves one ExpertWorker's `compute(prefix, x, weights, ids, experts, one_token_rows, mode)
     -> (rows, seconds)` to heads that present `secret`, on `host` (the node's own address).
@@ -99,9 +137,10 @@ class WireServer:
     `last_seen` (time.monotonic) moves while a head is connected or sends anything: the worker's
     orphan watchdog reads it."""
 
-    def __init__(self, host: str, secret: bytes, compute, port: int = 0):
+    def __init__(self, host: str, secret: bytes, compute, ports: str | None = None):
         self.secret, self.compute = secret, compute
-        self.sock = socket.create_server((host, port), backlog=8)
+        self.sock = _listen(host, ports)
+        quick_handoff()
         self.host, self.port = host, self.sock.getsockname()[1]
         self.connected = 0
         self.last_seen = time.monotonic()
@@ -142,6 +181,7 @@ class WireServer:
 
     def _answer(self, conn: socket.socket) -> None:
         magic, seq, flags, plen, mlen, L, D, K, n = REQUEST.unpack(_recv_exact(conn, REQUEST.size))
+        t0 = time.perf_counter()
         if magic != REQUEST_MAGIC or L > MAX_ROWS or D > MAX_WIDTH or K > 4096 or n > 1 << 16:
             raise WireError("not a request frame")
         names = bytes(_recv_exact(conn, plen + mlen)).decode()
@@ -154,17 +194,20 @@ class WireServer:
             rows, seconds = self.compute(prefix, x, weights, ids, experts, bool(flags & 1), mode)
         except Exception as e:  # the head logs it and computes these experts itself
             message = f"{type(e).__name__}: {e}".encode()[:4096]
-            _send(conn, [RESPONSE.pack(RESPONSE_MAGIC, seq, 1, len(message), 0, 0.0), message])
+            _send(conn, [RESPONSE.pack(RESPONSE_MAGIC, seq, 1, len(message), 0, 0.0, 0.0), message])
             return
         rows = np.ascontiguousarray(rows, dtype=np.float32)
-        _send(conn, [RESPONSE.pack(RESPONSE_MAGIC, seq, 0, rows.shape[0], rows.shape[1], seconds), rows])
+        header = RESPONSE.pack(RESPONSE_MAGIC, seq, 0, rows.shape[0], rows.shape[1], seconds,
+                               time.perf_counter() - t0)
+        _send(conn, [header, rows])
 
     def close(self) -> None:
         self._closed = True
-        try:
-            self.sock.close()
+        try:  # shutdown first: close() alone leaves the port listening while accept() blocks on it
+            self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+        self.sock.close()
 
 
 # ------------------------------------------------------------------------------------ head side
@@ -193,6 +236,7 @@ class WireLink:
         self.sock.settimeout(None)
         self._seq = 0
         self.pending: Pending | None = None
+        self.round_trip_s = self.answered_at = 0.0
 
     def send(self, prefix: str, x: np.ndarray, weights: np.ndarray, ids: np.ndarray, experts: list[int],
              one_token_rows: bool, mode: str) -> None:
@@ -203,19 +247,21 @@ class WireLink:
         names = prefix.encode() + mode.encode()
         header = REQUEST.pack(REQUEST_MAGIC, self._seq, int(one_token_rows), len(prefix.encode()), len(mode.encode()),
                               x.shape[0], x.shape[1], ids.shape[1], len(experts))
+        sent_at = time.perf_counter()
         try:
             self.sock.settimeout(HELLO_TIMEOUT_S)  # a worker that stopped reading must not hang the head
             _send(self.sock, [header, names, x, weights, ids, np.asarray(experts, np.int64)])
         except OSError as e:
             self.close()
             raise WireError(f"sending to {self.address[0]}:{self.address[1]}: {e}") from None
-        self.pending = Pending(self._seq, time.perf_counter())
+        self.pending = Pending(self._seq, sent_at)
 
-    def receive(self, timeout_s: float) -> tuple[np.ndarray, float]:
-        """(rows [N, D], the worker's compute seconds) of the request in flight."""
+    def receive(self, timeout_s: float) -> tuple[np.ndarray, float, float]:
+        """(rows [N, D], the worker's compute seconds, its seconds handling the request) of the
+        request in flight; `round_trip_s` then holds the time from sending it to having the answer."""
         try:
             self.sock.settimeout(max(1e-3, timeout_s))
-            magic, seq, status, N, D, seconds = RESPONSE.unpack(_recv_exact(self.sock, RESPONSE.size))
+            magic, seq, status, N, D, seconds, handled = RESPONSE.unpack(_recv_exact(self.sock, RESPONSE.size))
             if magic != RESPONSE_MAGIC or self.pending is None or seq != self.pending.seq or N > MAX_ROWS * 4096:
                 raise WireError("not the answer to the request in flight")
             if status:
@@ -227,8 +273,10 @@ class WireLink:
         except (OSError, WireError) as e:
             self.close()
             raise WireError(str(e)) from None
+        self.answered_at = time.perf_counter()
+        self.round_trip_s = self.answered_at - self.pending.sent_at
         self.pending = None
-        return rows, seconds
+        return rows, seconds, handled
 
     def close(self) -> None:
         try:

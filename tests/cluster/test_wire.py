@@ -40,10 +40,10 @@ def test_a_layer_goes_and_comes_back_bit_for_bit(server):
         weights = rng.random((rows, 4), dtype=np.float32)
         ids = rng.integers(0, 64, (rows, 4))
         link.send("model.layers.3.mlp", x, weights, ids, [5, 9], rows == 1, "int8")
-        out, seconds = link.receive(5.0)
+        out, seconds, handled = link.receive(5.0)
         expected, want_s = _echo("x", x, weights, ids, [5, 9], rows == 1, "int8")
         assert out.dtype == np.float32 and np.array_equal(out, expected)
-        assert seconds == want_s
+        assert seconds == want_s and 0 < handled < link.round_trip_s
     assert server.connected == 1
     link.close()
 
@@ -92,3 +92,22 @@ def test_the_server_listens_on_its_address_only(server):
         assert seen.is_set()
     finally:
         s.close()
+
+
+def test_a_port_range_for_firewalls(monkeypatch):
+    """COLIBRI_WIRE_PORTS: the first free port of the range; a full range is an error."""
+    first = WireServer("127.0.0.1", SECRET, _echo, ports="0")  # any free port, to build a range from
+    base = first.port
+    first.close()
+    a = WireServer("127.0.0.1", SECRET, _echo, ports=f"{base}-{base + 1}")
+    monkeypatch.setenv("COLIBRI_WIRE_PORTS", f"{base}-{base + 1}")
+    b = WireServer("127.0.0.1", SECRET, _echo)
+    try:
+        assert (a.port, b.port) == (base, base + 1)
+        with pytest.raises(OSError, match="no free port"):
+            WireServer("127.0.0.1", SECRET, _echo)
+        with pytest.raises(ValueError, match="COLIBRI_WIRE_PORTS"):
+            WireServer("127.0.0.1", SECRET, _echo, ports="10-x")
+    finally:
+        a.close()
+        b.close()
