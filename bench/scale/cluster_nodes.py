@@ -12,7 +12,10 @@ machine (tools/netns_cluster.py), colibri's head as a process on the head node.
    from disk in a G GiB memory cgroup, against the head plus --budget-workers worker nodes, each
    node (Ray's processes, the worker, on the head node colibri's head too) in a G GiB cgroup of
    its own: decode tok/s of the first pass after start (cold) and of a second (warm), expert
-   bytes read from disk per token, and the time to start.
+   bytes read from disk per token, and the time to start. `--disk-mbs R` gives every machine a
+   disk of its own that reads R MB/s: the model is copied to a loop device (an ext4 image,
+   direct I/O), and each machine's processes are throttled to R on it (a block-io cgroup each,
+   as bench/io/mirror_drives.py throttles its drives).
 
 Every configuration first generates --greedy greedy tokens, compared with one process's.
 All nodes share this machine's cores: the cluster's compute is not faster than one process's
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -74,7 +78,57 @@ def single_greedy(model: Path, n: int, seq8: list[int]) -> list[int]:
     return e.generate(seq8, max_tokens=n, stop_at_eos=False).token_ids
 
 
-def run_head(cluster, a, wire: str, close: bool, cgroup: Path | None = None, workers: int | None = None) -> dict:
+class Disks:
+    """--disk-mbs: the model on a loop device, and a read throttle per machine (block-io cgroups
+    named colibri-disk-<i>), each with `rate` bytes/s of its own. Removed by close()."""
+
+    def __init__(self, model: Path, workdir: Path, rate: int):
+        from bench.io.mirror_drives import LoopDrive, _cgroup2_with_io
+
+        self.rate, self.groups = rate, []
+        self.drive = LoopDrive(workdir, "colibri-cluster-disk")
+        size = sum(f.stat().st_size for f in model.iterdir() if f.is_file())
+        self.drive.create(int(size * 1.15) + (256 << 20))
+        self.model = self.drive.mount / model.name
+        subprocess.run(["cp", "-r", str(model), str(self.model)], check=True)
+        v2 = _cgroup2_with_io()
+        self.root = v2 if v2 is not None else Path("/sys/fs/cgroup/blkio")
+        self.limit_file = "io.max" if v2 is not None else "blkio.throttle.read_bps_device"
+        if v2 is not None and "io" not in (v2 / "cgroup.subtree_control").read_text().split():
+            (v2 / "cgroup.subtree_control").write_text("+io\n")
+
+    def machine(self) -> Path:
+        """A new throttle group: its cgroup.procs (write a pid there: it and its children read at rate)."""
+        group = self.root / f"colibri-disk-{len(self.groups)}"
+        group.mkdir()
+        self.groups.append(group)
+        line = f"{self.drive.majmin} rbps={self.rate}" if self.limit_file == "io.max" else f"{self.drive.majmin} {self.rate}"
+        (group / self.limit_file).write_text(line + "\n")
+        return group / "cgroup.procs"
+
+    def close(self) -> None:
+        for group in self.groups:
+            for pid in (group / "cgroup.procs").read_text().split():  # leftovers (Ray daemons)
+                try:
+                    os.kill(int(pid), 9)
+                except ProcessLookupError:
+                    pass
+            for _ in range(50):
+                try:
+                    group.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.1)
+        self.drive.remove()
+
+
+def throttled(procs: Path | None, argv: list[str]) -> list[str]:
+    """argv joining the throttle group `procs` first (None: as it is)."""
+    return argv if procs is None else ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(procs), *argv]
+
+
+def run_head(cluster, a, wire: str, close: bool, cgroup: Path | None = None, workers: int | None = None,
+             disk: Path | None = None) -> dict:
     argv = [sys.executable, "-m", "bench.scale.cluster_nodes", "--role", "head", "--model", str(a.model),
             "--cluster", cluster.address, "--workers", str(workers or a.workers), "--tokens", str(a.tokens),
             "--greedy", str(a.greedy), "--wire", wire] + ["--close"] * close
@@ -84,7 +138,7 @@ def run_head(cluster, a, wire: str, close: bool, cgroup: Path | None = None, wor
         argv = ["taskset", "-c", "0", *argv]
     if cgroup is not None:  # the head joins its node's memory cgroup (before `ip netns exec`: its /sys has none)
         argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup / "cgroup.procs"),
-                "ip", "netns", "exec", cluster.ns(0), *argv]
+                *throttled(disk, ["ip", "netns", "exec", cluster.ns(0), *argv])]
         p = subprocess.run(argv, capture_output=True, text=True, timeout=a.child_timeout,
                            env={**cluster.env(), "PYTHONPATH": str(Path.cwd())})
     else:
@@ -112,8 +166,6 @@ def describe(r: dict, expected: list[int]) -> str:
 
 def pin_nodes(cluster) -> None:
     """Every process of node k on core k (the workers Ray starts later inherit it)."""
-    import os
-
     from tools.netns_cluster import namespace_pids
 
     if cluster.nodes > os.cpu_count():
@@ -139,6 +191,8 @@ def main() -> None:
     ap.add_argument("--wires", default="tcp,ray")
     ap.add_argument("--node-gb", type=float, default=None, help="part 2: each node's memory cgroup (GiB)")
     ap.add_argument("--budget-workers", type=int, default=3, help="worker nodes in part 2")
+    ap.add_argument("--disk-mbs", type=float, default=None, help="part 2: each machine's disk reads this many MB/s")
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp"), help="where --disk-mbs puts its disk image")
     ap.add_argument("--child-timeout", type=float, default=1800)
     ap.add_argument("--pin-cores", action="store_true",
                     help="part 1: node k (its Ray processes, its worker; the head's on node 0) on core k only, as "
@@ -189,35 +243,64 @@ def main() -> None:
             report["hop"].append({"delay_ms": delay, "wire": wire, "delay_method": cluster.netem_method, **r})
 
     if a.node_gb:
-        limit = int(a.node_gb * GiB)
-        print(f"\n2. each machine {a.node_gb:g} GiB (memory cgroup); experts {c.expert_bytes / GiB:.2f} GiB", flush=True)
-        from bench.peers.expert_streaming import module_command
-        from tools.memlimit import run_limited
-
-        ram_gb = a.node_gb - (0.45 if a.node_gb < 4 else 1.5)  # as bench/peers/expert_streaming.py leaves
-        drop_caches()
-        t0 = time.perf_counter()
-        r = run_limited([*module_command("bench.peers.expert_streaming", sys.executable), "--child", "colibri",
-                         "--model", str(a.model), "--tokens", str(a.tokens), "--ram-gb", str(ram_gb)], limit,
-                        timeout=a.child_timeout)
-        single = {"wall_s": time.perf_counter() - t0}
-        if r.returncode == 0:
-            single.update(json.loads(r.stdout.strip().splitlines()[-1]))
-            print(f"   one process streaming (--ram-gb {ram_gb:.2f}): cold {single['cold']['tok_s']:.2f} tok/s "
-                  f"({single['cold']['disk_bytes_per_tok'] / 1e6:.1f} MB/token read), warm "
-                  f"{single['warm']['tok_s']:.2f} tok/s ({single['warm']['disk_bytes_per_tok'] / 1e6:.1f} MB/token), "
-                  f"hit rate {single['warm']['hit_rate']:.3f}; {single['wall_s']:.1f} s in all", flush=True)
-        else:
-            single["error"] = (r.stderr.strip().splitlines() or ["?"])[-1]
-            print(f"   one process streaming: FAILED ({single['error']}; oom {r.oom_killed})", flush=True)
-        report["single_streaming"] = single
-        drop_caches()
-        n = a.budget_workers
-        with NetnsCluster(n + 1, cpus=2, memory_bytes=limit, cgroup_bytes=limit) as cluster:
-            r = run_head(cluster, a, "tcp", close=True, cgroup=cluster.cgroup(0), workers=n)
-            print(f"   head + {n} worker nodes: {describe(r, expected)}", flush=True)
-            report["cluster"] = {"workers": n, **r}
+        disks = Disks(a.model, a.workdir, int(a.disk_mbs * 1e6)) if a.disk_mbs else None
+        try:
+            where_it_pays(a, c, expected, report, disks)
+        finally:
+            if disks is not None:
+                disks.close()
     write_json(a.json, report, args=a)
+
+
+def where_it_pays(a, c, expected: list[int], report: dict, disks: Disks | None) -> None:
+    """Part 2: one process streaming in a --node-gb cgroup against the head and --budget-workers
+    worker nodes, each node in a cgroup of that size (and, with --disk-mbs, a disk of its own)."""
+    from bench.peers.expert_streaming import module_command
+    from tools.memlimit import drop_caches, run_limited
+    from tools.netns_cluster import NetnsCluster, namespace_pids
+
+    model = disks.model if disks is not None else a.model  # with --disk-mbs: the copy on the loop device
+    limit = int(a.node_gb * GiB)
+    disk = f", each with a disk of {a.disk_mbs:g} MB/s" if disks is not None else ""
+    print(f"\n2. each machine {a.node_gb:g} GiB (memory cgroup){disk}; experts {c.expert_bytes / GiB:.2f} GiB",
+          flush=True)
+    ram_gb = a.node_gb - (0.45 if a.node_gb < 4 else 1.5)  # as bench/peers/expert_streaming.py leaves
+    drop_caches()
+    t0 = time.perf_counter()
+    cmd = [*module_command("bench.peers.expert_streaming", sys.executable), "--child", "colibri", "--model",
+           str(model), "--tokens", str(a.tokens), "--ram-gb", str(ram_gb)]
+    r = run_limited(throttled(disks.machine() if disks else None, cmd), limit, timeout=a.child_timeout)
+    single = {"wall_s": time.perf_counter() - t0}
+    if r.returncode == 0:
+        single.update(json.loads(r.stdout.strip().splitlines()[-1]))
+        print(f"   one process streaming (--ram-gb {ram_gb:.2f}): cold {single['cold']['tok_s']:.2f} tok/s "
+              f"({single['cold']['disk_bytes_per_tok'] / 1e6:.1f} MB/token read), warm "
+              f"{single['warm']['tok_s']:.2f} tok/s ({single['warm']['disk_bytes_per_tok'] / 1e6:.1f} MB/token), "
+              f"hit rate {single['warm']['hit_rate']:.3f}; {single['wall_s']:.1f} s in all", flush=True)
+    else:
+        single["error"] = (r.stderr.strip().splitlines() or ["?"])[-1]
+        print(f"   one process streaming: FAILED ({single['error']}; oom {r.oom_killed})", flush=True)
+    report["single_streaming"] = single
+    drop_caches()
+    n = a.budget_workers
+    with NetnsCluster(n + 1, cpus=2, memory_bytes=limit, cgroup_bytes=limit) as cluster:
+        head_disk = None
+        if disks is not None:  # each node's processes (and the workers its raylet starts) on its own disk
+            for k in range(cluster.nodes):
+                procs = disks.machine()
+                head_disk = head_disk or procs
+                for pid in namespace_pids(cluster.ns(k)):
+                    try:
+                        procs.write_text(f"{pid}\n")
+                    except OSError:  # exited meanwhile
+                        pass
+        a_model, a.model = a.model, model
+        try:
+            r = run_head(cluster, a, "tcp", close=True, cgroup=cluster.cgroup(0), workers=n, disk=head_disk)
+        finally:
+            a.model = a_model
+        print(f"   head + {n} worker nodes: {describe(r, expected)}", flush=True)
+        report["cluster"] = {"workers": n, **r}
 
 
 if __name__ == "__main__":
