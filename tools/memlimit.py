@@ -74,14 +74,19 @@ def run_limited(cmd: list[str], limit_bytes: int, timeout: float = 1800, env: di
         return Limited(p.returncode, p.stdout, p.stderr, int((group / "memory.max_usage_in_bytes").read_text()),
                        int((group / "memory.failcnt").read_text()), oom or p.returncode == -9)
     finally:
-        for _ in range(50):
-            try:
-                group.rmdir()
-                break
-            except OSError:
-                import time
+        remove_cgroup(group)
 
-                time.sleep(0.1)
+
+def remove_cgroup(group: Path, tries: int = 50) -> None:
+    """rmdir a cgroup once the kernel has let go of its last process (it may lag an exit)."""
+    import time
+
+    for _ in range(tries):
+        try:
+            group.rmdir()
+            return
+        except OSError:
+            time.sleep(0.1)
 
 
 def drop_caches() -> None:

@@ -107,18 +107,15 @@ class Disks:
         return group / "cgroup.procs"
 
     def close(self) -> None:
+        from tools.memlimit import remove_cgroup
+
         for group in self.groups:
             for pid in (group / "cgroup.procs").read_text().split():  # leftovers (Ray daemons)
                 try:
                     os.kill(int(pid), 9)
                 except ProcessLookupError:
                     pass
-            for _ in range(50):
-                try:
-                    group.rmdir()
-                    break
-                except OSError:
-                    time.sleep(0.1)
+            remove_cgroup(group)
         self.drive.remove()
 
 
