@@ -1,7 +1,7 @@
 """The head <-> expert-worker data path: one TCP connection per worker, fixed binary frames.
 
-Why not Ray's actor calls: a Ray call with one decode row measured 2.1 ms round trip on the
-2-core Xeon VM (2.9 ms to two workers at once), a plain TCP round trip of the same 8 KiB 0.03 ms
+Why not Ray's actor calls: a Ray call with one decode row measured 1.5-2.1 ms round trip on the
+2-core Xeon VM (2.9 ms to two workers at once), this connection 0.07 ms to the same actor
 (bench/scale/cluster.py prints both). At one call per worker per MoE layer that difference is
 the whole cost of the hop. Ray still places, starts, restarts and finds the workers; the
 arrays go over this link.

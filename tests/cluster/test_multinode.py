@@ -1,7 +1,7 @@
 """--cluster across real network addresses: a Ray head and two worker nodes, each in its own
 network namespace with its own address (tools/netns_cluster.py), and colibri's head as a real
 process on the head node (tests/cluster/head_driver.py). Greedy tokens and logits equal one
-process's for the MoE families; a worker node's link cut mid-generation, a worker node killed,
+process's for every MoE family of the suite (tests/cluster/cluster_models.py); a worker node's link cut mid-generation, a worker node killed,
 and the colibri head killed change no token, and the workers come back on their nodes (or, for
 the head, are adopted with their shards loaded). Ray token auth keeps a driver without the
 token out; nothing listens outside the namespaces' addresses."""
@@ -19,16 +19,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cluster_models import HF_VOCAB  # fixtures `models`, `hf_models`: conftest.py
 from colibri.engine import Engine
-from tools import synthetic_moe
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = str(Path(__file__).with_name("head_driver.py"))
-FAMILIES = {"qwen3-30b-a3b": dict(layers=2, width_divisor=16), "deepseek-v3": dict(layers=4, width_divisor=16),
-            "glm-4.5-air": dict(layers=2, width_divisor=16), "olmoe-1b-7b": dict(layers=2, width_divisor=8)}
-PROMPT = np.random.default_rng(1).integers(0, 512, size=8).tolist()
+PROMPT = np.random.default_rng(1).integers(0, HF_VOCAB, size=8).tolist()
 TOKENS = 8
 
 
@@ -54,17 +52,16 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("multinode-models")
-    return {p: str(synthetic_moe.write_container(root / p, p, progress=False, vocab=512, **opts))
-            for p, opts in FAMILIES.items()}
+def every_model(models, hf_models):
+    """Every MoE family of the suite: the synthetic presets' and the transformers checkpoints'."""
+    return {family: str(path) for family, path in {**models, **hf_models}.items()}
 
 
 @pytest.fixture(scope="module")
-def expected(models):
+def expected(every_model):
     """One process's greedy tokens and last logits for each model."""
     out = {}
-    for family, model in models.items():
+    for family, model in every_model.items():
         e = Engine.load(model, max_context=64, stream_experts=False)
         tokens = e.generate(PROMPT, max_tokens=TOKENS, stop_at_eos=False).token_ids
         out[family] = (tokens, e.logits(PROMPT + tokens)[-1])
@@ -128,10 +125,10 @@ def _check_done(done: dict, expected) -> None:
     np.testing.assert_allclose(done["logits"], logits, rtol=1e-5, atol=1e-5)  # see test_cluster._same_logits
 
 
-def test_tokens_and_logits_across_nodes_and_nothing_listens_outside(cluster, models, expected):
-    head = Head(cluster, [models[f] for f in FAMILIES])
+def test_tokens_and_logits_across_nodes_and_nothing_listens_outside(cluster, every_model, expected):
+    head = Head(cluster, list(every_model.values()))
     try:
-        for family in FAMILIES:
+        for family in every_model:
             ready = head.next("ready")
             # The plan puts the two workers on the two worker nodes (the head's node last), each
             # reached at its node's own address over the wire.
@@ -152,9 +149,9 @@ def test_tokens_and_logits_across_nodes_and_nothing_listens_outside(cluster, mod
         head.kill()
 
 
-def test_a_link_cut_mid_generation_changes_no_token_and_the_node_returns(cluster, models, expected):
+def test_a_link_cut_mid_generation_changes_no_token_and_the_node_returns(cluster, every_model, expected):
     family = "olmoe-1b-7b"
-    head = Head(cluster, [models[family]], "--pause-at", "3", "--rounds", "2", "--deadline", "3",
+    head = Head(cluster, [every_model[family]], "--pause-at", "3", "--rounds", "2", "--deadline", "3",
                 "--wait-workers", "180")
     try:
         ready = head.next("ready")
@@ -187,9 +184,9 @@ def test_a_link_cut_mid_generation_changes_no_token_and_the_node_returns(cluster
             cluster.restore(k)
 
 
-def test_a_worker_node_killed_mid_generation_and_restarted(cluster, models, expected):
+def test_a_worker_node_killed_mid_generation_and_restarted(cluster, every_model, expected):
     family = "qwen3-30b-a3b"
-    head = Head(cluster, [models[family]], "--pause-at", "3", "--rounds", "2", "--deadline", "10",
+    head = Head(cluster, [every_model[family]], "--pause-at", "3", "--rounds", "2", "--deadline", "10",
                 "--wait-workers", "180")
     try:
         node = _node_of(cluster, head.next("ready")["workers"][0]["node"])
@@ -216,15 +213,15 @@ def test_a_worker_node_killed_mid_generation_and_restarted(cluster, models, expe
                 cluster.start_node(k)
 
 
-def test_a_killed_head_is_restarted_and_adopts_its_workers(cluster, models, expected):
+def test_a_killed_head_is_restarted_and_adopts_its_workers(cluster, every_model, expected):
     family = "glm-4.5-air"
-    first = Head(cluster, [models[family]])
+    first = Head(cluster, [every_model[family]])
     try:
         ready = first.next("ready")
         _check_done(first.next("done"), expected[family])
     finally:
         first.kill()  # SIGKILL: no close, the workers stay
-    second = Head(cluster, [models[family]])
+    second = Head(cluster, [every_model[family]])
     try:
         again = second.next("ready")
         assert again["adopted"] == 2
@@ -235,10 +232,10 @@ def test_a_killed_head_is_restarted_and_adopts_its_workers(cluster, models, expe
         second.kill()
 
 
-def test_a_driver_without_the_token_is_refused(cluster, models):
+def test_a_driver_without_the_token_is_refused(cluster, every_model):
     env = {**{k: v for k, v in cluster.env().items() if not k.startswith("RAY_AUTH")},
            "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64, "RAY_gcs_server_port_wait_time_s": "1"}
-    p = cluster.run(0, [sys.executable, "-c", "from colibri.cli import main; main()", "run", "hi", "-n", "1", "-m", models["olmoe-1b-7b"],
+    p = cluster.run(0, [sys.executable, "-c", "from colibri.cli import main; main()", "run", "hi", "-n", "1", "-m", every_model["olmoe-1b-7b"],
                         "--cluster", cluster.address], env=env, capture_output=True, text=True, timeout=180)
     assert p.returncode != 0
     assert "cannot join the Ray cluster" in p.stderr + p.stdout
