@@ -482,6 +482,14 @@ class ClusterExperts:
         return None
 
     # ------------------------------------------------------------------ telemetry
+    def hop_counters(self) -> dict:
+        """Cumulative seconds of the MoE layers computed (Transport) and the faults, for a turn's
+        profile (colibri/engine/turn_profile.py diffs two readings)."""
+        t = self.transport
+        return {"layers": t.layers, "wall_s": t.wall_s, "compute_s": t.compute_s, "transport_s": t.transport_s,
+                "network_s": t.network_s, "worker_io_s": t.worker_io_s, "local_s": t.local_s,
+                "overlap_s": t.overlap_s, "faults": self.faults}
+
     def worker_stats(self) -> list[dict | None]:
         """Each worker's store figures (None for one that is not serving)."""
         ray = self._ray

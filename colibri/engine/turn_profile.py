@@ -40,6 +40,7 @@ class Reading:
     prediction: dict | None = None   # experts.prediction_by_layer(): {prefix: {predicted, used, needed}}
     routing: dict | None = None      # experts.routing_counts(): {prefix: [count per expert]}
     phases: dict | None = None       # PHASES.seconds: {(phase, layer): s}
+    cluster: dict | None = None      # experts.hop_counters(): the --cluster hop's seconds and faults
 
 
 def read_counters(experts, vram=None, phases: bool = False) -> Reading:
@@ -51,6 +52,7 @@ def read_counters(experts, vram=None, phases: bool = False) -> Reading:
 
     return Reading(store=store_stats(experts, vram), drives=call("drive_stats"),
                    prediction=call("prediction_by_layer"), routing=call("routing_counts"),
+                   cluster=call("hop_counters"),
                    # one C-level copy: the compute thread adds to it meanwhile (batching)
                    phases=dict(PHASES.seconds) if phases else None)
 
@@ -166,6 +168,20 @@ def prediction(before: dict | None, after: dict | None, layers_before: dict | No
     return out
 
 
+def cluster_hop(before: dict | None, after: dict | None) -> dict | None:
+    """Where a cluster MoE layer's time went over the span (colibri/cluster/head.py Transport),
+    ms per layer, and the worker faults in it; None without a cluster or with no layer."""
+    if before is None or after is None:
+        return None
+    layers = after["layers"] - before["layers"]
+    if layers <= 0:
+        return None
+    out = {"layers": layers, "worker_faults": after["faults"] - before["faults"]}
+    for key in ("wall", "compute", "transport", "network", "worker_io", "local", "overlap"):
+        out[f"{key}_ms_per_layer"] = round(1e3 * (after[f"{key}_s"] - before[f"{key}_s"]) / layers, 4)
+    return out
+
+
 def phase_diff(before: dict | None, after: dict | None) -> dict:
     """The phase clock's seconds added between two readings, by (phase, layer)."""
     before = before or {}
@@ -206,6 +222,7 @@ class TurnProfile:
     prediction: dict | None = None      # prediction
     repins: int | None = None           # hot-set swaps during the turn
     routing: dict | None = None         # routing_entropy
+    cluster: dict | None = None         # cluster_hop
 
     @property
     def decode_tok_s(self) -> float:
@@ -231,7 +248,7 @@ class TurnProfile:
             "tok_s": {"prefill": round(self.prefill_tok_s, 3), "decode": round(self.decode_tok_s, 3)},
             "phases": self.phases, "overlapping_turns": self.overlapping_turns,
             "cache": self.cache, "drives": self.drives, "prediction": self.prediction, "repins": self.repins,
-            "routing": self.routing,
+            "routing": self.routing, "cluster": self.cluster,
         }
 
 
@@ -251,7 +268,8 @@ def profile_between(start: Reading, end: Reading, *, turn: int, prompt_tokens: i
                        disk_wait_s=wait, phases=phases,
                        cache=cache_tiers(s0, s1), drives=drive_use(start.drives, end.drives),
                        prediction=prediction(s0, s1, start.prediction, end.prediction), repins=repins,
-                       routing=routing_entropy(start.routing, end.routing), **extra)
+                       routing=routing_entropy(start.routing, end.routing),
+                       cluster=cluster_hop(start.cluster, end.cluster), **extra)
 
 
 # ------------------------------------------------------------------------------ an engine's recorder

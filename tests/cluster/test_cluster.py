@@ -427,3 +427,20 @@ def test_a_worker_without_a_head_exits(ray_cluster, models):
         time.sleep(0.5)
     else:
         raise AssertionError("the orphaned worker is still running after 60 s")
+
+
+def test_a_turns_profile_splits_the_hop(ray_cluster, models):
+    """Generation.profile["cluster"]: the turn's MoE layers, ms per layer of wall, compute and
+    transport (the wire's network-and-head and worker I/O shares within it), and faults."""
+    engine = _cluster(models["qwen3-30b-a3b"], expert_workers=2)
+    try:
+        p = engine.generate(PROMPT[:8], max_tokens=4, stop_at_eos=False).profile["cluster"]
+        moe_layers = len(engine.container.expert_layouts)
+        assert p["layers"] == moe_layers * 4  # the prompt's chunk, then 3 decode steps
+        assert p["worker_faults"] == 0 and p["local_ms_per_layer"] < 0.05  # no worker failed: nothing computed here
+        assert 0 < p["compute_ms_per_layer"] <= p["wall_ms_per_layer"]
+        assert p["transport_ms_per_layer"] == pytest.approx(p["wall_ms_per_layer"] - p["compute_ms_per_layer"], abs=1e-3)
+        assert p["network_ms_per_layer"] > 0 and p["worker_io_ms_per_layer"] > 0
+        assert _single(models["qwen3-30b-a3b"]).generate(PROMPT[:4], max_tokens=2).profile["cluster"] is None
+    finally:
+        engine.experts.close()
