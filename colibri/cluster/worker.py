@@ -31,7 +31,7 @@ class ExpertWorker:
                  secret: bytes | None = None, orphan_s: float | None = None, identity: str = ""):
         self.container = Container(model_dir)
         self.owned = owned
-        self.identity = identity  # what a head checks before it adopts a worker it finds by name
+        self.identity = identity  # the digest its actor name carries (head._identity_of), reported by ready()
         self.store = open_shard(self.container, owned, ram_bytes, heat, verify)
         self.threads = ThreadPolicy(threads)
         self._lock = threading.Lock()  # one compute at a time, whichever path it came by
