@@ -11,8 +11,8 @@ import re
 from colibri.errors import ColibriError
 
 SUPPORTED = ("llama", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "glm_moe_dsa",
-             "qwen3_next", "qwen3_5_moe", "gpt_oss", "minimax_m2", "kimi_linear", "deepseek_v4")
-ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3", "qwen3_5_moe_text": "qwen3_5_moe"}
+             "qwen3_next", "qwen3_5_moe", "gpt_oss", "minimax_m2", "kimi_linear", "deepseek_v4", "glm5_next")
+ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3", "qwen3_5_moe_text": "qwen3_5_moe", "glm5_next_text": "glm5_next"}
 
 # Multimodal wrappers whose config.json holds the language model's config under a key: convert
 # writes that config (its model_type, default below, names the family) and skips the parts
@@ -27,6 +27,11 @@ WRAPPERS: dict[str, dict] = {
     "qwen3_5_moe": {"text_config": "text_config", "default_model_type": "qwen3_5_moe_text",
                     "skip": {"vision tower": r"^model\.visual\.", "MTP layers": r"^mtp\."}},
 }
+
+# GLM-5.3-Flash (Glm5NextForConditionalGeneration): its text model, `glm5_next_text`, under
+# `model.language_model.`.
+WRAPPERS["glm5_next"] = {"text_config": "text_config", "default_model_type": "glm5_next_text",
+                         "skip": {"vision tower": r"^model\.visual\."}}
 
 # Per family (module name), or per wrapper model_type: (pattern, replacement) rules, re.sub'd
 # over a checkpoint tensor's name in order, giving the shared decoder's name. A family without
@@ -66,6 +71,11 @@ CHECKPOINT_NAMES: dict[str, tuple[tuple[str, str], ...]] = {
                     (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
                     *((rf"(\.(?:experts\.\d+|shared_experts))\.{old}\.weight$", rf"\1.{new}.weight")
                       for old, new in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")))),
+    # GLM-5.3-Flash: the language model of the multimodal checkpoint; the hyper-connections'
+    # `hc_attn_fn`-style names and the forget gate beside the projections (as transformers'
+    # conversion_mapping.py reads them), onto transformers' module names and Kimi's KDA layout.
+    "glm5_next": ((r"^model\.language_model\.", "model."), (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"),
+                  (r"\.self_attn\.forget_gate\.", ".self_attn.")),
     # Kimi-K2.5's language model under `language_model.` (transformers 5 saves its layers as
     # `blocks`, and names them `model.language_model.` in memory).
     "kimi_k25": ((r"^language_model\.model\.(?:blocks|layers)\.", "model.layers."),

@@ -26,7 +26,7 @@ def _transformers_shapes(cfg: dict) -> dict[str, tuple]:
     """Parameter shapes of transformers' model for cfg, built on the meta device (no memory),
     with fused expert tensors split into colibri's per-expert names."""
     torch = pytest.importorskip("torch")
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     hf = {k: v for k, v in cfg.items() if k not in ("architectures", "colibri_synthetic")}
     # (qwen3_5_moe's own config is the multimodal wrapper: its text model is qwen3_5_moe_text)
@@ -35,10 +35,18 @@ def _transformers_shapes(cfg: dict) -> dict[str, tuple]:
     if "num_experts" in hf:
         hf["num_local_experts"] = hf["num_experts"]  # transformers 5 names Qwen3-MoE's expert count so
     config = AutoConfig.for_model(model_type, **hf)
+    glm5 = model_type == "glm5_next_text"  # (no causal-LM class of its own: the text model, plus its head)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModel.from_config(config) if glm5 else AutoModelForCausalLM.from_config(config)
     shapes = {}
     tensors = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if "rotary_emb" not in n]
+    if glm5:  # the checkpoint's names: under model., KDA's forget gate and q/k/v convolutions as stored
+        tensors = [(f"model.{n}".replace(".forget_gate.", "."), p) for n, p in tensors]
+        tensors.append(("lm_head.weight", torch.empty(config.vocab_size, config.hidden_size, device="meta")))
+        for name, p in list(tensors):
+            if name.endswith(".conv1d.weight"):
+                tensors.remove((name, p))
+                tensors += [(name.replace(".conv1d.", f".{n}_conv1d."), p[: p.shape[0] // 3]) for n in "qkv"]
     for name, p in tensors:
         shape = tuple(p.shape)
         if model_type == "gpt_oss" and ".mlp.experts." in name:  # [E, D, 2I] gate/up interleaved, [E, I, D]
@@ -94,7 +102,7 @@ def test_full_preset_sizes():
 
 SLICES = {"qwen3-30b-a3b": 2, "qwen3-235b-a22b": 2, "deepseek-v3": 4, "kimi-k2": 2, "glm-5": 4, "glm-4.5-air": 2,
           "gpt-oss-20b": 2, "qwen3.6-35b-a3b": 4,
-          "minimax-m2": 2, "deepseek-v4-flash": 4}
+          "minimax-m2": 2, "deepseek-v4-flash": 4, "glm-5.3-flash": 5}
 
 
 @pytest.fixture(scope="module")

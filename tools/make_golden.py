@@ -119,7 +119,7 @@ def make_case(family: str, case: str, work: Path) -> dict:
     state = weights(tensors, seed, config)
     golden = {"family": family, "case": case, "seed": seed, "transformers": transformers.__version__,
               "new_tokens": NEW_TOKENS, "config": config, "tensors": tensors, "sha256": digest(state),
-              "prompts": prompts_for(cfg.vocab_size, seed), "bits": {}}
+              "prompts": prompts_for(cfg.get_text_config().vocab_size, seed), "bits": {}}
     hf_dir = write_checkpoint(golden, work / "hf")
     for bits in BITS:
         ref_dir = hf_dir

@@ -131,6 +131,21 @@ REAL = {
         "rope_theta": 10000.0, "compress_rope_theta": 160000.0, "rms_norm_eps": 1e-6,
         "max_position_embeddings": 1048576, "tie_word_embeddings": False, "hidden_act": "silu",
         "bos_token_id": 0, "eos_token_id": 1, "num_nextn_predict_layers": 1},
+    # zai-org/GLM-5.3-Flash's language model (transformers' Glm5NextTextConfig defaults, which name
+    # that checkpoint): KDA in three layers of four, NoPE MLA with the pooled DSA indexer in the
+    # fourth, 4 hyper-connection streams, 288 experts (top-8) plus a shared one, three dense layers
+    "glm-5.3-flash": {
+        "model_type": "glm5_next_text", "architectures": ["Glm5NextForConditionalGeneration"],
+        "vocab_size": 154880, "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 2048,
+        "num_hidden_layers": 45, "num_attention_heads": 64, "num_key_value_heads": 64, "n_shared_experts": 1,
+        "n_routed_experts": 288, "num_experts_per_tok": 8, "routed_scaling_factor": 2.5, "n_group": 1,
+        "topk_group": 1, "norm_topk_prob": True, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 0,
+        "qk_nope_head_dim": 256, "v_head_dim": 256, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 32,
+        "index_kpool": 16, "index_kpool_always_select_tail": True, "swiglu_limit": 10.0, "linear_head_dim": 128,
+        "linear_num_heads": 64, "linear_conv_kernel_dim": 4, "linear_lower_bound": -5.0, "hc_mult": 4,
+        "hc_eps": 1e-6, "hc_sinkhorn_iters": 20, "rms_norm_eps": 1e-5, "max_position_embeddings": 1048576,
+        "tie_word_embeddings": False, "hidden_act": "silu", "pad_token_id": 154820, "bos_token_id": None,
+        "eos_token_id": None},
     "minimax-m2": {  # MiniMaxAI/MiniMax-M2 (transformers' MiniMaxM2Config defaults): 230B total, 10B active
         "model_type": "minimax_m2", "architectures": ["MiniMaxM2ForCausalLM"], "vocab_size": 200064,
         "hidden_size": 3072, "intermediate_size": 1536, "num_hidden_layers": 62, "num_attention_heads": 48,
@@ -218,7 +233,7 @@ def _kind(name: str, shape: tuple[int, ...]) -> str:
         return "bias"
     if name.endswith(".A_log"):
         return "log_decay"
-    if name.endswith(".conv1d.weight"):
+    if name.endswith("conv1d.weight"):  # (Kimi Delta Attention's q_conv1d / k_conv1d / v_conv1d too)
         return "conv"
     return "norm" if len(shape) == 1 else "matrix"
 
@@ -266,7 +281,7 @@ def slice_config(cfg: dict, preset: str, layers: int | None, skew: float, seed: 
 
 _WIDTHS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "q_lora_rank", "kv_lora_rank", "o_lora_rank",
            "qk_nope_head_dim", "v_head_dim", "index_head_dim", "head_dim", "shared_expert_intermediate_size",
-           "linear_key_head_dim", "linear_value_head_dim")
+           "linear_key_head_dim", "linear_value_head_dim", "linear_head_dim")
 
 
 def shrink(cfg: dict, divisor: int, max_experts: int = 16) -> dict:
@@ -279,7 +294,8 @@ def shrink(cfg: dict, divisor: int, max_experts: int = 16) -> dict:
     for k in _WIDTHS:
         if out.get(k):
             out[k] = max(64, out[k] // divisor // 64 * 64)
-    for k in ("num_attention_heads", "index_n_heads", "linear_num_key_heads", "linear_num_value_heads"):
+    for k in ("num_attention_heads", "index_n_heads", "linear_num_key_heads", "linear_num_value_heads",
+              "linear_num_heads"):
         if out.get(k):
             out[k] = max(2, out[k] // divisor)
     if out.get("linear_num_value_heads") and out["linear_num_value_heads"] % out["linear_num_key_heads"]:
@@ -287,7 +303,7 @@ def shrink(cfg: dict, divisor: int, max_experts: int = 16) -> dict:
     if out.get("num_key_value_heads"):
         kv = max(1, out["num_key_value_heads"] // divisor)
         out["num_key_value_heads"] = kv if out["num_attention_heads"] % kv == 0 else 1
-    if family(out) in ("deepseek_v3", "glm_moe_dsa"):
+    if family(out) in ("deepseek_v3", "glm_moe_dsa", "glm5_next_text"):
         out["num_key_value_heads"] = out["num_attention_heads"]
     if out.get("head_dim") is None and out["hidden_size"] % out["num_attention_heads"]:
         out["head_dim"] = 64
@@ -299,4 +315,6 @@ def shrink(cfg: dict, divisor: int, max_experts: int = 16) -> dict:
         out["n_group"] = out["topk_group"] = 1
     if out.get("index_topk"):
         out["index_topk"] = 8  # small, so the tests' short prompts exercise the sparse selection
+        if out.get("index_kpool"):
+            out["index_kpool"] = 4  # (GLM-5.3-Flash's pools: a query keeps 2 of them)
     return out

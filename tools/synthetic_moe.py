@@ -204,7 +204,7 @@ def dense_tensor(spec: Spec, cfg: dict, seed: int, skew: float):
     if spec.kind == "embedding":
         return embedding(seed, *spec.shape, topics=topics_of(cfg)[0])
     if spec.kind == "norm":  # (the hybrids store their norms as offsets from 1: models/linear_attention.py)
-        offset = shapes.is_hybrid(cfg) and UnitOffsetNorms.OFFSET.search(spec.name)
+        offset = shapes.stores_norm_offsets(cfg) and UnitOffsetNorms.OFFSET.search(spec.name)
         return np.zeros(spec.shape, np.float32) if offset else np.ones(spec.shape, np.float32)
     if spec.kind == "log_decay":  # A_log: log of per-head decay rates in (1, 16), as the models initialize it
         return np.log(rng.uniform(1.0, 16.0, spec.shape)).astype(np.float32)

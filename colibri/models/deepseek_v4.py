@@ -45,7 +45,8 @@ from colibri.kernels import embedding
 from colibri.models.args import ModelArgs as BaseModelArgs
 from colibri.models.cache import KVCache
 from colibri.models.decoder import DecoderModel, in_activation_mode
-from colibri.models.layers import linear, rms_norm
+from colibri.models.hyper_connections import HyperConnection, merge
+from colibri.models.layers import clipped_swiglu, linear, rms_norm, sigmoid, softmax, unweighted_rms
 from colibri.models.moe import RoutedMoE, layer_index, sum_experts
 from colibri.models.rope import Rope, build_rope
 from colibri.plan.shapes import v4_schedule
@@ -204,22 +205,6 @@ def half_angles(rope: Rope, positions: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return cos[:, :half], sin[:, :half]
 
 
-def unweighted_rms(x: np.ndarray, eps: float) -> np.ndarray:
-    """x / sqrt(mean(x^2) + eps) over the last axis, float32 (DeepseekV4UnweightedRMSNorm)."""
-    x = x.astype(np.float32)
-    return x / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + np.float32(eps))
-
-
-def sigmoid(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        return (np.float32(1.0) / (np.float32(1.0) + np.exp(-x))).astype(np.float32)
-
-
-def softmax(x: np.ndarray, axis: int) -> np.ndarray:
-    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
-    return (e / np.sum(e, axis=axis, keepdims=True)).astype(np.float32)
-
-
 def score(logits: np.ndarray, func: str) -> np.ndarray:
     """Router scores [L, E] from logits: sqrt(softplus) (torch's softplus: x itself past 20),
     sigmoid or softmax."""
@@ -229,13 +214,6 @@ def score(logits: np.ndarray, func: str) -> np.ndarray:
             soft = np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, np.float32(20)))))
         return np.sqrt(soft).astype(np.float32)
     return sigmoid(x) if func == "sigmoid" else softmax(x, -1)
-
-
-def clipped_swiglu(gate: np.ndarray, up: np.ndarray, limit: float) -> np.ndarray:
-    """silu(min(gate, limit)) * clip(up, -limit, limit) (DeepseekV4MLP / DeepseekV4Experts)."""
-    lim = np.float32(limit)
-    gate = np.minimum(gate, lim)
-    return (gate * sigmoid(gate) * np.clip(up, -lim, lim)).astype(np.float32)
 
 
 # ----------------------------------------------------------------------------- the cache
@@ -547,38 +525,6 @@ class V4Attention:
             xg = np.ascontiguousarray(out[:, g])
             parts.append(linear(xg, o_a) if not isinstance(o_a, tuple) else linear(xg, o_a[0])[:, o_a[1]:o_a[2]])
         return linear(np.concatenate(parts, axis=1), self.o_b_proj)
-
-
-# ----------------------------------------------------------------------------- hyper-connections
-class HyperConnection:
-    """mHC weights from the streams [L, S, D]: `pre` collapses them into the block's input,
-    `post` spreads the block's output over them, `comb` (Sinkhorn-normalised, doubly
-    stochastic) mixes them (DeepseekV4HyperConnection)."""
-
-    def __init__(self, args: ModelArgs, w, prefix: str):
-        self.fn = dequantize(w.tensor(f"{prefix}.fn")).astype(np.float32)   # [(2 + S) S, S D]
-        self.base = w.tensor(f"{prefix}.base").astype(np.float32)
-        self.scale = w.tensor(f"{prefix}.scale").astype(np.float32)
-        self.s, self.iters, self.eps, self.norm_eps = args.hc_mult, args.hc_sinkhorn_iters, args.hc_eps, args.rms_norm_eps
-
-    def __call__(self, streams: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        L, S = streams.shape[0], self.s
-        mixes = unweighted_rms(streams.reshape(L, -1), self.norm_eps) @ self.fn.T           # [L, (2 + S) S]
-        eps = np.float32(self.eps)
-        pre = sigmoid(mixes[:, :S] * self.scale[0] + self.base[:S]) + eps
-        post = np.float32(2.0) * sigmoid(mixes[:, S:2 * S] * self.scale[1] + self.base[S:2 * S])
-        comb = softmax(mixes[:, 2 * S:].reshape(L, S, S) * self.scale[2] + self.base[2 * S:].reshape(S, S), -1) + eps
-        comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(axis=-1, keepdims=True) + eps)
-            comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
-        collapsed = np.sum(pre[:, :, None] * streams, axis=1, dtype=np.float32)          # [L, D]
-        return post, comb, collapsed
-
-
-def merge(streams: np.ndarray, out: np.ndarray, post: np.ndarray, comb: np.ndarray) -> np.ndarray:
-    """The streams after a block: post spreads its output [L, D], comb^T mixes the old streams."""
-    return (post[:, :, None] * out[:, None, :] + np.matmul(comb.transpose(0, 2, 1), streams)).astype(np.float32)
 
 
 # ----------------------------------------------------------------------------- MoE

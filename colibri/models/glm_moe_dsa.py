@@ -21,6 +21,7 @@ from colibri.models.cache import MLACache
 from colibri.models.decoder import build_decoder
 from colibri.models.layers import linear
 from colibri.models.moe import grouped_moe
+from colibri.plan.shapes import default_indexer_types
 
 
 @dataclass
@@ -51,21 +52,6 @@ class ModelArgs(mla.MLAArgs):
         if self.index_head_dim < self.qk_rope_head_dim or self.index_topk < 1:
             raise ColibriError(f"config fields index_head_dim={self.index_head_dim} / index_topk="
                                f"{self.index_topk} are not valid for qk_rope_head_dim={self.qk_rope_head_dim}")
-
-
-def default_indexer_types(cfg: dict, num_layers: int) -> list:
-    """Per-layer "full"/"shared" from index_topk_pattern ("FSSF...") or index_topk_freq /
-    index_skip_topk_offset, as GlmMoeDsaConfig derives it when indexer_types is absent."""
-    pattern = cfg.get("index_topk_pattern")
-    if pattern is not None:
-        try:
-            return [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
-        except KeyError:
-            raise ColibriError(f"config field index_topk_pattern={pattern!r} is not implemented "
-                               "(one 'F' or 'S' per layer)") from None
-    freq = max(cfg.get("index_topk_freq", 1), 1)
-    offset = cfg.get("index_skip_topk_offset", 2)
-    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
 
 
 def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:

@@ -136,12 +136,13 @@ class ModelArgs(mla.MLAArgs):
 
 class LatentRecurrentCache(RecurrentCache):
     """A RecurrentCache whose attention layers keep MLA's compressed latent, laid out as
-    MLACache's (one "head": K rows the latent c [r], V rows the rope key [R])."""
+    MLACache's (one "head": K rows the latent c [r], V rows the rope key [R], then `index_dim`
+    values per position that a sparse-attention indexer keeps: GLM-5.3-Flash's)."""
 
     def __init__(self, attention_layers: list[int], linear_layers: list[int], kv_lora_rank: int, rope_dim: int,
-                 max_tokens: int, conv_shape, state_shape, max_snapshots: int = MAX_SNAPSHOTS):
+                 max_tokens: int, conv_shape, state_shape, max_snapshots: int = MAX_SNAPSHOTS, index_dim: int = 0):
         super().__init__(attention_layers, linear_layers, 1, kv_lora_rank, max_tokens, conv_shape, state_shape,
-                         max_snapshots=max_snapshots, v_dim=rope_dim)
+                         max_snapshots=max_snapshots, v_dim=rope_dim + index_dim)
         self.rope_dim = rope_dim
 
     def latent(self, layer: int) -> np.ndarray:
@@ -149,6 +150,9 @@ class LatentRecurrentCache(RecurrentCache):
 
     def k_rope(self, layer: int) -> np.ndarray:
         return self.v[self.kv_layer[layer]][0, :, : self.rope_dim]   # [capacity, R]
+
+    def index_rows(self, layer: int) -> np.ndarray:
+        return self.v[self.kv_layer[layer]][0, :, self.rope_dim :]   # [capacity, index_dim]
 
 
 class KimiDeltaAttention:
@@ -182,6 +186,11 @@ class KimiDeltaAttention:
         """(conv state [K-1, C], delta-rule state [H, Dk, Dk]) of one sequence."""
         return (self.kernel - 1, 3 * self.width), (self.h, self.dk, self.dk)
 
+    def decay(self, f: np.ndarray) -> np.ndarray:
+        """Log decay per key channel [L, H, Dk] from the forget gate's pre-activation f [L, H Dk]
+        (f_b(f_a(x)) + dt_bias): -exp(A_log) softplus(f) (KimiLinearForgetGate)."""
+        return self.neg_a * softplus(f).reshape(f.shape[0], self.h, self.dk)
+
     def _project(self, x: np.ndarray) -> list[np.ndarray]:
         if isinstance(self.proj, tuple):
             return [linear(x, t) for t in self.proj]
@@ -194,8 +203,7 @@ class KimiDeltaAttention:
                                        self.conv_w)
         q, k, v = (np.ascontiguousarray(mixed[:, i * self.width:(i + 1) * self.width]).reshape(L, H, Dk)
                    for i in range(3))
-        g = (self.neg_a * softplus(linear(np.ascontiguousarray(f_a), self.f_b) + self.dt_bias).reshape(L, H, Dk))
-        g = np.ascontiguousarray(g, np.float32)
+        g = np.ascontiguousarray(self.decay(linear(np.ascontiguousarray(f_a), self.f_b) + self.dt_bias), np.float32)
         beta = np.ascontiguousarray(sigmoid(b))
         state = cache.state[layer]
         if L == 1:

@@ -89,6 +89,32 @@ def linear_rows(x: np.ndarray, w: QTensor) -> np.ndarray:
 
 
 
+def unweighted_rms(x: np.ndarray, eps: float) -> np.ndarray:
+    """x / sqrt(mean(x^2) + eps) over the last axis, float32 (RMSNorm without a weight: DeepseekV4UnweightedRMSNorm)."""
+    x = x.astype(np.float32)
+    return x / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + np.float32(eps))
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """1 / (1 + exp(-x)), float32 (overflow in exp is the intended 0)."""
+    with np.errstate(over="ignore"):
+        return (np.float32(1.0) / (np.float32(1.0) + np.exp(-x))).astype(np.float32)
+
+
+def softmax(x: np.ndarray, axis: int) -> np.ndarray:
+    """Softmax along `axis`, float32."""
+    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    return (e / np.sum(e, axis=axis, keepdims=True)).astype(np.float32)
+
+
+def clipped_swiglu(gate: np.ndarray, up: np.ndarray, limit: float) -> np.ndarray:
+    """silu(min(gate, limit)) * clip(up, -limit, limit): the SwiGLU of DeepSeek V4 and GLM-5.3-Flash,
+    whose gate and up are clipped at `swiglu_limit` (DeepseekV4MLP, Glm5NextTextMLP)."""
+    lim = np.float32(limit)
+    gate = np.minimum(gate, lim)
+    return (gate * sigmoid(gate) * np.clip(up, -lim, lim)).astype(np.float32)
+
+
 class MLP:
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 

@@ -258,7 +258,7 @@ class HybridModel(DecoderModel):
 
     def forward(self, ids, cache: RecurrentCache, all_logits: bool = False) -> np.ndarray:
         try:
-            logits = super().forward(ids, cache, all_logits)
+            logits = self._logits(ids, cache, all_logits)
         except BaseException:  # the layers before the failure consumed the tokens: back to a kept state
             cache.recover()
             raise
@@ -273,7 +273,7 @@ class HybridModel(DecoderModel):
         for c in several:
             c.rows(True)
         try:
-            logits = super().forward_rows(ids, caches)
+            logits = self._rows_logits(ids, caches)
         except BaseException:
             for c in {id(c): c for c in caches}.values():
                 c.recover()
@@ -285,6 +285,14 @@ class HybridModel(DecoderModel):
         finally:
             for c in several:
                 c.rows(False)
+
+    def _logits(self, ids, cache: RecurrentCache, all_logits: bool) -> np.ndarray:
+        """The pass itself (forward wraps it in the state's bookkeeping): the shared decoder's."""
+        return DecoderModel.forward(self, ids, cache, all_logits)
+
+    def _rows_logits(self, ids, caches: list) -> np.ndarray:
+        """The rows' pass itself (forward_rows wraps it): the shared decoder's, layer by layer."""
+        return DecoderModel.forward_rows(self, ids, caches)
 
     def _kv_lists(self, caches: list) -> list:
         return [None] * len(self.layers)  # no fused multi-row attention here: rows go one by one

@@ -121,8 +121,7 @@ def _kv_bytes_per_token(config: dict, layers: int) -> int:
         layers = _hybrid_layers(config, layers)[0]
     if config.get("kv_lora_rank"):  # MLA caches the compressed latent plus the rope dims (models/cache.py, MLACache)
         per_layer = int(config["kv_lora_rank"]) + int(config.get("qk_rope_head_dim") or 0)
-        if config.get("index_topk"):  # and GLM-5's indexer keys
-            per_layer += int(config.get("index_head_dim") or 0)
+        per_layer += shapes.indexer_width(config)  # and a DSA indexer's rows
         return layers * per_layer * 4
     heads = int(config.get("num_attention_heads") or 1)
     kv_heads = int(config.get("num_key_value_heads") or heads)

@@ -11,7 +11,8 @@ Tensor = tuple[str, tuple[int, ...]]
 
 # first_k_dense_replace when a config leaves it out: the families' ModelArgs defaults
 # (moe.GroupedMoEArgs: DeepseekV3Config's 3; glm4_moe: Glm4MoeConfig's 1).
-_FIRST_DENSE_DEFAULT = {"deepseek_v3": 3, "kimi_k2": 3, "glm_moe_dsa": 3, "glm4_moe": 1, "kimi_linear": 1}
+_FIRST_DENSE_DEFAULT = {"deepseek_v3": 3, "kimi_k2": 3, "glm_moe_dsa": 3, "glm4_moe": 1, "kimi_linear": 1,
+                        "glm5_next_text": 3}
 
 
 def num_experts(config: dict) -> int:
@@ -67,8 +68,34 @@ def _swiglu(prefix: str, D: int, inner: int) -> list[Tensor]:
             (f"{prefix}.down_proj.weight", (D, inner))]
 
 
-def _mla_attention(config: dict, p: str) -> list[Tensor]:
-    """Multi-head latent attention (DeepSeek-V3, Kimi-K2, GLM-5), plus GLM-5's sparse indexer."""
+def default_indexer_types(cfg: dict, num_layers: int) -> list:
+    """Per-layer "full"/"shared" from index_topk_pattern ("FSSF...") or index_topk_freq /
+    index_skip_topk_offset, as GlmMoeDsaConfig and Glm5NextTextConfig derive it when
+    indexer_types is absent (models/glm_moe_dsa.py, models/glm5_next.py)."""
+    pattern = cfg.get("index_topk_pattern")
+    if pattern is not None:
+        try:
+            return [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+        except KeyError:
+            raise ColibriError(f"config field index_topk_pattern={pattern!r} is not implemented "
+                               "(one 'F' or 'S' per layer)") from None
+    freq = max(cfg.get("index_topk_freq", 1), 1)
+    offset = cfg.get("index_skip_topk_offset", 2)
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
+
+
+def _has_indexer(config: dict, i: int) -> bool:
+    """Whether MLA layer i runs its own DSA indexer (a "shared" layer reuses the one before's)."""
+    if not config.get("index_topk"):
+        return False
+    n = _need(config, "num_hidden_layers")
+    kinds = config.get("indexer_types") or default_indexer_types(config, n)
+    return i >= len(kinds) or kinds[i] != "shared"
+
+
+def _mla_attention(config: dict, p: str, i: int) -> list[Tensor]:
+    """Multi-head latent attention (DeepSeek-V3, Kimi-K2, GLM-5) of layer i, plus GLM-5's sparse
+    indexer where it has one."""
     D, H = _need(config, "hidden_size"), _need(config, "num_attention_heads")
     r, R = int(config["kv_lora_rank"]), int(config.get("qk_rope_head_dim") or 0)
     Dn, Dv = int(config.get("qk_nope_head_dim") or 0), int(config.get("v_head_dim") or 0)
@@ -80,12 +107,23 @@ def _mla_attention(config: dict, p: str) -> list[Tensor]:
         out = [(f"{p}.q_proj.weight", (H * (Dn + R), D))]
     out += [(f"{p}.kv_a_proj_with_mqa.weight", (r + R, D)), (f"{p}.kv_a_layernorm.weight", (r,)),
             (f"{p}.kv_b_proj.weight", (H * (Dn + Dv), r)), (f"{p}.o_proj.weight", (D, H * Dv))]
-    if config.get("index_topk"):
+    if _has_indexer(config, i):
         Hi, Di = int(config.get("index_n_heads") or 0), int(config.get("index_head_dim") or 0)
         i = f"{p}.indexer"
         out += [(f"{i}.wq_b.weight", (Hi * Di, q_rank or D)), (f"{i}.wk.weight", (Di, D)),
                 (f"{i}.k_norm.weight", (Di,)), (f"{i}.k_norm.bias", (Di,)), (f"{i}.weights_proj.weight", (Hi, D))]
+        if _glm5_next(config):  # the pools' gate projection and per-offset bias
+            P = int(config.get("index_kpool") or 16)
+            out += [(f"{i}.index_kpool_compress_ape", (P, Di)), (f"{i}.index_kpool_compress_gate", (Di, D))]
     return out
+
+
+def indexer_width(config: dict) -> int:
+    """Values per position and MLA layer that a DSA indexer caches: GLM-5's key; GLM-5.3-Flash's
+    key and pool-gate row (models/glm5_next.PooledIndexer). 0 without an indexer."""
+    if not config.get("index_topk"):
+        return 0
+    return int(config.get("index_head_dim") or 0) * (2 if _glm5_next(config) else 1)
 
 
 def _gqa_attention(config: dict, p: str) -> list[Tensor]:
@@ -157,13 +195,19 @@ def _v4_attention(config: dict, p: str, i: int) -> list[Tensor]:
     return out
 
 
+def _hyper_connections(config: dict, p: str) -> list[Tensor]:
+    """The two mHC mixes of a DeepSeek V4 or GLM-5.3-Flash layer (models/hyper_connections.py)."""
+    D, S = _need(config, "hidden_size"), int(config.get("hc_mult") or 4)
+    return [t for hc in ("attn_hc", "ffn_hc") for t in (
+        (f"{p}.{hc}.fn", ((2 + S) * S, S * D)), (f"{p}.{hc}.base", ((2 + S) * S,)), (f"{p}.{hc}.scale", (3,)))]
+
+
 def _v4_block(config: dict, p: str, i: int) -> list[Tensor]:
     """A DeepSeek V4 layer's hyper-connections and its MoE block's router (a token -> experts
     table in hash layers, a correction bias in the others) and shared expert."""
-    D, S = _need(config, "hidden_size"), int(config.get("hc_mult") or 4)
+    D = _need(config, "hidden_size")
     E, K = num_experts(config), int(config.get("num_experts_per_tok") or 6)
-    out = [t for hc in ("attn_hc", "ffn_hc") for t in (
-        (f"{p}.{hc}.fn", ((2 + S) * S, S * D)), (f"{p}.{hc}.base", ((2 + S) * S,)), (f"{p}.{hc}.scale", (3,)))]
+    out = _hyper_connections(config, p)
     hashed = v4_schedule(config)[1][i] == "hash_moe"
     out.append((f"{p}.mlp.gate.weight", (E, D)))
     out.append((f"{p}.mlp.gate.tid2eid", (_need(config, "vocab_size"), K)) if hashed
@@ -172,32 +216,51 @@ def _v4_block(config: dict, p: str, i: int) -> list[Tensor]:
 
 
 def is_hybrid(config: dict) -> bool:
-    """A Gated DeltaNet hybrid (Qwen3-Next, Qwen3.5 / 3.6 MoE) or Kimi Linear: linear attention
-    layers with a recurrent state between full attention ones (models/linear_attention.py,
-    models/kimi_linear.py)."""
-    return bool(config.get("linear_num_value_heads")) or _kimi_linear(config)
+    """A Gated DeltaNet hybrid (Qwen3-Next, Qwen3.5 / 3.6 MoE), Kimi Linear or GLM-5.3-Flash:
+    linear attention layers with a recurrent state between full attention ones
+    (models/linear_attention.py, models/kimi_linear.py, models/glm5_next.py)."""
+    return bool(config.get("linear_num_value_heads")) or _kda_family(config)
+
+
+def stores_norm_offsets(config: dict) -> bool:
+    """The Gated DeltaNet hybrids store their RMSNorm weights as offsets from 1
+    (models/linear_attention.UnitOffsetNorms); the KDA families store the weights."""
+    return bool(config.get("linear_num_value_heads"))
 
 
 def _kimi_linear(config: dict) -> bool:
     return config.get("model_type") == "kimi_linear"
 
 
+def _glm5_next(config: dict) -> bool:
+    return config.get("model_type") in ("glm5_next_text", "glm5_next")
+
+
+def _kda_family(config: dict) -> bool:
+    """Kimi Delta Attention in the linear layers, MLA in the others: Kimi Linear, GLM-5.3-Flash."""
+    return _kimi_linear(config) or _glm5_next(config)
+
+
 def _kda(config: dict) -> tuple[int, int, int]:
-    """Kimi Linear's KDA (heads H, head dim Dk, conv width K): linear_attn_config's, else the
-    flat fields (models/kimi_linear.ModelArgs)."""
+    """KDA's (heads H, head dim Dk, conv width K): linear_attn_config's, else the flat fields
+    (models/kimi_linear.ModelArgs, models/glm5_next.ModelArgs: their defaults)."""
     sub = config.get("linear_attn_config") or {}
-    return (int(sub.get("num_heads") or config.get("linear_num_heads") or 32),
+    heads = 64 if _glm5_next(config) else 32
+    return (int(sub.get("num_heads") or config.get("linear_num_heads") or heads),
             int(sub.get("head_dim") or config.get("linear_head_dim") or 128),
             int(sub.get("short_conv_kernel_size") or config.get("linear_conv_kernel_dim") or 4))
 
 
 def layer_types(config: dict) -> list[str]:
     """'linear_attention' or 'full_attention' per decoder layer of a hybrid (its layer_types, else
-    one full attention layer in every full_attention_interval, as the configs derive it)."""
+    one full attention layer in every full_attention_interval, as the configs derive it;
+    GLM-5.3-Flash's MLA layers, "indexed_attention", count as full attention)."""
     n = _need(config, "num_hidden_layers")
     types = config.get("layer_types")
     if types and len(types) >= n:
-        return list(types[:n])
+        return ["full_attention" if t == "indexed_attention" else t for t in types[:n]]
+    if _glm5_next(config):  # MLA in every fourth layer
+        return ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(n)]
     if _kimi_linear(config):  # linear_attn_config's 1-indexed full layers, else every fourth from the fifth
         full = (config.get("linear_attn_config") or {}).get("full_attn_layers")
         if full is not None:
@@ -209,7 +272,7 @@ def layer_types(config: dict) -> list[str]:
 
 def linear_state_shapes(config: dict) -> tuple[tuple[int, int], tuple[int, int, int]]:
     """One sequence's state in one linear layer: (conv [K-1, C], delta rule [Hv, Dk, Dv])."""
-    if _kimi_linear(config):  # q, k, v convolved; H heads of Dk for all three
+    if _kda_family(config):  # q, k, v convolved; H heads of Dk for all three
         H, Dk, K = _kda(config)
         return (K - 1, 3 * H * Dk), (H, Dk, Dk)
     Hk, Hv = int(config.get("linear_num_key_heads") or 16), int(config["linear_num_value_heads"])
@@ -236,8 +299,9 @@ def _kda_attention(config: dict, p: str) -> list[Tensor]:
     D = _need(config, "hidden_size")
     H, Dk, K = _kda(config)
     W = H * Dk
+    a_log = (H,) if _glm5_next(config) else (1, 1, H, 1)  # as each checkpoint stores it
     return ([(f"{p}.{n}_proj.weight", (W, D)) for n in "qkv"] + [(f"{p}.{n}_conv1d.weight", (W, 1, K)) for n in "qkv"]
-            + [(f"{p}.f_a_proj.weight", (Dk, D)), (f"{p}.f_b_proj.weight", (W, Dk)), (f"{p}.A_log", (1, 1, H, 1)),
+            + [(f"{p}.f_a_proj.weight", (Dk, D)), (f"{p}.f_b_proj.weight", (W, Dk)), (f"{p}.A_log", a_log),
                (f"{p}.dt_bias", (W,)), (f"{p}.b_proj.weight", (H, D)), (f"{p}.g_a_proj.weight", (Dk, D)),
                (f"{p}.g_b_proj.weight", (W, Dk)), (f"{p}.o_norm.weight", (Dk,)), (f"{p}.o_proj.weight", (D, W))])
 
@@ -259,14 +323,17 @@ def layer_tensors(config: dict, i: int, kind: str) -> list[Tensor]:
     if _deepseek_v4(config):
         return (_v4_attention(config, f"{p}.self_attn", i) + _v4_block(config, p, i)
                 + [(f"{p}.input_layernorm.weight", (D,)), (f"{p}.post_attention_layernorm.weight", (D,))])
-    if _kimi_linear(config):
+    if _kda_family(config):
         linear = layer_types(config)[i] == "linear_attention"
-        attention = (_kda_attention if linear else _mla_attention)(config, f"{p}.self_attn")
+        attention = _kda_attention(config, f"{p}.self_attn") if linear else _mla_attention(config, f"{p}.self_attn", i)
+        if _glm5_next(config):
+            attention += _hyper_connections(config, p)
     elif is_hybrid(config):
         linear = layer_types(config)[i] == "linear_attention"
         attention = _linear_attention(config, f"{p}.linear_attn") if linear else _gated_attention(config, f"{p}.self_attn")
     else:
-        attention = (_mla_attention if config.get("kv_lora_rank") else _gqa_attention)(config, f"{p}.self_attn")
+        attention = (_mla_attention(config, f"{p}.self_attn", i) if config.get("kv_lora_rank")
+                     else _gqa_attention(config, f"{p}.self_attn"))
     out = attention + [(f"{p}.input_layernorm.weight", (D,)), (f"{p}.post_attention_layernorm.weight", (D,))]
     if kind == "dense":
         return out + _swiglu(f"{p}.mlp", D, _need(config, "intermediate_size"))
@@ -278,10 +345,10 @@ def layer_tensors(config: dict, i: int, kind: str) -> list[Tensor]:
                       (f"{p}.mlp.experts.down_proj.bias", (E, D))]
     out.append((f"{p}.mlp.gate.weight", (E, D)))
     # grouped routing (DeepSeek, Kimi, GLM): a routing bias, shared experts
-    if config.get("n_routed_experts") or _kimi_linear(config):
+    if config.get("n_routed_experts") or _kda_family(config):
         out.append((f"{p}.mlp.gate.e_score_correction_bias", (E,)))
         shared = int(config.get("n_shared_experts") or config.get("num_shared_experts")
-                     or (1 if _kimi_linear(config) else 0))  # (KimiLinearConfig's default)
+                     or (1 if _kda_family(config) else 0))  # (KimiLinearConfig's default)
         if shared:
             out += _swiglu(f"{p}.mlp.shared_experts", D, expert_width(config) * shared)
     elif config.get("model_type") == "minimax_m2":  # the routing bias alone: no groups, no shared expert

@@ -1,0 +1,206 @@
+"""glm5_next (GLM-5.3-Flash) against transformers' Glm5NextForConditionalGeneration, the checkpoint
+as published (its language model converted, the vision tower skipped): KDA layers with the safe
+forget gate (and the softplus one when linear_lower_bound is null), NoPE MLA over the pooled
+indexer's choice ("full" and "shared" layers, prompts with more complete pools than a query
+keeps), hyper-connection streams, clipped SwiGLUs, grouped sigmoid routing; and the
+recurrent-plus-latent-plus-indexer cache through slots and prefix reuse."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+
+from colibri import Engine
+from colibri.errors import ColibriError
+from colibri.io.container import Container
+from colibri.io.convert import convert
+from colibri.models.glm5_next import PooledIndexer
+from colibri.models.kimi_linear import LatentRecurrentCache
+from harness import check_against_transformers, make_hf_model, prompts_for
+
+LIN, IDX = "linear_attention", "indexed_attention"
+BASE = dict(vocab_size=160, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
+            num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16,
+            index_head_dim=16, index_n_heads=8, linear_head_dim=16, linear_num_heads=2, pad_token_id=None,
+            bos_token_id=None, eos_token_id=None)
+CASES = {
+    # A "shared" MLA layer after a "full" one, dense layers between MoE ones, 2 groups of 4
+    # experts, the SwiGLUs clipped hard (0.5: most gates and ups reach it), two streams; a query
+    # keeps 2 pools of 4 tokens, so from 12 tokens on the indexer chooses.
+    "shared_indexer": dict(BASE, num_hidden_layers=5, layer_types=[LIN, IDX, IDX, LIN, IDX],
+                           indexer_types=["full", "full", "shared", "full", "full"],
+                           mlp_layer_types=["dense", "sparse", "sparse", "dense", "sparse"], n_routed_experts=8,
+                           num_experts_per_tok=2, n_group=2, topk_group=1, swiglu_limit=0.5, hc_mult=2,
+                           index_topk=8, index_kpool=4),
+    # The config's defaults for the layout (MLA every fourth layer, three dense layers first), the
+    # softplus forget gate (no lower bound), three streams, pools of 8 of which a query keeps 2.
+    "defaults_softplus_gate": dict(BASE, num_hidden_layers=4, n_routed_experts=4, num_experts_per_tok=2,
+                                   linear_lower_bound=None, hc_mult=3, index_topk=16, index_kpool=8),
+}
+VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+              projection_intermediate_size=64)
+MODEL = Glm5NextForConditionalGeneration
+
+
+def config(case: str) -> Glm5NextConfig:
+    return Glm5NextConfig(text_config=CASES[case], vision_config=VISION)
+
+
+def case_seed(case: str) -> int:
+    return sorted(CASES).index(case) + 151
+
+
+def prepare(model):
+    """e_score_correction_bias is a buffer (zeros at init): make it steer the choice. A_log near 0
+    and dt_bias small keep the decays in a useful range, as the checkpoint's initialisation does."""
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(0.2 * torch.randn_like(b))
+    for name, p in model.named_parameters():
+        if name.endswith(("A_log", "dt_bias")):
+            p.copy_(0.3 * torch.randn_like(p))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", [32, 4])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_glm5_next_matches_transformers(tmp_path, capfd, case, bits):
+    seed = case_seed(case)
+    # 90 tokens: longer than one chunk of the chunked delta rule (64) and than what a query keeps
+    check_against_transformers(MODEL, config(case), tmp_path, seed, bits, prompts_for(160, seed, (1, 5, 90)),
+                               prepare=prepare)
+    err = capfd.readouterr().err
+    assert "skipping the vision tower (" in err and "colibri runs the language model only" in err
+
+
+@pytest.fixture(scope="module")
+def container(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("glm5_next")
+    hf = make_hf_model(MODEL, config("shared_indexer"), 5, tmp / "hf", prepare=prepare)
+    return convert(hf, tmp / "c", bits=4, progress=False)
+
+
+def test_the_language_model_and_its_cache(container):
+    c = Container(container)
+    assert {"model_type": "glm5_next_text"}.items() <= c.config.items()  # the alias: its language model
+    assert not [n for n in c.dense.tensors if "visual" in n or "language_model" in n]
+    assert c.has("model.layers.0.attn_hc.fn") and c.has("model.layers.0.self_attn.A_log")
+    engine = Engine.load(container)
+    args = engine.model.args
+    assert args.layer_types == [LIN, IDX, IDX, LIN, IDX]
+    assert [args.mlp_kind(i) for i in range(5)] == ["dense", "moe", "moe", "dense", "moe"]
+    assert engine.model.layers[2].attn.indexer is None  # "shared": the layer before chooses
+    cache = engine.model.new_cache(64)
+    assert isinstance(cache, LatentRecurrentCache) and list(cache.kv_layer) == [1, 2, 4]
+    assert cache.linear_layers == [0, 3]
+    assert cache.latent(1).shape[1] == 32 and cache.index_rows(1).shape[1] == 2 * 16
+    engine.model.forward(np.asarray(prompts_for(160, 1, (20,))[0]), cache)
+    assert cache.length == 20 and 20 in cache.snapshots and np.abs(cache.state[3]).sum() > 0
+
+
+def test_the_indexer_keeps_its_best_pools_and_its_own():
+    """PooledIndexer.select against a plain reading of transformers' rule, on scores chosen so
+    the best pools are known: the query sees its best complete pools that end before it and
+    the tokens of its own pool so far."""
+    P, keep = 4, 2
+    ix = PooledIndexer.__new__(PooledIndexer)
+    ix.h, ix.d, ix.pool, ix.pools = 1, 2, P, keep
+    ix.scale = np.float32(1.0)
+    N = 19  # 4 complete pools and 3 tokens of a fifth
+    rows = np.zeros((N, 4), np.float32)
+    strength = [0.5, 3.0, 1.0, 2.0]  # pool 1 best, then 3, then 2
+    for j, s in enumerate(strength):
+        rows[j * P:(j + 1) * P, 0] = s
+    ix.ape = np.zeros((P, 2), np.float32)
+    ix.pool_keys(rows, 4)
+    q = np.asarray([[1.0, 0.0]], np.float32)
+    ix.wq_b = ix.weights_proj = None
+
+    def select(pos):  # the indexer's projections replaced by the fixed query and weight
+        import colibri.models.glm5_next as g
+        saved = g.linear
+        g.linear = lambda x, w: q if w is None and x is q else np.ones((1, 1), np.float32)
+        try:
+            return ix.select(np.zeros((1, 2), np.float32), q, rows, pos)[0]
+        finally:
+            g.linear = saved
+
+    last = select(N - 1)
+    assert last.tolist() == [t // P in (1, 3) or t >= 16 for t in range(N)]
+    # at position 14 pool 3 (12..15) is not complete: pools 1 and 2, and 12..14 as its own
+    mid = select(14)
+    assert mid[:15].tolist() == [t // P in (1, 2) or t >= 12 for t in range(15)]
+
+
+def test_slot_round_trip_and_prefix_reuse(container, tmp_path):
+    """A saved slot (MLA latents, indexer rows, KDA conv and delta states, their snapshots)
+    continues as a fresh prefill of the whole conversation; a prompt that leaves the
+    conversation mid-way reuses the prefill chunk that ended before it."""
+    chunk = 8
+
+    def fresh(ids, n):
+        return Engine.load(container, prefill_chunk=chunk).generate(ids, max_tokens=n, stop_at_eos=False).token_ids
+
+    ids = prompts_for(160, 7, (30,))[0]
+    live = Engine.load(container, prefill_chunk=chunk)
+    first = live.generate(ids, max_tokens=6, stop_at_eos=False, slot=0)
+    held = len(live.slots[0].ids)
+    live.save_slot(0, tmp_path / "slot.npz")
+    more = ids + first.token_ids + prompts_for(160, 8, (5,))[0]
+    restored = Engine.load(container, prefill_chunk=chunk)
+    assert restored.load_slot(0, tmp_path / "slot.npz") == held
+    got = restored.generate(more, max_tokens=8, stop_at_eos=False, slot=0)
+    assert got.prompt_tokens_reused == held
+    assert got.token_ids == fresh(more, 8)
+    other = ids[:21] + prompts_for(160, 9, (6,))[0]  # leaves at token 21: back to the chunk that ended at 16
+    third = live.generate(other, max_tokens=6, stop_at_eos=False, slot=0)
+    assert third.prompt_tokens_reused == 16
+    assert third.token_ids == fresh(other, 6)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("qk_rope_head_dim", 8), ("num_key_value_heads", 2), ("index_topk", 10),
+    ("index_kpool_always_select_tail", False), ("indexer_types", ["full", "full", "shared", "full", "shared"]),
+    ("indexer_types", ["full", "shared", "full", "full", "full"]),
+    ("layer_types", [LIN, "sliding_attention", IDX, LIN, IDX]), ("linear_attn_config", {"num_heads": 2, "rank": 4}),
+    ("mlp_layer_types", ["dense", "moe", "sparse", "dense", "sparse"]), ("scoring_func", "softmax"),
+    ("n_shared_experts", 2), ("hidden_act", "gelu")])
+def test_unimplemented_config_fields_are_rejected(container, tmp_path, field, value):
+    cfg = json.loads((container / "config.json").read_text())
+    out = tmp_path / "c"
+    out.mkdir()
+    for p in container.iterdir():
+        (out / p.name).symlink_to(p)
+    (out / "config.json").unlink()
+    (out / "config.json").write_text(json.dumps({**cfg, field: value}))
+    with pytest.raises(ColibriError, match=field.split(".")[0]):
+        Engine.load(out)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_planner_sizes_what_the_engine_builds(tmp_path, case):
+    """colibri plan on config.json alone and on the checkpoint gives the converted container's
+    dense bytes, its MLA latent and indexer rows per token and its KDA state per slot."""
+    from colibri.plan.facts import analyze_model
+    from colibri.plan.shapes import layer_types, mlp_kinds
+    from colibri.workspace import STATE_SNAPSHOTS
+
+    hf = make_hf_model(MODEL, config(case), 3, tmp_path / "hf")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((hf / "config.json").read_text())
+    container = convert(hf, tmp_path / "c", bits=4, progress=False)
+    engine = Engine.load(container)
+    cache = engine.model.new_cache(16)
+    args = engine.model.args
+    converted = analyze_model(container)
+    for facts in (analyze_model(bare), analyze_model(hf), converted):
+        assert facts.kv_bytes_per_token == cache.bytes_per_token
+        assert facts.state_bytes_per_slot == cache.state_bytes * (1 + STATE_SNAPSHOTS)
+        assert facts.dense_bytes == converted.dense_bytes, facts.kind
+        assert [(l.num_experts, l.expert_bytes) for l in facts.expert_layers] == \
+            [(l.num_experts, l.expert_bytes) for l in converted.expert_layers]
+    n = args.num_hidden_layers
+    assert mlp_kinds(converted.config, n) == [args.mlp_kind(i) for i in range(n)]
+    assert layer_types(converted.config) == ["full_attention" if t == IDX else t for t in args.layer_types]
