@@ -2,7 +2,9 @@
 same tokens whatever the expert budget and read path, with drafts, batched with other
 sequences, after a slot is saved and restored and after a pass fails part way; prefix reuse
 takes the longest prefix that ends at a kept state. On Qwen3.6-35B-A3B's layer structure (three
-Gated DeltaNet layers, then gated full attention) at 1/16 of its widths, SmolLM2's vocabulary."""
+Gated DeltaNet layers, then gated full attention) and GLM-5.3-Flash's (KDA, and sparse MLA with
+its indexer rows, under hyper-connections; three dense layers first) at 1/16 of their widths,
+SmolLM2's vocabulary."""
 import numpy as np
 import pytest
 from tools import synthetic_moe
@@ -16,9 +18,14 @@ LONG = 40     # prompt tokens: several prefill chunks
 CHUNK = 8
 
 
-@pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
-    return synthetic_moe.write_container(tmp_path_factory.mktemp("hybrid") / "m", "qwen3.6-35b-a3b", layers=4,
+# preset -> (layers kept, the full-attention layers, the linear ones): each slice has MoE layers
+SLICES = {"qwen3.6-35b-a3b": (4, [3], [0, 1, 2]), "glm-5.3-flash": (5, [3], [0, 1, 2, 4])}
+
+
+@pytest.fixture(scope="module", params=sorted(SLICES))
+def hybrid(request, tmp_path_factory):
+    layers = SLICES[request.param][0]
+    return synthetic_moe.write_container(tmp_path_factory.mktemp("hybrid") / "m", request.param, layers=layers,
                                          width_divisor=16, vocab=49152, progress=False)
 
 
@@ -35,10 +42,11 @@ def fresh(hybrid, ids, n=16, **kw):
     return Engine.load(hybrid, prefill_chunk=CHUNK).generate(ids, max_tokens=n, stop_at_eos=False, **kw).token_ids
 
 
-def test_the_cache_holds_kv_for_full_layers_only_and_a_state_for_the_others(engine):
+def test_the_cache_holds_kv_for_full_layers_only_and_a_state_for_the_others(hybrid, engine):
     cache = engine.model.new_cache(64)
     assert isinstance(cache, RecurrentCache)
-    assert list(cache.kv_layer) == [3] and cache.linear_layers == [0, 1, 2] and len(cache.k) == 1
+    _, full, linear = SLICES[Container(hybrid).config["colibri_synthetic"]["preset"]]
+    assert list(cache.kv_layer) == full and cache.linear_layers == linear and len(cache.k) == len(full)
     engine.model.forward(np.asarray(prompt(1, 20)), cache)
     assert cache.length == 20 and 20 in cache.snapshots and np.abs(cache.state[0]).sum() > 0
 

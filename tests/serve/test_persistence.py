@@ -8,6 +8,7 @@ import threading
 
 import httpx
 import numpy as np
+import pytest
 
 from colibri.engine import common_prefix as _common_prefix  # the engine's own rule for how much of a slot is reused
 
@@ -90,16 +91,19 @@ def test_a_damaged_slot_file_starts_that_slot_empty(start_server, tmp_path):
     assert "slot 1 starts empty" in srv.log()
 
 
-def test_a_hybrid_models_recurrent_state_survives_sigkill(start_server, tmp_path, tokenizer, tmp_path_factory):
+@pytest.mark.parametrize("preset,layers", [("qwen3.6-35b-a3b", 4), ("glm-5.3-flash", 5)])
+def test_a_hybrid_models_recurrent_state_survives_sigkill(start_server, tmp_path, tokenizer, tmp_path_factory,
+                                                          preset, layers):
     """Qwen3.6-35B-A3B's layer structure (Gated DeltaNet layers with a recurrent state, then
-    full attention) at 1/16 width: the slot file holds the state beside the attention layers'
-    K and V, and after a SIGKILL mid-turn the restarted server continues from it with the
-    tokens a cold run gives."""
+    full attention) and GLM-5.3-Flash's (KDA layers, then sparse MLA whose latent and indexer
+    rows are its K and V) at 1/16 width: the slot file holds the state beside the attention
+    layers' K and V, and after a SIGKILL mid-turn the restarted server continues from it with
+    the tokens a cold run gives."""
     from tools import synthetic_moe
 
     from colibri.engine import Engine
 
-    model = synthetic_moe.write_container(tmp_path_factory.mktemp("hybrid") / "m", "qwen3.6-35b-a3b", layers=4,
+    model = synthetic_moe.write_container(tmp_path_factory.mktemp("hybrid") / "m", preset, layers=layers,
                                           width_divisor=16, vocab=49152, progress=False)
     state = tmp_path / "state"
     srv = start_server("--kv-slots", "1", model_dir=model, state_dir=state)
