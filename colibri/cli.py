@@ -190,9 +190,9 @@ def expert_workers_option(**kw):
 def speculative_option(**kw):
     """--speculative for every command that generates."""
     return typer.Option("off", "--speculative", help="Draft tokens and check them in one pass: off, ngram "
-                        "(prompt lookup), mtp (the model's multi-token-prediction layer: DeepSeek-V3, GLM-4.5) or "
-                        "auto (MTP where the model has it, else ngram, while it measures faster). Never changes "
-                        "the output.", **kw)
+                        "(prompt lookup), mtp (the model's multi-token-prediction layer: DeepSeek-V3, GLM-4.5, "
+                        "Qwen3-Next, Qwen3.5) or auto (MTP where the model has it, else ngram, while it measures "
+                        "faster). Never changes the output.", **kw)
 
 
 def check_mode(speculative: str, draft_tokens: int) -> None:

@@ -23,15 +23,14 @@ WRAPPERS: dict[str, dict] = {
                  "skip": {"vision tower": r"^(model\.)?vision_tower\.",
                           "multimodal projector": r"^(model\.)?mm_projector\."}},
     # Qwen3.5 / 3.6 MoE (Qwen3_5MoeForConditionalGeneration): its text model, `qwen3_5_moe_text`,
-    # under `model.language_model.`; the MTP layer is left out too (not run yet).
+    # under `model.language_model.`; its MTP block (`mtp.`) is kept for drafting (io/convert.py, models/mtp.py).
     "qwen3_5_moe": {"text_config": "text_config", "default_model_type": "qwen3_5_moe_text",
-                    "skip": {"vision tower": r"^model\.visual\.", "MTP layers": r"^mtp\."}},
+                    "skip": {"vision tower": r"^model\.visual\."}},
+    # GLM-5.3-Flash (Glm5NextForConditionalGeneration): its text model, `glm5_next_text`, under
+    # `model.language_model.`.
+    "glm5_next": {"text_config": "text_config", "default_model_type": "glm5_next_text",
+                  "skip": {"vision tower": r"^model\.visual\."}},
 }
-
-# GLM-5.3-Flash (Glm5NextForConditionalGeneration): its text model, `glm5_next_text`, under
-# `model.language_model.`.
-WRAPPERS["glm5_next"] = {"text_config": "text_config", "default_model_type": "glm5_next_text",
-                         "skip": {"vision tower": r"^model\.visual\."}}
 
 # Per family (module name), or per wrapper model_type: (pattern, replacement) rules, re.sub'd
 # over a checkpoint tensor's name in order, giving the shared decoder's name. A family without

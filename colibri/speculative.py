@@ -19,9 +19,10 @@ and a rejected position keeps the target's sample.)
 Drafters: prompt lookup ("ngram": the tokens that followed the latest earlier occurrence of the
 context's last n tokens, n = 3 or 2; it pays on text that repeats or edits what the prompt
 holds: code refactors, reformatting, quoting) and the model's own multi-token-prediction layer
-("mtp": DeepSeek-V3, GLM-4.5; MTPDrafter). Modes: "off", "ngram" and "mtp" (draft K whenever
-the drafter has something) and "auto" (MTP where the model has it, else lookup, with as many
-drafts as the measured costs and acceptance say pay, none when nothing does; see Speculator).
+("mtp": DeepSeek-V3, GLM-4.5, Qwen3-Next, Qwen3.5 / 3.6 MoE; MTPDrafter). Modes: "off", "ngram"
+and "mtp" (draft K whenever the drafter has something) and "auto" (MTP where the model has it,
+else lookup, with as many drafts as the measured costs and acceptance say pay, none when nothing
+does; see Speculator).
 """
 from __future__ import annotations
 

@@ -265,8 +265,8 @@ class Engine:
         has_mtp = getattr(self.model, "has_mtp", False)
         if mode == "mtp" and not has_mtp:
             raise ColibriError("speculative 'mtp' needs a model with a multi-token-prediction layer "
-                               "(num_nextn_predict_layers, with its weights in the container); this one has "
-                               "none: use 'ngram' or 'auto'")
+                               "(num_nextn_predict_layers or mtp_num_hidden_layers, with its weights in the "
+                               "container); this one has none: use 'ngram' or 'auto'")
         mtp = spec.MTPDrafter(self.model, ids, self.max_context) if mode in ("mtp", "auto") and has_mtp else None
         return spec.Speculator(self._passes.drafted_rows, ids, mode, draft_tokens, mtp=mtp)
 

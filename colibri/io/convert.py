@@ -14,6 +14,8 @@ quantized a few rows at a time (`_quantized`), so peak memory is the largest ten
 bytes (DeepSeek-V3: embed_tokens at q8_0, 1.04 GB) plus a slab, not its float32 copy and the
 quantizer's temporaries. MTP layers (index >= num_hidden_layers)
 are converted like any other layer: kept for speculative decoding, unused by the forward.
+Qwen3-Next and Qwen3.5 / 3.6 keep theirs as a top-level block (`mtp.fc`, `mtp.norm`,
+`mtp.layers.0.*`, ...): it is written as decoder layer num_hidden_layers + k (`container_name`).
 
 compressed-tensors int4 checkpoints (Kimi-K2.5's routed experts, io/compressed_tensors.py) are
 GGUF Q4_0 value for value: at --bits 4 and 8 those weights are repacked as q4_0, no rounding (8
@@ -55,6 +57,13 @@ _INDEXER = re.compile(r"\.indexer\.")  # DSA lightning indexer: selects tokens, 
 # mixing, compressor position biases, the hash router's token -> expert table): kept exact.
 _EXACT = re.compile(r"(\.(attn_hc|ffn_hc)\.fn|\.hc_head\.hc_fn|\.position_bias|\.tid2eid)$")
 _LAYER = re.compile(r"layers\.(\d+)\.")
+# The families whose checkpoints hold their MTP block at the top level, `mtp.` (its own tensors,
+# then layers.k): written where DeepSeek's MTP layer sits, as model.layers.{num_hidden_layers + k}
+# (models/mtp.py reads it there), so its experts get a file of their own (experts-LLL is by layer
+# number: layers.0 would overwrite the first decoder layer's) and readers count it past the
+# decoder layers.
+_TOP_LEVEL_MTP_FAMILIES = ("qwen3_next", "qwen3_5_moe")
+_TOP_LEVEL_MTP = re.compile(r"^mtp\.(?:layers\.(?P<k>\d+)\.)?")
 _SKIP = re.compile(r"rotary_emb\.inv_freq$")
 _CHUNK_ELEMENTS = 1 << 16  # rows quantized at a time: 256 KiB of float32, temporaries stay in cache
 
@@ -71,6 +80,17 @@ def scheme_for(name: str, shape: tuple[int, ...], bits: int) -> str:
     if bits == 4:
         return "int4_g64" if cols % 64 == 0 else "f32"
     return "q8_0" if cols % 32 == 0 else "f32"
+
+
+def container_name(model_type: str | None, config: dict, name: str) -> str:
+    """The container's name for tensor `name` of a checkpoint of `model_type` whose language
+    model's config is `config`: the shared decoder's name (model_types.checkpoint_name), with a
+    top-level MTP block moved past the decoder layers (_TOP_LEVEL_MTP_FAMILIES)."""
+    name = checkpoint_name(model_type, name)
+    m = _TOP_LEVEL_MTP.match(name)
+    if m is None or module_name(config.get("model_type")) not in _TOP_LEVEL_MTP_FAMILIES:
+        return name
+    return f"model.layers.{int(config['num_hidden_layers']) + int(m['k'] or 0)}.{name[m.end():]}"
 
 
 def convert(src: str | Path, dst: str | Path, bits: int = 4, progress: bool = True) -> Path:
@@ -167,9 +187,9 @@ def _convert_hf(src: Path, out: Path, bits: int, progress: bool) -> None:
         task = bar.add_task(f"converting {src.name} (--bits {bits})", total=len(names))
         for f, name in names:
             shape = reader.shape(f, name)
-            target = checkpoint_name(model_type, name)  # the container holds the decoder's names
+            target = container_name(model_type, config, name)  # the container holds the decoder's names
             if packed and name.endswith(compressed_tensors.PACKED):
-                target = checkpoint_name(model_type, compressed_tensors.weight_name(name))
+                target = container_name(model_type, config, compressed_tensors.weight_name(name))
                 w = _int4_weight(f, name, side, bits)
                 if m := _EXPERT.match(target):
                     add_expert(m["prefix"], int(m["e"]), m["proj"], w)

@@ -437,7 +437,8 @@ class DecoderModel:
 
 
 def build_decoder(args: ModelArgs, weights, attention, moe=None, *, rope_head_dim: int | None = None,
-                  model=DecoderModel, mtp_cache=None, **model_kw) -> DecoderModel:
+                  model=DecoderModel, mtp_cache=None, mtp_layout: mtp.MTPLayout = mtp.DEEPSEEK,
+                  **model_kw) -> DecoderModel:
     """The decoder every family builds, from the family's pieces:
 
     - `args`: its ModelArgs (args.mlp_kind(i) says "dense" or "moe" per layer);
@@ -447,7 +448,8 @@ def build_decoder(args: ModelArgs, weights, attention, moe=None, *, rope_head_di
     - `rope_head_dim`: the head width the rope rotates (MLA: qk_rope_head_dim), else args.head_dim;
     - `model`: the DecoderModel class (MLA's: MLAModel), given `model_kw` too;
     - `mtp_cache(n)`: a one-layer cache for the first multi-token-prediction layer, where the family
-      has one (models/mtp.py; the layer is built as layer num_hidden_layers, on first use)."""
+      has one (models/mtp.py; the layer is built as layer num_hidden_layers, on first use), and
+      `mtp_layout` how the family names and wires it (mtp.MTPLayout)."""
     rope = build_rope(args, head_dim=rope_head_dim)
 
     def layer(i: int) -> DecoderLayer:
@@ -458,5 +460,5 @@ def build_decoder(args: ModelArgs, weights, attention, moe=None, *, rope_head_di
 
     built = model(args, weights, [layer(i) for i in range(args.num_hidden_layers)], rope, **model_kw)
     if mtp_cache is not None:
-        mtp.attach(built, args, weights, layer, mtp_cache)
+        mtp.attach(built, args, weights, layer, mtp_cache, mtp_layout)
     return built

@@ -76,6 +76,8 @@ class HybridArgs(ModelArgs):
             self.mlp_only_layers = []
 
     def mlp_kind(self, layer: int) -> str:
+        if layer >= self.num_hidden_layers:  # MTP layer k (mtp.layers.k): vLLM gives it the rule of layer k
+            layer -= self.num_hidden_layers
         sparse = self.num_experts > 0 and (layer + 1) % self.decoder_sparse_step == 0
         return "moe" if sparse and layer not in self.mlp_only_layers else "dense"
 
@@ -85,10 +87,12 @@ class HybridArgs(ModelArgs):
 
 class UnitOffsetNorms:
     """The checkpoint's weights, with each zero-centred RMSNorm weight read as 1 + w:
-    Qwen3NextRMSNorm computes x / rms(x) * (1 + w). The gated norm of the linear layers
-    (`linear_attn.norm`) is a plain weight, as are the other tensors."""
+    Qwen3NextRMSNorm computes x / rms(x) * (1 + w). That includes the MTP block's input and final
+    norms (models/mtp.py; its final `norm` converted to model.layers.N.norm). The gated norm of
+    the linear layers (`linear_attn.norm`) is a plain weight, as are the other tensors."""
 
-    OFFSET = re.compile(r"(input_layernorm|post_attention_layernorm|q_norm|k_norm)\.weight$|^model\.norm\.weight$")
+    OFFSET = re.compile(r"(input_layernorm|post_attention_layernorm|q_norm|k_norm|pre_fc_norm_embedding"
+                        r"|pre_fc_norm_hidden)\.weight$|^model\.norm\.weight$|^model\.layers\.\d+\.norm\.weight$")
 
     def __init__(self, weights):
         self.weights = weights

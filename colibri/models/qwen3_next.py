@@ -7,10 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from colibri.errors import ColibriError
+from colibri.models import mtp
 from colibri.models.decoder import build_decoder
 from colibri.models.layers import MLP
 from colibri.models.linear_attention import GatedAttention, GatedDeltaNet, HybridArgs, HybridModel, UnitOffsetNorms
 from colibri.models.moe import SparseMoE
+from colibri.models.recurrent import RecurrentCache
 
 
 @dataclass
@@ -23,11 +25,13 @@ class ModelArgs(HybridArgs):
 
 def build_hybrid(args: HybridArgs, weights, experts, layout: str) -> HybridModel:
     """The hybrid decoder of `args` over `weights` (norms read as 1 + w); `layout`: how the
-    linear layers' input projections are stored (GatedDeltaNet)."""
+    linear layers' input projections are stored (GatedDeltaNet). Where the container holds the
+    checkpoint's MTP block, it drafts (models/mtp.py, QWEN3_NEXT): its layer, past the decoder
+    layers, is gated full attention, with a one-layer cache of its own."""
     w = UnitOffsetNorms(weights)
 
     def attention(i: int, p: str, rope):
-        if args.layer_types[i] == "full_attention":
+        if i >= args.num_hidden_layers or args.layer_types[i] == "full_attention":
             return GatedAttention(args, w, p, rope)
         return GatedDeltaNet(args, w, p.replace(".self_attn", ".linear_attn"), layout)
 
@@ -36,7 +40,9 @@ def build_hybrid(args: HybridArgs, weights, experts, layout: str) -> HybridModel
                          norm_topk_prob=args.norm_topk_prob, shared=MLP.from_weights(w, f"{p}.mlp.shared_expert"),
                          shared_gate=w.tensor(f"{p}.mlp.shared_expert_gate.weight"))
 
-    return build_decoder(args, w, attention, moe, model=HybridModel)
+    return build_decoder(args, w, attention, moe, model=HybridModel, mtp_layout=mtp.QWEN3_NEXT,
+                         mtp_cache=lambda n: RecurrentCache([0], [], args.num_key_value_heads, args.head_dim, n,
+                                                            (0, 0), (0, 0, 0)))
 
 
 def build(config: dict, weights, experts) -> HybridModel:

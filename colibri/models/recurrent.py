@@ -129,10 +129,11 @@ class RecurrentCache(KVCache):
         return self._cut(self._newest_kept(self.length))
 
     def truncate(self, n: int) -> None:
-        """Keep exactly the first n positions: n must be the current length, 0 or a kept state."""
+        """Keep exactly the first n positions: n must be the current length, 0 or a kept state (or
+        any n where there is no recurrent state: an MTP layer's cache of one attention layer)."""
         if n >= self.length:
             return
-        if n > 0 and self._kept(n) is None:
+        if n > 0 and self.linear_layers and self._kept(n) is None:
             raise ColibriError(f"cannot cut a recurrent state back to {n} tokens: no state was kept there "
                                f"(it holds {self.length})")
         self._cut(n)

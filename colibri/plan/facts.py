@@ -277,6 +277,7 @@ def _read_config(d: Path) -> dict:
 
 
 def _analyze_hf(d: Path, project_slice: bool) -> ModelFacts:
+    from colibri.io.convert import container_name
     from colibri.io.safetensors_io import SafetensorsFile
 
     config = _read_config(d)
@@ -299,7 +300,7 @@ def _analyze_hf(d: Path, project_slice: bool) -> ModelFacts:
                 nbytes = _Q4_0_BYTES_PER_WEIGHT * shape[0] * shape[1]
             else:
                 nbytes = None
-            name = checkpoint_name(model_type, name)
+            name = container_name(model_type, config, name)  # (a top-level MTP block: past the decoder layers)
             if m := _EXPERT.match(name):
                 layer = experts.setdefault(m["prefix"], {})
                 layer[int(m["e"])] = layer.get(int(m["e"]), 0) + (nbytes or _converted_bytes(name, shape))
