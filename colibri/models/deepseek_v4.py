@@ -47,7 +47,7 @@ from colibri.models.cache import KVCache
 from colibri.models.decoder import DecoderModel, in_activation_mode
 from colibri.models.hyper_connections import HyperConnection, merge
 from colibri.models.layers import clipped_swiglu, linear, rms_norm, sigmoid, softmax, unweighted_rms
-from colibri.models.moe import RoutedMoE, layer_index, sum_experts
+from colibri.models.moe import RoutedMoE, layer_index
 from colibri.models.rope import Rope, build_rope
 from colibri.plan.shapes import v4_schedule
 from colibri.memory import huge_arrays
@@ -570,21 +570,13 @@ class V4MoE(RoutedMoE):
         gate, up = linear(x, ew["gate_proj"]), linear(x, ew["up_proj"])
         return linear(clipped_swiglu(gate, up, self.limit), ew["down_proj"])
 
+    def shared_out(self, x: np.ndarray) -> np.ndarray:
+        gate, up, down = self.shared
+        return linear(clipped_swiglu(linear(x, gate), linear(x, up), self.limit), down)
+
     def __call__(self, x: np.ndarray, ids: np.ndarray | None = None) -> np.ndarray:
         t0 = clock() if PHASES.on else 0.0
-        weights, chosen = self.route(x, ids)
-        if t0:
-            PHASES.add("router", self.layer, t0)
-            t0 = clock()
-        out = sum_experts(x, weights, chosen, self.experts, self.prefix, self.expert)
-        if t0:
-            PHASES.add("routed_experts", self.layer, t0)
-            t0 = clock()
-        gate, up, down = self.shared
-        out += linear(clipped_swiglu(linear(x, gate), linear(x, up), self.limit), down)
-        if t0:
-            PHASES.add("shared_experts", self.layer, t0)
-        return out
+        return self.over_matrices(x, self.route(x, ids), t0)
 
 
 # ----------------------------------------------------------------------------- layers and model

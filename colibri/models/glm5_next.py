@@ -40,16 +40,15 @@ import numpy as np
 from colibri.errors import ColibriError
 from colibri.formats.qtensor import QTensor
 from colibri.kernels import embedding
-from colibri.kernels.attention import key_block
 from colibri.model_types import checkpoint_name
 from colibri.models import mla
 from colibri.models.decoder import in_activation_mode
-from colibri.models.glm_moe_dsa import layer_norm
+from colibri.models.glm_moe_dsa import index_scores, layer_norm
 from colibri.models.hyper_connections import HyperConnection, merge
 from colibri.models.kimi_linear import KimiDeltaAttention, LatentRecurrentCache
 from colibri.models.layers import clipped_swiglu, fuse_rows, linear, rms_norm, sigmoid
 from colibri.models.linear_attention import HybridModel, values
-from colibri.models.moe import GroupedMoE, sum_experts
+from colibri.models.moe import GroupedMoE
 from colibri.plan.shapes import default_indexer_types
 from colibri.profile import PHASES, clock
 
@@ -219,12 +218,7 @@ class PooledIndexer:
         keys = self.pool_keys(rows, n_pools)                                              # [n, Di]
         q = np.ascontiguousarray(linear(q_resid, self.wq_b)).reshape(L * self.h, self.d)
         weights = linear(x, self.weights_proj) * np.float32(self.h ** -0.5)               # [L, Hi]
-        index = np.empty((L, n_pools), np.float32)
-        b = key_block(L * self.h)  # the per-head scores exist a block of pools at a time
-        for j0 in range(0, n_pools, b):
-            j1 = min(n_pools, j0 + b)
-            scores = np.maximum((q @ keys[j0:j1].T) * self.scale, np.float32(0.0))       # [L*Hi, b]
-            index[:, j0:j1] = np.matmul(weights[:, None, :], scores.reshape(L, self.h, -1))[:, 0]
+        index = index_scores(q, keys, weights, self.scale)                               # [L, n]
         positions = pos0 + np.arange(L)
         ends = np.arange(n_pools) * P + P - 1
         candidate = ends[None, :] <= positions[:, None]                                 # [L, n]
@@ -301,18 +295,7 @@ class ClippedGroupedMoE(GroupedMoE):
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         t0 = clock() if PHASES.on else 0.0
-        weights, ids = self.route(x)
-        if t0:
-            PHASES.add("router", self.layer, t0)
-            t0 = clock()
-        out = sum_experts(x, weights, ids, self.experts, self.prefix, self.expert)
-        if t0:
-            PHASES.add("routed_experts", self.layer, t0)
-            t0 = clock()
-        out += self.shared(x)
-        if t0:
-            PHASES.add("shared_experts", self.layer, t0)
-        return out
+        return self.over_matrices(x, self.route(x), t0)
 
 
 # ----------------------------------------------------------------------------- layers and model

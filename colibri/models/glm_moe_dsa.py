@@ -61,6 +61,20 @@ def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) 
     return (x - mean) / np.sqrt(var + np.float32(eps)) * weight + bias
 
 
+def index_scores(q: np.ndarray, keys: np.ndarray, weights: np.ndarray, scale: np.float32) -> np.ndarray:
+    """The lightning indexer's score of each key for each query, sum_h w_h relu(q_h . k * scale):
+    q [L * Hi, Di] (each query's heads in a row), keys [N, Di], weights [L, Hi] -> [L, N]. The
+    per-head scores exist a block of keys at a time."""
+    L, heads = weights.shape
+    index = np.empty((L, keys.shape[0]), np.float32)
+    b = key_block(L * heads)
+    for n0 in range(0, keys.shape[0], b):
+        n1 = min(keys.shape[0], n0 + b)
+        scores = np.maximum((q @ keys[n0:n1].T) * scale, np.float32(0.0))                # [L*Hi, b]
+        index[:, n0:n1] = np.matmul(weights[:, None, :], scores.reshape(L, heads, -1))[:, 0]
+    return index
+
+
 class Indexer:
     """The lightning indexer: which past tokens each query may attend to."""
 
@@ -89,13 +103,7 @@ class Indexer:
         q = np.ascontiguousarray(q).reshape(L * self.h, self.d)
         keys = cache.index_keys(layer)[:N]                                              # [N, Di]
         weights = linear(x, self.weights_proj) * np.float32(self.h ** -0.5)              # [L, Hi]
-        index = np.empty((L, N), np.float32)
-        b = key_block(L * self.h)  # the per-head scores exist a block of keys at a time
-        for n0 in range(0, N, b):
-            n1 = min(N, n0 + b)
-            scores = np.maximum((q @ keys[n0:n1].T) * self.scale, np.float32(0.0))       # [L*Hi, b]
-            index[:, n0:n1] = np.matmul(weights[:, None, :], scores.reshape(L, self.h, -1))[:, 0]
-        index = np.where(causal, index, np.float32(-np.inf))                            # [L, N]
+        index = np.where(causal, index_scores(q, keys, weights, self.scale), np.float32(-np.inf))  # [L, N]
         top = np.argpartition(-index, self.topk - 1, axis=-1)[:, : self.topk]            # [L, topk]
         chosen = np.zeros((L, N), bool)
         np.put_along_axis(chosen, top, True, axis=-1)

@@ -318,3 +318,70 @@ def check_token_layers_match(engine, prompt: list[int], steps: int = 6) -> bool:
         set_num_threads(threads)
     assert np.array_equal(one, per_layer), "whole-token decode on one thread differs"
     return True
+
+
+def check_mtp_drafts_under_batching(container_dir: Path, vocab: int) -> None:
+    """Batched, each speculating generation gets its own rows' hidden states from the shared
+    pass and its MTP passes run on the batcher's thread: the tokens equal plain solo decoding,
+    and the drafts were really made and checked inside shared steps."""
+    prompts = prompts_for(vocab, 11, lengths=(3, 7, 5))
+    kws = [dict(speculative="mtp", draft_tokens=2), dict(speculative="mtp", draft_tokens=3, temperature=0.9, seed=5),
+           dict()]
+    batched = Engine.load(container_dir, kv_slots=3)
+    alone = [batched.generate(p, max_tokens=20, stop_at_eos=False, slot=i,
+                              **{k: v for k, v in kw.items() if k not in ("speculative", "draft_tokens")}).token_ids
+             for i, (p, kw) in enumerate(zip(prompts, kws))]
+    for i in range(3):
+        batched.reset(i)
+    out: list = [None] * 3
+    go = threading.Barrier(3)
+
+    def work(i):
+        go.wait()
+        try:
+            out[i] = batched.generate(prompts[i], max_tokens=20, stop_at_eos=False, slot=i, **kws[i])
+        except Exception as e:  # noqa: BLE001 - compared below
+            out[i] = e
+
+    batched.start_batching()
+    try:
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        stats = batched.batch_stats
+    finally:
+        batched.stop_batching()
+    assert [g.token_ids for g in out] == alone
+    assert out[0].speculative["drafted"] > 0 and out[1].speculative["drafted"] > 0
+    assert stats["mean_rows"] > 1.5
+
+
+def check_plan_sizes_the_engine(model_cls, config, tmp_path: Path):
+    """colibri plan on config.json alone, on the checkpoint and on its container gives the
+    container's dense bytes and expert layers, and the engine's cache bytes per token and
+    recurrent state per slot (with its kept snapshots). Returns (the engine's ModelArgs, the
+    container's config) for the family's own checks of the planner's layer rules."""
+    from colibri.plan.facts import analyze_model
+    from colibri.plan.shapes import mlp_kinds
+    from colibri.workspace import STATE_SNAPSHOTS
+
+    hf = make_hf_model(model_cls, config, 3, tmp_path / "hf")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((hf / "config.json").read_text())
+    container = convert(hf, tmp_path / "c", bits=4, progress=False)
+    engine = Engine.load(container)
+    cache = engine.model.new_cache(16)
+    args = engine.model.args
+    converted = analyze_model(container)
+    for facts in (analyze_model(bare), analyze_model(hf), converted):
+        assert facts.kv_bytes_per_token == cache.bytes_per_token, facts.kind
+        assert facts.state_bytes_per_slot == getattr(cache, "state_bytes", 0) * (1 + STATE_SNAPSHOTS), facts.kind
+        assert facts.dense_bytes == converted.dense_bytes, facts.kind
+        assert [(l.num_experts, l.expert_bytes) for l in facts.expert_layers] == \
+            [(l.num_experts, l.expert_bytes) for l in converted.expert_layers]
+    n = args.num_hidden_layers
+    assert mlp_kinds(converted.config, n) == [args.mlp_kind(i) for i in range(n)]
+    return args, converted.config

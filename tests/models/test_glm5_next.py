@@ -2,8 +2,8 @@
 as published (its language model converted, the vision tower skipped): KDA layers with the safe
 forget gate (and the softplus one when linear_lower_bound is null), NoPE MLA over the pooled
 indexer's choice ("full" and "shared" layers, prompts with more complete pools than a query
-keeps), hyper-connection streams, clipped SwiGLUs, grouped sigmoid routing; and the
-recurrent-plus-latent-plus-indexer cache through slots and prefix reuse."""
+keeps), hyper-connection streams, clipped SwiGLUs, grouped sigmoid routing. Its cache through
+slots, prefix reuse, drafts and batching: tests/test_recurrent_state.py, on a real-shape slice."""
 import json
 
 import numpy as np
@@ -17,7 +17,7 @@ from colibri.io.container import Container
 from colibri.io.convert import convert
 from colibri.models.glm5_next import PooledIndexer
 from colibri.models.kimi_linear import LatentRecurrentCache
-from harness import check_against_transformers, make_hf_model, prompts_for
+from harness import check_against_transformers, check_plan_sizes_the_engine, make_hf_model, prompts_for
 
 LIN, IDX = "linear_attention", "indexed_attention"
 BASE = dict(vocab_size=160, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
@@ -133,32 +133,6 @@ def test_the_indexer_keeps_its_best_pools_and_its_own():
     assert mid[:15].tolist() == [t // P in (1, 2) or t >= 12 for t in range(15)]
 
 
-def test_slot_round_trip_and_prefix_reuse(container, tmp_path):
-    """A saved slot (MLA latents, indexer rows, KDA conv and delta states, their snapshots)
-    continues as a fresh prefill of the whole conversation; a prompt that leaves the
-    conversation mid-way reuses the prefill chunk that ended before it."""
-    chunk = 8
-
-    def fresh(ids, n):
-        return Engine.load(container, prefill_chunk=chunk).generate(ids, max_tokens=n, stop_at_eos=False).token_ids
-
-    ids = prompts_for(160, 7, (30,))[0]
-    live = Engine.load(container, prefill_chunk=chunk)
-    first = live.generate(ids, max_tokens=6, stop_at_eos=False, slot=0)
-    held = len(live.slots[0].ids)
-    live.save_slot(0, tmp_path / "slot.npz")
-    more = ids + first.token_ids + prompts_for(160, 8, (5,))[0]
-    restored = Engine.load(container, prefill_chunk=chunk)
-    assert restored.load_slot(0, tmp_path / "slot.npz") == held
-    got = restored.generate(more, max_tokens=8, stop_at_eos=False, slot=0)
-    assert got.prompt_tokens_reused == held
-    assert got.token_ids == fresh(more, 8)
-    other = ids[:21] + prompts_for(160, 9, (6,))[0]  # leaves at token 21: back to the chunk that ended at 16
-    third = live.generate(other, max_tokens=6, stop_at_eos=False, slot=0)
-    assert third.prompt_tokens_reused == 16
-    assert third.token_ids == fresh(other, 6)
-
-
 @pytest.mark.parametrize("field,value", [
     ("qk_rope_head_dim", 8), ("num_key_value_heads", 2), ("index_topk", 10),
     ("index_kpool_always_select_tail", False), ("indexer_types", ["full", "full", "shared", "full", "shared"]),
@@ -180,27 +154,9 @@ def test_unimplemented_config_fields_are_rejected(container, tmp_path, field, va
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_the_planner_sizes_what_the_engine_builds(tmp_path, case):
-    """colibri plan on config.json alone and on the checkpoint gives the converted container's
-    dense bytes, its MLA latent and indexer rows per token and its KDA state per slot."""
-    from colibri.plan.facts import analyze_model
-    from colibri.plan.shapes import layer_types, mlp_kinds
-    from colibri.workspace import STATE_SNAPSHOTS
+    """colibri plan sizes the MLA latent and indexer rows per token and the KDA state per slot as
+    the engine builds them, and reads the layer kinds the model reads."""
+    from colibri.plan.shapes import layer_types
 
-    hf = make_hf_model(MODEL, config(case), 3, tmp_path / "hf")
-    bare = tmp_path / "bare"
-    bare.mkdir()
-    (bare / "config.json").write_text((hf / "config.json").read_text())
-    container = convert(hf, tmp_path / "c", bits=4, progress=False)
-    engine = Engine.load(container)
-    cache = engine.model.new_cache(16)
-    args = engine.model.args
-    converted = analyze_model(container)
-    for facts in (analyze_model(bare), analyze_model(hf), converted):
-        assert facts.kv_bytes_per_token == cache.bytes_per_token
-        assert facts.state_bytes_per_slot == cache.state_bytes * (1 + STATE_SNAPSHOTS)
-        assert facts.dense_bytes == converted.dense_bytes, facts.kind
-        assert [(l.num_experts, l.expert_bytes) for l in facts.expert_layers] == \
-            [(l.num_experts, l.expert_bytes) for l in converted.expert_layers]
-    n = args.num_hidden_layers
-    assert mlp_kinds(converted.config, n) == [args.mlp_kind(i) for i in range(n)]
-    assert layer_types(converted.config) == ["full_attention" if t == IDX else t for t in args.layer_types]
+    args, converted = check_plan_sizes_the_engine(MODEL, config(case), tmp_path)
+    assert layer_types(converted) == ["full_attention" if t == IDX else t for t in args.layer_types]

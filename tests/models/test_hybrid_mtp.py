@@ -6,7 +6,6 @@ layers; the output is the same tokens as plain decoding, past one chunk of the d
 under batching; the drafts are made, checked, and are the layer's own predictions; its logits
 are those of a plain numpy re-implementation of vLLM's layer."""
 import json
-import threading
 from pathlib import Path
 from typing import NamedTuple
 
@@ -23,7 +22,7 @@ from colibri.errors import ColibriError
 from colibri.io.container import Container
 from colibri.io.convert import convert
 from colibri.speculative import MTPDrafter
-from harness import make_hf_model, prompts_for
+from harness import check_mtp_drafts_under_batching, make_hf_model, prompts_for
 
 TEXT = dict(vocab_size=130, hidden_size=64, moe_intermediate_size=64, shared_expert_intermediate_size=64,
             num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
@@ -137,40 +136,7 @@ def test_mtp_drafts_never_change_the_output(case):
 
 
 def test_mtp_drafts_under_batching_keep_every_stream_to_its_solo_tokens(case):
-    """Batched, each speculating generation gets its own rows' hidden states from the shared
-    pass: the tokens equal plain solo decoding, and the drafts were made and checked."""
-    prompts = prompts_for(case.engine.vocab_size, 11, lengths=(3, 7, 5))
-    kws = [dict(speculative="mtp", draft_tokens=2), dict(speculative="mtp", draft_tokens=3, temperature=0.9, seed=5),
-           dict()]
-    batched = Engine.load(case.engine.container.dir, kv_slots=3)
-    alone = [batched.generate(p, max_tokens=20, stop_at_eos=False, slot=i,
-                              **{k: v for k, v in kw.items() if k not in ("speculative", "draft_tokens")}).token_ids
-             for i, (p, kw) in enumerate(zip(prompts, kws))]
-    for i in range(3):
-        batched.reset(i)
-    out: list = [None] * 3
-    go = threading.Barrier(3)
-
-    def work(i):
-        go.wait()
-        try:
-            out[i] = batched.generate(prompts[i], max_tokens=20, stop_at_eos=False, slot=i, **kws[i])
-        except Exception as e:  # noqa: BLE001 - compared below
-            out[i] = e
-
-    batched.start_batching()
-    try:
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        stats = batched.batch_stats
-    finally:
-        batched.stop_batching()
-    assert [g.token_ids for g in out] == alone
-    assert out[0].speculative["drafted"] > 0 and out[1].speculative["drafted"] > 0
-    assert stats["mean_rows"] > 1.5
+    check_mtp_drafts_under_batching(case.engine.container.dir, case.engine.vocab_size)
 
 
 def main_hidden(engine, prompt: list[int], tokens: list[int]) -> np.ndarray:

@@ -14,7 +14,7 @@ from colibri import Engine
 from colibri.errors import ColibriError
 from colibri.io.convert import convert
 from colibri.models.kimi_linear import LatentRecurrentCache
-from harness import check_against_transformers, make_hf_model, prompts_for
+from harness import check_against_transformers, check_plan_sizes_the_engine, make_hf_model, prompts_for
 
 BASE = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
             num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
@@ -128,29 +128,9 @@ def test_unimplemented_config_fields_are_rejected(container, tmp_path, field, va
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_the_planner_sizes_what_the_engine_builds(tmp_path, case):
-    """colibri plan on config.json alone and on the checkpoint gives the converted container's
-    dense bytes, its MLA latent per token and its KDA state per slot (models/recurrent.py)."""
-    from colibri.plan.facts import analyze_model
-    from colibri.plan.shapes import mlp_kinds
-    from colibri.workspace import STATE_SNAPSHOTS
-
-    hf = make_hf_model(MODEL, config(case), 3, tmp_path / "hf")
-    bare = tmp_path / "bare"
-    bare.mkdir()
-    (bare / "config.json").write_text((hf / "config.json").read_text())
-    container = convert(hf, tmp_path / "c", bits=4, progress=False)
-    engine = Engine.load(container)
-    cache = engine.model.new_cache(16)
-    args = engine.model.args
-    converted = analyze_model(container)
-    for facts in (analyze_model(bare), analyze_model(hf), converted):
-        assert facts.kv_bytes_per_token == cache.bytes_per_token
-        assert facts.state_bytes_per_slot == cache.state_bytes * (1 + STATE_SNAPSHOTS)
-        assert facts.dense_bytes == converted.dense_bytes, facts.kind
-        assert [(l.num_experts, l.expert_bytes) for l in facts.expert_layers] == \
-            [(l.num_experts, l.expert_bytes) for l in converted.expert_layers]
-    n = args.num_hidden_layers
-    assert mlp_kinds(converted.config, n) == [args.mlp_kind(i) for i in range(n)]
+    """colibri plan sizes the MLA latent per token and the KDA state per slot (models/recurrent.py)
+    as the engine builds them."""
+    check_plan_sizes_the_engine(MODEL, config(case), tmp_path)
 
 
 def test_the_planner_reads_the_layer_rules_the_model_reads():

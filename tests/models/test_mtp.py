@@ -2,7 +2,6 @@
 with an MTP layer appended (as the real checkpoints ship it): the output is the same tokens as
 plain decoding, greedy and sampled; the drafts are the MTP layer's own predictions; its cache
 holds what a fresh run of the layer over the same rows computes."""
-import threading
 
 import numpy as np
 import pytest
@@ -12,7 +11,7 @@ from colibri import Engine
 from colibri.errors import ColibriError
 from colibri.io.convert import convert
 from colibri.speculative import MTPDrafter
-from harness import add_mtp_layer, make_hf_model, prompts_for
+from harness import add_mtp_layer, check_mtp_drafts_under_batching, make_hf_model, prompts_for
 
 MODELS = {
     "deepseek_v3": (DeepseekV3ForCausalLM, DeepseekV3Config(
@@ -59,42 +58,7 @@ def test_mtp_drafts_never_change_the_output(engine, kw):
 
 
 def test_mtp_drafts_under_batching_keep_every_stream_to_its_solo_tokens(engine):
-    """Batched, each speculating generation gets its own rows' hidden states from the shared
-    pass and its MTP passes run on the batcher's thread: the tokens equal plain solo decoding,
-    and the drafts were really made and checked inside shared steps."""
-    vocab = engine.vocab_size
-    prompts = prompts_for(vocab, 11, lengths=(3, 7, 5))
-    kws = [dict(speculative="mtp", draft_tokens=2), dict(speculative="mtp", draft_tokens=3, temperature=0.9, seed=5),
-           dict()]
-    batched = Engine.load(engine.container.dir, kv_slots=3)
-    alone = [batched.generate(p, max_tokens=20, stop_at_eos=False, slot=i,
-                              **{k: v for k, v in kw.items() if k not in ("speculative", "draft_tokens")}).token_ids
-             for i, (p, kw) in enumerate(zip(prompts, kws))]
-    for i in range(3):
-        batched.reset(i)
-    out: list = [None] * 3
-    go = threading.Barrier(3)
-
-    def work(i):
-        go.wait()
-        try:
-            out[i] = batched.generate(prompts[i], max_tokens=20, stop_at_eos=False, slot=i, **kws[i])
-        except Exception as e:  # noqa: BLE001 - compared below
-            out[i] = e
-
-    batched.start_batching()
-    try:
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        stats = batched.batch_stats
-    finally:
-        batched.stop_batching()
-    assert [g.token_ids for g in out] == alone
-    assert out[0].speculative["drafted"] > 0 and out[1].speculative["drafted"] > 0
-    assert stats["mean_rows"] > 1.5
+    check_mtp_drafts_under_batching(engine.container.dir, engine.vocab_size)
 
 
 def main_hidden(engine, tokens: list[int]) -> np.ndarray:
