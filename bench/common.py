@@ -123,14 +123,21 @@ def add_target_args(ap) -> None:
                          "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF for the AVX2 row")
 
 
+def named_cpu_env(cpu: str) -> dict:
+    """The numba settings that compile for the LLVM CPU `cpu` with that CPU's own instructions:
+    NUMBA_CPU_FEATURES must be set, and empty, for LLVM to take the named CPU's features; left
+    unset, numba passes the host's features with the name, and `haswell` on an AVX-512 machine
+    gets AVX-512 code."""
+    return {"NUMBA_CPU_NAME": cpu, "NUMBA_CPU_FEATURES": ""}
+
+
 def target_env(env: dict, a) -> dict:
     """`env` for the children of a run with `add_target_args`: NUMBA_CPU_NAME and a cache of its
     own for colibri (a cache compiled for one target is never loaded for another), the named
     libllama for llama.cpp."""
     env = dict(env)
     if getattr(a, "cpu", None):
-        env["NUMBA_CPU_NAME"] = a.cpu
-        env.pop("NUMBA_CPU_FEATURES", None)
+        env.update(named_cpu_env(a.cpu))
         env["NUMBA_CACHE_DIR"] = str(Path(env.get("NUMBA_CACHE_DIR") or Path.home() / ".cache" / "colibri" / "numba")
                                      / f"target-{a.cpu}")
     if getattr(a, "llama_lib", None):

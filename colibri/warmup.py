@@ -533,7 +533,8 @@ def _compiled_for() -> dict:
     from numba.core import config
 
     return {"numba": numba.__version__, "cpu": config.CPU_NAME or binding.get_host_cpu_name(),
-            "features": config.CPU_FEATURES or binding.get_host_cpu_features().flatten()}
+            "features": (config.CPU_FEATURES if config.CPU_FEATURES is not None
+                         else binding.get_host_cpu_features().flatten())}
 
 
 def _kernels_cached(marker: Path) -> bool:

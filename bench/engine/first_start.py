@@ -29,7 +29,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from bench.common import add_json_arg, child_env, interleaved, machine_line, median, write_json
+from bench.common import add_json_arg, child_env, interleaved, machine_line, median, named_cpu_env, write_json
 
 # The child: colibri's CLI with a listener on numba's compile events and a clock on stdout. Each
 # compile is recorded with its own seconds (inclusive) and those not spent in compiles nested
@@ -95,7 +95,7 @@ def fresh_env(root: Path, cpu: str | None) -> dict:
     for var in ("NUMBA_CACHE_DIR", "NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES"):
         env.pop(var, None)
     if cpu:
-        env["NUMBA_CPU_NAME"] = cpu
+        env.update(named_cpu_env(cpu))
     return env
 
 

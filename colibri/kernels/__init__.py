@@ -43,8 +43,9 @@ def _sources_digest() -> str:
         h.update(str(f.relative_to(here.parent)).encode() + f.read_bytes())
     # A forced integer-dot form or a named target CPU (idot.py reads both) compiles different
     # code from the same sources.
+    # (An empty NUMBA_CPU_FEATURES, the named CPU's own features, differs from an unset one, the host's.)
     for var in ("COLIBRI_IDOT", "NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES"):
-        h.update(os.environ.get(var, "").encode())
+        h.update(repr(os.environ.get(var)).encode())
     return f"kernels-{h.hexdigest()[:12]}"
 
 

@@ -1,5 +1,6 @@
-"""GGUF block rows read straight from their bytes: one fused IR tile of eight rows for Q2_K,
-Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, Q5_0 and Q5_1, no decoded scratch.
+"""GGUF block rows read straight from their bytes: one fused IR tile of eight rows for each
+block type (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL, IQ4_XS, Q5_0 and Q5_1), no decoded
+scratch.
 
 The general block path (blocks.py) decodes eight rows into int8 codes and float scales, then
 runs q8_0's tile over them: two passes and ~10 small calls a super-block. These tiles take
@@ -20,10 +21,11 @@ in chunk 2h + l // 8, so its even nibbles belong to one sub-block and its odd on
 
 and the offsets (the mins, Q6_K's -32, a lookup type's bias) leave the inner loop:
 acc = fmuladd(offset per 16-weight group, x's 16-wide sums, acc) once a super-block. A row is
-the lane sum of acc (codegen.hsum's tree). Every (weight row, x) pair gets these operations in
-this order whichever entry point calls it (matvec, matvec_rows, the fused MoE kernel) and with
-any thread count, so the invariants of the other kernels hold: a row's bits depend on its bytes
-and x only.
+the lane sum of acc (codegen.hsum's tree). A code whose bits lie in two places (Q3_K's and
+Q5_K's high bit, Q6_K's two) is assembled in its lane first, the high bits shifted next to the
+low ones. Every (weight row, x) pair gets these operations in this order whichever entry point
+calls it (matvec, matvec_rows, the fused MoE kernel) and with any thread count, so the
+invariants of the other kernels hold: a row's bits depend on its bytes and x only.
 """
 from __future__ import annotations
 
@@ -40,12 +42,15 @@ Q4K_BYTES = 144  # a super-block: d, dmin, scales[12], qs[128]
 Q6K_BYTES = 210  # ql[128], qh[64], scales[16] (int8), d
 Q5K_BYTES = 176  # d, dmin, scales[12], qh[32], qs[128]
 Q2K_BYTES = 84   # scales[16] (4-bit scale | 4-bit min), qs[64], d, dmin
+Q3K_BYTES = 110  # hmask[32], qs[64], scales[12] (6-bit), d
+IQ4XS_BYTES = 136  # d, scales_h (u16), scales_l[4], qs[128]
 
 _F32, _I8, _I16, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _V16F = ir.VectorType(_F32, 16)
 _V16I = ir.VectorType(_I32, 16)
 _V8F = ir.VectorType(_F32, 8)
 _V8I = ir.VectorType(_I32, 8)
+_V8B = ir.VectorType(_I8, 8)
 _V16B = ir.VectorType(_I8, 16)
 
 
@@ -92,6 +97,14 @@ def _q4k_source(m: int) -> int:
     return 64 * (lane >> 3) + 32 * (k & 1) + 4 * (lane & 7) + (k >> 1)
 
 
+def _q3k_source(m: int) -> int:
+    """Q3_K: the weight (of a half's 128) that position m = 16 k + l multiplies: nibble k of lane
+    l (_q3k_half), the low bits of weight 32 s + 4 (l % 8) + k // 2 in bit pair s =
+    2 (k % 2) + l // 8 of its byte; nibbles masked in place as Q4_K's."""
+    k, lane = m >> 4, m & 15
+    return 64 * (k & 1) + 32 * (lane >> 3) + 4 * (lane & 7) + (k >> 1)
+
+
 def _q6k_source(m: int) -> int:
     """Q6_K: position m = 64 part + 16 k + l multiplies byte k of lane l's codes, weight
     64 part + 4 l + k (of a half's 128), masked in place (c * 256^k)."""
@@ -119,24 +132,31 @@ def _q2k_shift(p: int) -> int:
 
 
 def _lut32_source(m: int) -> int:
-    """MXFP4 / IQ4_NL (four 32-weight blocks a super-block): position m = 64 part + 16 k + L
-    multiplies byte k of lane L's looked-up values, weight 32 (L // 4) + 16 part + 4 (L % 4) + k
-    (low nibbles part 0: a block's first 16 weights)."""
+    """MXFP4, IQ4_NL, Q5_0, Q5_1 (four 32-weight blocks a super-block), IQ4_XS (four of its
+    32-weight sub-blocks a half): position m = 64 part + 16 k + L multiplies byte k of lane L's
+    codes, weight 32 (L // 4) + 16 part + 4 (L % 4) + k (low nibbles part 0: a block's first 16
+    weights)."""
     part, k, lane = m >> 6, (m >> 4) & 3, m & 15
     return 32 * (lane >> 2) + 16 * part + 4 * (lane & 3) + k
 
 
-FUSED = ("q4_k", "q6_k", "q5_k", "q2_k", "mxfp4", "iq4_nl", "q5_0", "q5_1")  # fused tiles, in the tables' order
-_ORDER = np.array([[f(m) for m in range(128)] for f in (_q4k_source, _q6k_source, _q5k_source, _q2k_source)]
-                  + [[_lut32_source(m) for m in range(128)]] * 4, np.int64)
-_BYTE_SCALES = [2.0 ** (-8 * k) for k in range(3)] + [1.0]  # byte 3 shifted down, not masked
-_SCALE = np.array([[2.0 ** (-4 * k) for k in range(7)] + [1.0],
-                   [2.0 ** (-8 * (k & 3)) for k in range(8)],
-                   [2.0 ** (-8 * (k & 3)) for k in range(8)],
-                   [2.0 ** -_q2k_shift(p) for p in range(8)],
-                   *[_BYTE_SCALES * 2] * 4], np.float32)
-# weights a super-block (and per prepared-x padding unit): the 32-weight types take four blocks
-SUPER = np.array([256, 256, 256, 256, 128, 128, 128, 128], np.int64)
+_BLOCKS32 = ("mxfp4", "iq4_nl", "q5_0", "q5_1")  # four 32-weight blocks a super-block; a row may end inside one
+_NIBBLE_SCALES = [2.0 ** (-4 * k) for k in range(7)] + [1.0]  # nibble 7 shifted down, not masked
+_CODE_SCALES = [2.0 ** (-8 * (k & 3)) for k in range(8)]  # whole codes in the bytes of a lane
+_BYTE_SCALES = ([2.0 ** (-8 * k) for k in range(3)] + [1.0]) * 2  # byte 3 shifted down, not masked
+# kind -> (the weight each position of a prepared 128 multiplies, x's scale per 16 positions,
+# weights a super-block (and per prepared-x padding unit): the 32-weight types take four blocks)
+_LAYOUTS = {"q4_k": (_q4k_source, _NIBBLE_SCALES, 256),
+            "q6_k": (_q6k_source, _CODE_SCALES, 256),
+            "q5_k": (_q5k_source, _CODE_SCALES, 256),
+            "q2_k": (_q2k_source, [2.0 ** -_q2k_shift(p) for p in range(8)], 256),
+            **{k: (_lut32_source, _BYTE_SCALES, 128) for k in _BLOCKS32},
+            "q3_k": (_q3k_source, _NIBBLE_SCALES, 256),
+            "iq4_xs": (_lut32_source, _BYTE_SCALES, 256)}
+FUSED = tuple(_LAYOUTS)  # the fused tiles, in the tables' order
+_ORDER = np.array([[source(m) for m in range(128)] for source, _, _ in _LAYOUTS.values()], np.int64)
+_SCALE = np.array([scales for _, scales, _ in _LAYOUTS.values()], np.float32)
+SUPER = np.array([weights for _, _, weights in _LAYOUTS.values()], np.int64)
 
 
 @njit(cache=True)
@@ -213,6 +233,19 @@ def halves_f32(builder, ptr, n: int, load, f16c: bool = F16C):
     return f16_bits_f32(builder, builder.zext(h, ir.VectorType(_I32, n)))
 
 
+def _nibble_products(builder, lanes, xs, fma):
+    """(t_even, t_odd): per lane, the products of its even (odd) nibbles (codes of up to 4 bits)
+    with x prepared for nibbles (_NIBBLE_SCALES), nibbles 0-6 masked in place, 7 shifted down."""
+    ns = [builder.sitofp(builder.and_(lanes, mk), _V16F) for mk in _MASKS]
+    ns.append(builder.sitofp(builder.lshr(lanes, _c(_V16I, [28] * 16)), _V16F))
+    t_even = builder.fmul(ns[0], xs[0])
+    t_odd = builder.fmul(ns[1], xs[1])
+    for k in range(2, 8, 2):
+        t_even = builder.call(fma, [ns[k], xs[k], t_even])
+        t_odd = builder.call(fma, [ns[k + 1], xs[k + 1], t_odd])
+    return t_even, t_odd
+
+
 def q4k_superblock(builder, blk, load, nvalid=None):
     """Q4_K (and Q5_K): (<16 x float> whose lanes 0-7 are d * sc of the 8 sub-blocks,
     -(dmin * m) over the 16 groups of 16) of the block at blk: d, dmin, then the 6-bit fields."""
@@ -227,14 +260,7 @@ def _q4k_half(builder, blk, h, sv, xs, load, fma, nvalid=None):
     64 (l // 8) + 32 (k % 2) + 4 (l % 8) + k // 2, so lanes 0-7 take sub-blocks 4h (even k) and
     4h + 1 (odd k), lanes 8-15 sub-blocks 4h + 2 and 4h + 3 (sv: its lanes 0-7 the
     sub-block scales)."""
-    raw = load(builder.gep(blk, [_i64(16 + 64 * h)]), _V16I, 1)
-    ns = [builder.sitofp(builder.and_(raw, mk), _V16F) for mk in _MASKS]
-    ns.append(builder.sitofp(builder.lshr(raw, _c(_V16I, [28] * 16)), _V16F))
-    t_even = builder.fmul(ns[0], xs[0])
-    t_odd = builder.fmul(ns[1], xs[1])
-    for k in range(2, 8, 2):
-        t_even = builder.call(fma, [ns[k], xs[k], t_even])
-        t_odd = builder.call(fma, [ns[k + 1], xs[k + 1], t_odd])
+    t_even, t_odd = _nibble_products(builder, load(builder.gep(blk, [_i64(16 + 64 * h)]), _V16I, 1), xs, fma)
     s_even = builder.shuffle_vector(sv, sv, _c(_V16I, [4 * h] * 8 + [4 * h + 2] * 8))
     s_odd = builder.shuffle_vector(sv, sv, _c(_V16I, [4 * h + 1] * 8 + [4 * h + 3] * 8))
     return (t_even, s_even), (t_odd, s_odd)
@@ -255,18 +281,18 @@ _BIT4 = _c(_V16I, [0x10101010] * 16)
 _CODE_MASKS = [_c(_V16I, [63 << (8 * k)] * 16) for k in range(4)]
 
 
-def _spread_qh(builder, qh8):
-    """Eight 32-bit lanes of high-bit bytes -> sixteen: lanes 8-15 the same bytes shifted down
-    2 bits (a 32-bit shift carries bits across bytes, but only into bits the callers mask off),
-    so a uniform shift then reaches bit pair (or bit) s in lanes 0-7 and s + 2 in lanes 8-15."""
-    return builder.shuffle_vector(qh8, builder.lshr(qh8, _c(_V8I, [2] * 8)), _c(_V16I, range(16)))
+def _with_shifted(builder, v8, bits: int):
+    """Eight 32-bit lanes of bytes -> sixteen: lanes 8-15 the same shifted down `bits` bits (a
+    32-bit shift carries bits across bytes, but only into bits the callers mask off), so a
+    uniform mask or shift then reaches bit s in lanes 0-7 and s + bits in lanes 8-15."""
+    return builder.shuffle_vector(v8, builder.lshr(v8, _c(_V8I, [bits] * 8)), _c(_V16I, range(16)))
 
 
-def _to_bit4(builder, v, s: int):
-    """v's bits s.. moved to bit 4 of each byte (a left or right shift by |4 - s|)."""
-    if s < 4:
-        return builder.shl(v, _c(_V16I, [4 - s] * 16))
-    return builder.lshr(v, _c(_V16I, [s - 4] * 16)) if s > 4 else v
+def _bits_to(builder, v, s: int, t: int):
+    """v's bits s.. moved to bit t (a left or right shift by |t - s|)."""
+    if s < t:
+        return builder.shl(v, _c(_V16I, [t - s] * 16))
+    return builder.lshr(v, _c(_V16I, [s - t] * 16)) if s > t else v
 
 
 def _q6k_half(builder, blk, h, sv, xs, load, fma, nvalid=None):
@@ -276,11 +302,11 @@ def _q6k_half(builder, blk, h, sv, xs, load, fma, nvalid=None):
     lane, then masked in place (c * 256^k, exact) against x scaled by 256^-k. Lane l's four
     weights lie in group 8h + l // 4 (low) and 8h + 4 + l // 4 (high)."""
     ql = load(builder.gep(blk, [_i64(64 * h)]), _V16I, 1)
-    qh = _spread_qh(builder, load(builder.gep(blk, [_i64(128 + 32 * h)]), _V8I, 1))
+    qh = _with_shifted(builder, load(builder.gep(blk, [_i64(128 + 32 * h)]), _V8I, 1), 2)
     four = _c(_V16I, [4] * 16)
 
     def codes(nib, s):
-        return builder.or_(builder.and_(nib, _LOW4), builder.and_(_to_bit4(builder, qh, s), _BITS45))
+        return builder.or_(builder.and_(nib, _LOW4), builder.and_(_bits_to(builder, qh, s, 4), _BITS45))
     out = []
     for part, c in enumerate((codes(ql, 0), codes(builder.lshr(ql, four), 4))):
         ns = [builder.sitofp(builder.and_(c, mk), _V16F) for mk in _CODE_MASKS]
@@ -292,19 +318,17 @@ def _q6k_half(builder, blk, h, sv, xs, load, fma, nvalid=None):
     return out
 
 
-
-
 def _q5k_half(builder, blk, h, sv, xs, load, fma, nvalid=None):
     """Q5_K's weights 128h .. 128h+127 . x: qs[64h:] as Q4_K's (lane l's bytes in chunk
     2h + l // 8, low nibbles sub-block 2 (2h + l // 8), high ones the next), the fifth bit of
     weight 64c + p in bit 2c of qh[p] (low) or 2c + 1 (high). Codes assembled per byte as in
     _q6k_half."""
     ql = load(builder.gep(blk, [_i64(48 + 64 * h)]), _V16I, 1)
-    qh = _spread_qh(builder, load(builder.gep(blk, [_i64(16)]), _V8I, 1))
+    qh = _with_shifted(builder, load(builder.gep(blk, [_i64(16)]), _V8I, 1), 2)
     four = _c(_V16I, [4] * 16)
 
     def codes(nib, bit):
-        return builder.or_(builder.and_(nib, _LOW4), builder.and_(_to_bit4(builder, qh, 4 * h + bit), _BIT4))
+        return builder.or_(builder.and_(nib, _LOW4), builder.and_(_bits_to(builder, qh, 4 * h + bit, 4), _BIT4))
     out = []
     for part, c in enumerate((codes(ql, 0), codes(builder.lshr(ql, four), 1))):
         ns = [builder.sitofp(builder.and_(c, mk), _V16F) for mk in _CODE_MASKS]
@@ -337,8 +361,7 @@ def _q2k_half(builder, blk, h, sv, xs, load, fma, nvalid=None):
     down 16 bits as eight more: each of the 16 lanes holds 8 fields in its low 16 bits (masked
     in place: v * 2^shift, exact). Field p of lane L is weight 32 (p % 4) + 4 (L % 8) +
     2 (L // 8) + p // 4, in group 8h + 2 (p % 4) + (L % 8) // 4: one t per p % 4."""
-    q = load(builder.gep(blk, [_i64(16 + 32 * h)]), _V8I, 1)
-    v = builder.shuffle_vector(q, builder.lshr(q, _c(_V8I, [16] * 8)), _c(_V16I, range(16)))
+    v = _with_shifted(builder, load(builder.gep(blk, [_i64(16 + 32 * h)]), _V8I, 1), 16)
     ns = [builder.sitofp(builder.and_(v, mk), _V16F) for mk in _Q2K_MASKS]
     out = []
     for f in range(4):
@@ -348,7 +371,55 @@ def _q2k_half(builder, blk, h, sv, xs, load, fma, nvalid=None):
     return out
 
 
-# --- the 32-weight types: MXFP4, IQ4_NL, Q5_0, Q5_1 -----------------------------------------
+def _signed6(builder, raw, low, high):
+    """Q3_K's and IQ4_XS's 6-bit sub-block scales less 32, one a lane, as float: lane j's low 4
+    bits are byte low[j][0] of raw shifted down low[j][1], its high 2 bits high[j]'s."""
+    n = len(low)
+    vi = ir.VectorType(_I32, n)
+
+    def field(at, mask):
+        v = builder.zext(builder.shuffle_vector(raw, raw, _c(vi, [a for a, _ in at])), vi)
+        return builder.and_(builder.lshr(v, _c(vi, [sh for _, sh in at])), _c(vi, [mask] * n))
+    sc = builder.or_(field(low, 15), builder.shl(field(high, 3), _c(vi, [4] * n)))
+    return builder.sitofp(builder.sub(sc, _c(vi, [32] * n)), ir.VectorType(_F32, n))
+
+
+def _q3k_superblock(builder, blk, load, nvalid=None):
+    """Q3_K (hmask[32] qs[64] scales[12] d): (<16 x float> d * (sc - 32) of its 16 groups of 16,
+    -4 d (sc - 32)): a weight is d (sc - 32) (low bits + 4 high bit - 4), the tile's code the
+    3-bit low bits + 4 high bit, so the -4 is an offset."""
+    raw = load(builder.gep(blk, [_i64(94)]), _V16B, 1)  # ends at the block's end: scales at 2..13
+    sc = _signed6(builder, raw, [(2 + (j & 7), 4 * (j >> 3)) for j in range(16)],
+                  [(10 + (j & 3), 2 * (j >> 2)) for j in range(16)])
+    dh = halves_f32(builder, builder.gep(blk, [_i64(108)]), 1, load)
+    dl = builder.fmul(builder.shuffle_vector(dh, dh, _c(_V16I, [0] * 16)), sc)
+    return dl, builder.fmul(dl, _c(_V16F, [-4.0] * 16))
+
+
+_PAIRS02 = _c(_V16I, [0x33333333] * 16)
+_BIT2 = _c(_V16I, [0x04040404] * 16)
+_BIT6 = _c(_V16I, [0x40404040] * 16)
+
+
+def _q3k_half(builder, blk, h, sv, xs, load, fma, nvalid=None):
+    """Q3_K's weights 128h .. 128h+127 . x: byte i of qs[32h:] holds the low bits of weights
+    32s + i in its bit pairs s = 0..3, their high bits bit 4h + s of hmask[i]. Lanes 0-7 are the
+    32 bytes with bit pairs 0 and 2 kept in place, lanes 8-15 the same shifted down 2 bits (pairs
+    1 and 3), each pair's high bit moved to bit 2 of its nibble: eight 3-bit codes a lane in
+    nibbles, taken as Q4_K's. Nibble k of lane l is weight 32 s + 4 (l % 8) + k // 2, s =
+    2 (k % 2) + l // 8, in group 8h + 2s + (l % 8) // 4."""
+    low = builder.and_(_with_shifted(builder, load(builder.gep(blk, [_i64(32 + 32 * h)]), _V8I, 1), 2), _PAIRS02)
+    hm = _with_shifted(builder, load(blk, _V8I, 1), 1)  # bit 4h + s: pair s's high bit (8-15: s + 1's)
+    high = builder.or_(builder.and_(_bits_to(builder, hm, 4 * h, 2), _BIT2),
+                       builder.and_(_bits_to(builder, hm, 4 * h + 2, 6), _BIT6))
+    t_even, t_odd = _nibble_products(builder, builder.or_(low, high), xs, fma)
+    group = [2 * (lane >> 3) + (lane & 7) // 4 for lane in range(16)]
+    s_even = builder.shuffle_vector(sv, sv, _c(_V16I, [8 * h + g for g in group]))
+    s_odd = builder.shuffle_vector(sv, sv, _c(_V16I, [8 * h + 4 + g for g in group]))
+    return (t_even, s_even), (t_odd, s_odd)
+
+
+# --- the 32-weight types: MXFP4, IQ4_NL, Q5_0, Q5_1; IQ4_XS ---------------------------------
 # Four blocks make a super-block of 128 weights (a row's last may be partial: its missing blocks
 # read the last real one, their scales 0 and their x zeros). A block's 16 bytes hold weights
 # 0..15 in their low nibbles and 16..31 in their high ones: for MXFP4 and IQ4_NL an index into a
@@ -356,19 +427,27 @@ def _q2k_half(builder, blk, h, sv, xs, load, fma, nvalid=None):
 # 0..255; for Q5_0 / Q5_1 the low 4 bits of a 5-bit code whose fifth is bit w of the block's
 # 32-bit qh. Either way the bytes of a 32-bit lane are masked in place (v * 256^k, exact; byte 3
 # shifted down) as Q6_K's codes are, and w = d * byte + offset, offset -bias * d (Q5_1: its m),
-# through x's sums.
+# through x's sums. IQ4_XS's super-block of 256 is eight such blocks' nibbles (IQ4_NL's table)
+# after one header of d and the eight 6-bit sub-block scales: two halves of four blocks.
 
-# type -> (block bytes, offset of qs, bias, table (None: Q5's qh bits at byte 2 or 4))
+_IQ4_VALUES = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]
+# type -> (bytes from a block's qs to the next's, offset of the first qs, bias, table (None:
+# Q5's qh bits, the 4 bytes before qs))
 _LUTS = {"mxfp4": (17, 1, 12, [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]),  # e2m1, doubled
-         "iq4_nl": (18, 2, 128, [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]),
+         "iq4_nl": (18, 2, 128, _IQ4_VALUES),
          "q5_0": (22, 6, 16, None),
-         "q5_1": (24, 8, 0, None)}
+         "q5_1": (24, 8, 0, None),
+         "iq4_xs": (16, 8, 128, _IQ4_VALUES)}
+PSHUFB_KINDS = tuple(k for k, (_, _, _, table) in _LUTS.items() if table is not None)  # x86 only
 _BYTE_MASKS = [_c(_V16I, [255 << (8 * k)] * 16) for k in range(3)]
 _V4F = ir.VectorType(_F32, 4)
 
 
 def _block_at(builder, blk, c: int, nvalid, bb: int):
-    """Block c of a super-block at blk, or its last real block where c >= nvalid."""
+    """Block c of a super-block at blk, or its last real block where c >= nvalid (None: a whole
+    IQ4_XS super-block)."""
+    if nvalid is None:
+        return builder.gep(blk, [_i64(c * bb)])
     cc = builder.select(builder.icmp_signed("<", _i64(c), nvalid), _i64(c), builder.sub(nvalid, _i64(1)))
     return builder.gep(blk, [builder.mul(cc, _i64(bb))])
 
@@ -377,8 +456,8 @@ def _lut32_superblock(kind: str):
     bb, _, bias, _ = _LUTS[kind]
 
     def superblock(builder, blk, load, nvalid):
-        """(<16 x float> lane L the scale of block L // 4, -bias * scale over the 8 groups of
-        16, then 8 zero lanes): 0 for the blocks past the row's end."""
+        """(<4 x float> the scales of the four blocks, -bias * scale over the 8 groups of 16,
+        then 8 zero lanes): 0 for the blocks past the row's end."""
         ds = ms = ir.Constant(_V4F, ir.Undefined)
         for c in range(4):
             at = _block_at(builder, blk, c, nvalid, bb)
@@ -398,11 +477,23 @@ def _lut32_superblock(kind: str):
                 d = builder.extract_element(halves_f32(builder, at, 1, load), ir.Constant(_I32, 0))
             d = builder.select(builder.icmp_signed("<", _i64(c), nvalid), d, ir.Constant(_F32, 0.0))
             ds = builder.insert_element(ds, d, ir.Constant(_I32, c))
-        sv = builder.shuffle_vector(ds, ds, _c(_V16I, [lane // 4 for lane in range(16)]))
         neg = ms if kind == "q5_1" else builder.fmul(ds, _c(_V4F, [-float(bias)] * 4))
         offs = builder.shuffle_vector(neg, ir.Constant(_V4F, [0.0] * 4), _c(_V16I, [g // 2 for g in range(8)] + [4] * 8))
-        return sv, offs
+        return ds, offs
     return superblock
+
+
+def _iq4xs_superblock(builder, blk, load, nvalid=None):
+    """IQ4_XS (d, scales_h (u16), scales_l[4], qs[128]): (<8 x float> d * (sc - 32) of its 8
+    blocks, -128 d (sc - 32) over its 16 groups of 16: the table's bias). Block j's scale: low
+    4 bits nibble j % 2 of scales_l[j // 2], high 2 bits bits 2j of scales_h."""
+    raw = load(blk, _V8B, 1)
+    sc = _signed6(builder, raw, [(4 + j // 2, 4 * (j & 1)) for j in range(8)],
+                  [(2 + j // 4, 2 * (j & 3)) for j in range(8)])
+    dh = halves_f32(builder, blk, 1, load)
+    ds = builder.fmul(builder.shuffle_vector(dh, dh, _c(_V8I, [0] * 8)), sc)
+    neg = builder.fmul(ds, _c(_V8F, [-float(_LUTS["iq4_xs"][2])] * 8))
+    return ds, builder.shuffle_vector(neg, neg, _c(_V16I, [g // 2 for g in range(16)]))
 
 
 def _lut32_half(kind: str):
@@ -412,11 +503,12 @@ def _lut32_half(kind: str):
     bit = _c(_V16B, [1 << (i & 7) for i in range(16)])
 
     def half(builder, blk, h, sv, xs, load, fma, nvalid):
-        """The super-block's 128 weights . x: one t, lane L's eight products all in block L // 4."""
+        """Blocks 4h .. 4h+3 of the super-block (its 128 weights) . x: one t, lane L's eight
+        products all in block 4h + L // 4 (sv: the blocks' scales)."""
         shuf = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16B, [_V16B, _V16B]),
                                               "llvm.x86.ssse3.pshuf.b.128")
         lows, highs = [], []
-        for c in range(4):
+        for c in range(4 * h, 4 * h + 4):
             at = _block_at(builder, blk, c, nvalid, bb)
             raw = load(builder.gep(at, [_i64(qoff)]), _V16B, 1)
             lo, hi = builder.and_(raw, _c(_V16B, [15] * 16)), builder.lshr(raw, _c(_V16B, [4] * 16))
@@ -441,14 +533,16 @@ def _lut32_half(kind: str):
             for k in range(4):
                 x = xs[4 * part + k]
                 t = builder.fmul(ns[k], x) if t is None else builder.call(fma, [ns[k], x, t])
-        return [(t, sv)]
+        return [(t, builder.shuffle_vector(sv, sv, _c(_V16I, [4 * h + lane // 4 for lane in range(16)])))]
     return half
 
 
 # type -> (super-block bytes, per super-block decode, per half dot); Q5_K's header is Q4_K's
 _KINDS = {"q4_k": (Q4K_BYTES, q4k_superblock, _q4k_half), "q6_k": (Q6K_BYTES, q6k_superblock, _q6k_half),
           "q5_k": (Q5K_BYTES, q4k_superblock, _q5k_half), "q2_k": (Q2K_BYTES, _q2k_superblock, _q2k_half),
-          **{k: (4 * _LUTS[k][0], _lut32_superblock(k), _lut32_half(k)) for k in _LUTS}}
+          **{k: (4 * _LUTS[k][0], _lut32_superblock(k), _lut32_half(k)) for k in _BLOCKS32},
+          "q3_k": (Q3K_BYTES, _q3k_superblock, _q3k_half),
+          "iq4_xs": (IQ4XS_BYTES, _iq4xs_superblock, _lut32_half("iq4_xs"))}
 
 
 def _fused_codegen(kind: str, wrows: int):
@@ -459,7 +553,7 @@ def _fused_codegen(kind: str, wrows: int):
     result is hsum(acc)."""
     nbytes, superblock, half = _KINDS[kind]
     weights = int(SUPER[FUSED.index(kind)])  # a super-block's: 256, or four 32-weight blocks
-    halves, bb = weights // 128, _LUTS[kind][0] if kind in _LUTS else None
+    halves, bb = weights // 128, _LUTS[kind][0] if kind in _BLOCKS32 else None
 
     def codegen(context, builder, sig, args):
         qty, _, _, xpty, xsty, dty = sig.args
@@ -520,6 +614,6 @@ def _dot8_intrinsic(kind: str):
     return intrinsic(dot8)
 
 
-# (the 32-weight lookup types, MXFP4 and IQ4_NL, compile on x86 only: pshufb)
-q4k_dot8, q6k_dot8, q5k_dot8, q2k_dot8, mxfp4_dot8, iq4nl_dot8, q5_0_dot8, q5_1_dot8 = (
-    _dot8_intrinsic(k) for k in FUSED)
+# each FUSED kind's tile (the lookup types, PSHUFB_KINDS, compile on x86 only: pshufb)
+DOT8 = tuple(_dot8_intrinsic(k) for k in FUSED)
+q4k_dot8, q6k_dot8, q5k_dot8, q2k_dot8, mxfp4_dot8, iq4nl_dot8, q5_0_dot8, q5_1_dot8, q3k_dot8, iq4xs_dot8 = DOT8

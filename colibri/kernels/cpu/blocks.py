@@ -52,11 +52,14 @@ from .codegen import (
 )
 from .block_tiles import (
     FUSED,
+    PSHUFB_KINDS,
     iq4nl_dot8,
+    iq4xs_dot8,
     mxfp4_dot8,
     prepare_x_fused,
     prepared_len,
     q2k_dot8,
+    q3k_dot8,
     q4k_dot8,
     q5_0_dot8,
     q5_1_dot8,
@@ -75,8 +78,8 @@ NBYTES = np.array([BLOCK_TYPES[s].nbytes for s in BLOCK_SCHEMES], np.int64)
 # Types with a per-sub-block offset (a min): their matvec adds the offset term.
 HAS_OFFSET = np.array([s in ("q2_k", "q4_k", "q5_k", "q5_1") for s in BLOCK_SCHEMES], np.bool_)
 # scheme code -> its fused tile's index in block_tiles.FUSED (-1: decoded, then dotted)
-# (the 32-weight lookup types' tile shuffles bytes with x86's pshufb: elsewhere they are decoded)
-FUSED_KIND = np.array([FUSED.index(s) if s in FUSED and (PSHUFB or s not in ("mxfp4", "iq4_nl")) else -1
+# (the lookup types' tiles shuffle bytes with x86's pshufb: elsewhere they are decoded)
+FUSED_KIND = np.array([FUSED.index(s) if s in FUSED and (PSHUFB or s not in PSHUFB_KINDS) else -1
                        for s in BLOCK_SCHEMES], np.int64)
 GROUP = 16  # weights per decoded scale: the smallest sub-block (Q2_K, Q3_K, Q6_K)
 
@@ -468,9 +471,9 @@ def dot_rows8(codes, sc, of, x, xs, d):
 @njit(cache=True)
 def block_rows8(tc, q, r, x, xs, codes, sc, of, d):
     """d[0:8] = rows r .. r+7 of dequantize(q) @ x (rows past the end: garbage; xs: x_sums).
-    Shared by matvec_blocks, matmul_rows_blocks and the fused MoE kernel (moe.py). every type
-    but Q3_K and IQ4_XS reads its bytes in one fused tile (block_tiles.py); the other types are decoded,
-    then dotted."""
+    Shared by matvec_blocks, matmul_rows_blocks and the fused MoE kernel (moe.py). Every type
+    reads its bytes in one fused tile (block_tiles.py) where FUSED_KIND has one (the lookup
+    types only on x86); elsewhere it is decoded, then dotted."""
     if FUSED_KIND[tc] >= 0:
         p = prepared_len(FUSED_KIND[tc], x.shape[0])
         xp, xsum = xs[:p], xs[p:]
@@ -488,8 +491,12 @@ def block_rows8(tc, q, r, x, xs, codes, sc, of, d):
             iq4nl_dot8(q, r, r + 8, xp, xsum, d)
         elif tc == Q5_0:
             q5_0_dot8(q, r, r + 8, xp, xsum, d)
-        else:
+        elif tc == Q5_1:
             q5_1_dot8(q, r, r + 8, xp, xsum, d)
+        elif tc == Q3_K:
+            q3k_dot8(q, r, r + 8, xp, xsum, d)
+        else:
+            iq4xs_dot8(q, r, r + 8, xp, xsum, d)
         return
     decode_rows8(tc, q, r, codes, sc, of)
     dot_rows8(codes, sc, of, x, xs, d)
