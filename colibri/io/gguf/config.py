@@ -17,11 +17,11 @@ from colibri.errors import ColibriError
 # general.architecture -> colibri / HF model_type
 ARCHITECTURES = {"llama": "llama", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
                  "glm4moe": "glm4_moe", "deepseek2": "deepseek_v3", "qwen35moe": "qwen3_5_moe",
-                 "qwen3next": "qwen3_next"}
+                 "qwen3next": "qwen3_next", "gpt-oss": "gpt_oss"}
 _HF_CLASS = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
              "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
              "deepseek_v3": "DeepseekV3ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
-             "qwen3_next": "Qwen3NextForCausalLM"}
+             "qwen3_next": "Qwen3NextForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 _GATING = {1: "softmax", 2: "sigmoid", 3: "sqrtsoftplus"}  # gguf ExpertGatingFuncType
 
 
@@ -85,8 +85,9 @@ def build_config(path: Path, meta: dict, arch: str, names: set[str]) -> dict:
         "model_type": model_type,
         "architectures": [_HF_CLASS[model_type]],
         "hidden_size": hidden,
-        # Qwen3.5 MoE has no dense feed-forward width (its converter writes none)
-        "intermediate_size": m.one("feed_forward_length", required=arch != "qwen35moe"),
+        # Qwen3.5 MoE has no dense feed-forward width (its converter writes none); gpt-oss's is
+        # the experts' (expert_feed_forward_length, which llama.cpp reads)
+        "intermediate_size": m.one("feed_forward_length", required=arch not in ("qwen35moe", "gpt-oss")),
         "num_hidden_layers": blocks - nextn,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
@@ -121,6 +122,9 @@ def build_config(path: Path, meta: dict, arch: str, names: set[str]) -> dict:
         if m.get("rope.scaling.type", "none") != "none":
             raise ColibriError(f"{path.name}: RoPE scaling (e.g. Llama 3.1's rope_freqs) is not supported yet "
                                "for GGUF import")
+        return config
+    if model_type == "gpt_oss":
+        config.update(_gpt_oss(m, blocks, experts, top_k, head_dim, rope_theta))
         return config
     _check_gating(path, arch, gating, {"glm4moe": ("sigmoid",), "deepseek2": ("sigmoid",)}.get(arch, ("softmax",)))
     if model_type == "mixtral":
@@ -197,6 +201,49 @@ def _hybrid(m: _Meta, layers: int, head_dim: int, rope_theta: float) -> dict:
         "partial_rotary_factor": factor,
         "rope_parameters": {**_rope_parameters(m, rope_theta), "partial_rotary_factor": factor},
     }
+
+
+def gpt_oss_layer_types(period: int, layers: int) -> list[str]:
+    """llama.cpp's gpt-oss layer order (llama_hparams::set_swa_pattern): layer i slides when
+    i % period < period - 1; period 0 slides every layer. The default period, 2, is
+    GptOssConfig's order, sliding first."""
+    return ["sliding_attention" if period == 0 or i % period < period - 1 else "full_attention"
+            for i in range(layers)]
+
+
+GPT_OSS_SWA_PERIOD = 2  # llama.cpp's, when the file has no attention.sliding_window_pattern
+GPT_OSS_SWIGLU_LIMIT = 7.0  # llama.cpp's clamp for LLM_FFN_SWIGLU_OAI_MOE (the released configs' too)
+
+
+def _gpt_oss(m: _Meta, layers: int, experts: int, top_k, head_dim: int, rope_theta: float) -> dict:
+    """GptOssConfig's fields as llama.cpp runs the file (src/models/openai-moe.cpp): the experts'
+    width from expert_feed_forward_length, the sliding layers from the window pattern's period,
+    the clamped SwiGLU's limit and the softmax over the top-k logits hard-coded (llama.cpp reads
+    no key for them, so expert_gating_func is not consulted)."""
+    period = m.get("attention.sliding_window_pattern", GPT_OSS_SWA_PERIOD)
+    if not isinstance(period, int):
+        raise ColibriError(f"{m.path.name}: {m.arch}.attention.sliding_window_pattern is a per-layer array; "
+                           "llama.cpp reads a period (one number) for gpt-oss and colibri follows it")
+    swa_base = m.get("rope.freq_base_swa")
+    if swa_base is not None and float(swa_base) != rope_theta:
+        raise ColibriError(f"{m.path.name}: {m.arch}.rope.freq_base_swa={swa_base} differs from rope.freq_base="
+                           f"{rope_theta}; colibri's gpt_oss runs one rope base for every layer")
+    rope_dims = m.get("rope.dimension_count", head_dim)
+    if rope_dims != head_dim or m.get("attention.value_length", head_dim) != head_dim:
+        raise ColibriError(f"{m.path.name}: {m.arch}.rope.dimension_count={rope_dims} / attention.value_length="
+                           f"{m.get('attention.value_length')} differ from the head size {head_dim}; colibri's "
+                           "gpt_oss rotates and attends over whole heads of one size")
+    rope = _rope_parameters(m, rope_theta)
+    if rope["rope_type"] == "yarn":
+        # llama.cpp rounds the yarn correction range outward (ggml_rope_yarn_corr_dims); gpt-oss
+        # was trained without that rounding (its config.json: truncate false, which transformers,
+        # vLLM and SGLang follow): the file cannot say so, every gpt-oss checkpoint does
+        rope["truncate"] = False
+    return {"intermediate_size": m.one("expert_feed_forward_length", required=True),
+            "num_local_experts": experts, "num_experts_per_tok": top_k,
+            "sliding_window": m.need("attention.sliding_window"),
+            "layer_types": gpt_oss_layer_types(period, layers), "swiglu_limit": GPT_OSS_SWIGLU_LIMIT,
+            "rope_parameters": rope}
 
 
 def _check_gating(path: Path, arch: str, gating, allowed: tuple[str, ...]) -> None:

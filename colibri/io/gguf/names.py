@@ -2,7 +2,8 @@
 colibri's model code and container read. Routed experts are stacked per layer in GGUF
 (`blk.N.ffn_{gate,up,down}_exps`) and stay stacked (GGUFStack); DeepSeek's attn_k_b / attn_v_b
 are rejoined into kv_b_proj, Qwen3-Next's attn_qkv / attn_gate into in_proj_qkvz, and the
-hybrids' converter transforms undone (checkpoint.py)."""
+hybrids' converter transforms undone (checkpoint.py). gpt-oss's expert biases
+(`blk.N.ffn_*_exps.bias`, [E, out]) are dense tensors beside their stacks."""
 from __future__ import annotations
 
 GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -36,6 +37,8 @@ HYBRID_PARAMETERS = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.d
 # Zero-centred RMSNorm weights, which llama.cpp's converter writes as 1 + w (UnitOffsetNorms)
 UNIT_OFFSET_NORMS = ("attn_norm", "post_attention_norm", "attn_q_norm", "attn_k_norm", "output_norm")
 QKVZ_SPLIT = ("attn_qkv", "attn_gate")  # qwen3next: in_proj_qkvz split by the converter
+# gpt-oss's sinks: a bare HF parameter (self_attn.sinks), which the converter names `.weight`
+UNSUFFIXED = ("attn_sinks",)
 
 # arch -> per-layer GGUF stem -> HF name under model.layers.N
 LAYER = {
@@ -54,6 +57,11 @@ LAYER = {
     "qwen35moe": {**_HYBRID, "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
                   "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a"},
     "qwen3next": {**_HYBRID, "ssm_ba": "linear_attn.in_proj_ba", **_DENSE_MLP},
+    # the expert stems name the experts' biases here ([E, out], dense, GptOssMoE reads them); their
+    # weights are the stacks
+    "gpt-oss": {**_ATTN, "post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks",
+                "ffn_gate_inp": "mlp.router", "ffn_gate_exps": "mlp.experts.gate_proj",
+                "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"},
 }
 WITH_ROUTING_BIAS = ("glm4moe", "deepseek2")
 

@@ -72,6 +72,12 @@ _PRE_TOKENIZER_SPLITS = {
 # llama.cpp tokenizes a word that is itself a token as that token, merges or not (BPE ignore_merges)
 _IGNORE_MERGES = ("glm4", "glm5")
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+# Tokens that end generation beyond the file's eos / eot / eom ids, per architecture, as llama.cpp
+# finds them by text (llama-vocab.cpp's end-of-generation list): gpt-oss's harmony format ends an
+# answer with <|return|> and a tool call with <|call|>, and <|end|> is left out because the
+# analysis message ends with it and the answer follows (gpt-oss's generation_config.json stops on
+# the same three).
+_END_OF_GENERATION = {"gpt-oss": ("<|return|>", "<|call|>", "<|endoftext|>")}
 
 
 # ---------------------------------------------------------------- tokenizer
@@ -123,6 +129,8 @@ def tokenizer_files(path: Path, meta: dict) -> tuple[str, dict, dict]:
         i = meta.get(f"tokenizer.ggml.{key}")
         if i is not None and i not in eos_ids:
             eos_ids.append(i)
+    ends = _END_OF_GENERATION.get(meta.get("general.architecture"), ())
+    eos_ids += [i for i, tok in enumerate(tokens) if tok in ends and i not in eos_ids]
     generation_config = {
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
