@@ -24,8 +24,9 @@ from colibri.models.attention import Attention
 from colibri.models.cache import KVCache
 from colibri.models.decoder import DecoderModel, build_decoder
 from colibri.models.layers import linear
-from colibri.models.moe import RoutedMoE, layer_index, sum_experts
+from colibri.models.moe import RoutedMoE, layer_index
 from colibri.models.rope import apply_rope
+from colibri.profile import PHASES, clock
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 QUERY_BLOCK = 256  # queries whose scores are held at once, at most
@@ -176,8 +177,8 @@ class GptOssMoE(RoutedMoE):
         return linear(clamped_swiglu(gate, up, self.alpha, self.limit), ew["down_proj"], b["down_proj"][e])
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        weights, ids = self.route(x)  # [L, K], [L, K]
-        return sum_experts(x, weights, ids, self.experts, self.prefix, self.expert)
+        t0 = clock() if PHASES.on else 0.0
+        return self.over_matrices(x, self.route(x), t0)
 
     def rows(self, hs: list[np.ndarray]) -> list[np.ndarray]:
         return [self(h) for h in hs]  # each row as decoding it alone: the same bits

@@ -88,7 +88,7 @@ class RoutedMoE:
 
     def over_matrices(self, x: np.ndarray, routes: tuple[np.ndarray, np.ndarray], t0: float) -> np.ndarray:
         """The block for a family whose experts the fused MoE kernels do not compute (a clipped
-        SwiGLU: DeepSeek V4, GLM-5.3-Flash): its routes (weights [L, K], ids [L, K]), made since
+        SwiGLU: DeepSeek V4, GLM-5.3-Flash; biases: gpt-oss): its routes (weights [L, K], ids [L, K]), made since
         t0 (the phase clock's start, 0.0 when off), through `self.expert(x_rows, e, matrices)`
         over the matrix kernels, plus shared_out; each phase timed."""
         weights, ids = routes
@@ -99,9 +99,11 @@ class RoutedMoE:
         if t0:
             PHASES.add("routed_experts", self.layer, t0)
             t0 = clock()
-        out += self.shared_out(x)
-        if t0:
-            PHASES.add("shared_experts", self.layer, t0)
+        shared = self.shared_out(x)
+        if shared is not None:
+            out += shared
+            if t0:
+                PHASES.add("shared_experts", self.layer, t0)
         return out
 
     def rows(self, hs: list[np.ndarray]) -> list[np.ndarray]:
