@@ -11,7 +11,7 @@ bytes with sane f16 scales; int4/q8: quantized normals), in enough distinct copi
 round times one pass over the copies per scheme, the schemes interleaved (bench.common);
 prints the median over --repeats rounds and the ratio to int4_g64's GB/s. `--activations
 f32,int8` adds a column for the int8-activation kernels (kernels/idot.py for int4,
-kernels/block_idot.py for Q4_K and Q6_K; "-" for the schemes that run exactly in int8 mode), run
+kernels/block_idot.py for its INT8_SCHEMES; "-" for the schemes that run exactly in int8 mode), run
 interleaved with the exact ones, and its ratio to the scheme's exact GB/s.
 """
 from __future__ import annotations

@@ -1,7 +1,9 @@
-"""GGUF K-quant rows times int8 activations: the `--activations int8` form of block_tiles.py's
-fused tiles, for Q4_K, Q6_K and Q5_K (llama.cpp's Q8_K idea with idot.py's integer dots). Block
-types without an int8 tile (Q2_K, Q3_K, IQ4_XS, IQ4_NL, Q5_0, Q5_1, MXFP4) stay on the exact
-path in int8 mode.
+"""GGUF K-quant and MXFP4 rows times int8 activations: the `--activations int8` form of
+block_tiles.py's fused tiles, for Q4_K, Q6_K, Q5_K and MXFP4 (llama.cpp's Q8_K / Q8_0 idea with
+idot.py's integer dots). Block types without an int8 tile (Q2_K, Q3_K, IQ4_XS, IQ4_NL, Q5_0,
+Q5_1) stay on the exact path in int8 mode. (IQ4_NL / IQ4_XS are not here because their table
+values made unsigned (+128, up to 241) would overflow AVX2's vpmaddubsw pair sums, 2 * 241 * 127
+> 32767, so the integer forms would disagree: they need |value| paired with sign(value) * xq.)
 
 Why: the exact tiles spend a conversion and a multiply-add per weight (~6-8 GB/s a core);
 here a row's 64 quant bytes cost two integer dot instructions (idot.dot_u8s8: AVX-512 VNNI
@@ -9,8 +11,9 @@ here a row's 64 quant bytes cost two integer dot instructions (idot.dot_u8s8: AV
 conversion and one multiply-add per 16 lanes.
 
 x is quantized once per call (quantize_blocks_into), with idot's rounding (idot.group_scale):
-one scale s_x per 32 weights (a Q4_K sub-block, two Q6_K groups), xq = round(x / s_x) in int8,
-laid out so that each 64-byte load of a row's codes pairs with one 64-byte load of xq. Then per
+one scale s_x per 32 weights (a Q4_K sub-block, two Q6_K groups, an MXFP4 block), xq =
+round(x / s_x) in int8, laid out so that each 64-byte load of a row's codes pairs with one
+64-byte load of xq. Then per
 super-block and row, with the sub-block scales decoded as the exact tiles decode them
 (block_tiles' q4k_superblock / q6k_superblock: d * sc in float32):
 
@@ -20,6 +23,9 @@ super-block and row, with the sub-block scales decoded as the exact tiles decode
     Q6_K, 16 groups g of 16:     isum_g = sum(code * xq) - 32 * sum(xq)   (code 0..63: the -32
         enters as each lane accumulator's start, an integer per 4 xq given with x, as idot's
         symmetric int4 does) ;  acc = fmuladd(float(isum lanes), (d * sc_g) * s_x[g], acc)
+    MXFP4, 4 blocks c of 32:     isum_c = sum(code * xq) - 12 * sum(xq)   (code: the doubled E2M1
+        value + 12, 0..24, by block_tiles' byte lookup; the -12 as Q6_K's -32) ;
+        acc = fmuladd(float(isum lanes), d_c * s_x[c], acc), d_c = 2^(e - 128) (the E8M0 scale halved)
 
 A lane's integer sum is exact in every form (at most 4 * 63 * 127 + 32 * 4 * 127 in magnitude;
 AVX2's vpmaddubsw sums two products of at most 63 * 127 into int16, far from its limit), so the
@@ -37,6 +43,11 @@ The layouts, per 128 weights (half a super-block) and 64-byte load h:
 - Q6_K: ql's 64 bytes and qh's 32 give codes of weights 0..63 (low nibbles, qh bits 0-1 and 2-3)
   and 64..127 (high nibbles, bits 4-5 and 6-7): xq in the natural order, lane l in group l // 4
   of its 64.
+- MXFP4, per super-block of four blocks: their 16-byte qs joined, so the low nibbles are the
+  blocks' weights 0..15 and the high ones their 16..31 (lane l in block l // 4), xq likewise
+  (_mxfp4_order). A row may end inside a super-block (gpt-oss's 2880 = 90 blocks): x is padded
+  to whole super-blocks with zeros (padded_len), the missing blocks read the row's last real
+  one and get scale 0, as in the exact tile.
 """
 from __future__ import annotations
 
@@ -49,7 +60,18 @@ from numba.extending import intrinsic, overload
 from colibri.formats.ggml_blocks import BLOCK_SCHEMES
 from colibri.formats.qtensor import QTensor
 
-from .cpu.block_tiles import Q4K_BYTES, Q5K_BYTES, Q6K_BYTES, q4k_superblock, q6k_superblock, tile_prologue
+from .cpu.block_tiles import (
+    LUTS,
+    Q4K_BYTES,
+    Q5K_BYTES,
+    Q6K_BYTES,
+    lut32_codes,
+    lut32_superblock,
+    q4k_superblock,
+    q6k_superblock,
+    tile_prologue,
+    valid_blocks,
+)
 from .cpu.blocks import (
     TYPE_CODE,
     block_rows8,
@@ -63,10 +85,11 @@ from .cpu.checks import check_tensor, checked_x
 from .cpu.codegen import hsum
 from .idot import dot_u8s8, group_scale, to_int8
 
-INT8_SCHEMES = ("q4_k", "q6_k", "q5_k")  # the block types with an int8 tile, in IDOT_KIND's order
+INT8_SCHEMES = ("q4_k", "q6_k", "q5_k", "mxfp4")  # the block types with an int8 tile, in IDOT_KIND's order
 # scheme code (blocks.TYPE_CODE) -> its int8 tile's index in INT8_SCHEMES, -1: exact in int8 mode
 IDOT_KIND = np.array([INT8_SCHEMES.index(s) if s in INT8_SCHEMES else -1 for s in BLOCK_SCHEMES], np.int64)
-_Q4_K, _Q6_K = TYPE_CODE["q4_k"], TYPE_CODE["q6_k"]
+_Q4_K, _Q6_K, _Q5_K = TYPE_CODE["q4_k"], TYPE_CODE["q6_k"], TYPE_CODE["q5_k"]
+_MXFP4_BLOCK, _, _MXFP4_BIAS, _ = LUTS["mxfp4"]  # a block's bytes; the bias that makes its codes unsigned
 
 
 def _q4k_order(m: int) -> int:
@@ -76,36 +99,57 @@ def _q4k_order(m: int) -> int:
     return 64 * (i >> 5) + 32 * high + (i & 31)
 
 
-_ORDER = [[_q4k_order(m) for m in range(128)], list(range(128)), [_q4k_order(m) for m in range(128)]]
-# where each 32 weights of a half's 128 start in xq (the orders keep runs of 32 together)
-_WHERE = np.array([[order.index(32 * c) for c in range(4)] for order in _ORDER], np.int64)
-_BIAS = np.array([0, 32, 0], np.int32)  # subtracted from every code (Q6_K), through the lane starts
+def _mxfp4_order(m: int) -> int:
+    """MXFP4: the weight (of four blocks' 128) that xq position m pairs with: block m // 16's
+    weight m % 16 (a low nibble) for m < 64, else block (m - 64) // 16's weight 16 + m % 16."""
+    i, high = m & 63, m >> 6
+    return 32 * (i >> 4) + 16 * high + (i & 15)
+
+
+_ORDER = [[_q4k_order(m) for m in range(128)], list(range(128)), [_q4k_order(m) for m in range(128)],
+          [_mxfp4_order(m) for m in range(128)]]
+# each weight's position in xq, within its 128
+_AT = np.array([[order.index(w) for w in range(128)] for order in _ORDER], np.int64)
+_BIAS = np.array([0, 32, 0, _MXFP4_BIAS], np.int32)  # subtracted from every code, through the lane starts
+# x's padding unit, a super-block: MXFP4's rows end at any block, and the tile reads four
+_SUPER = np.array([256, 256, 256, 128], np.int64)
 
 
 # --- x, quantized once per call --------------------------------------------------------------
 
 
 @njit(cache=True)
+def padded_len(kind, n):
+    """The length of x's quantized form for INT8_SCHEMES[kind]: n (a multiple of 32) in whole
+    super-blocks (_SUPER)."""
+    return (n + _SUPER[kind] - 1) // _SUPER[kind] * _SUPER[kind]
+
+
+@njit(cache=True)
 def quantize_blocks_into(kind, x, xq, ni, sx, xo):
-    """x float32 [n] (n whole super-blocks of 256) -> for INT8_SCHEMES[kind]'s tile: xq int8 [n]
-    in the tile's order (_ORDER); ni int32 [n / 4], -bias * the sum of each 4 xq (the lane
-    accumulators' starts); sx float32 [n / 32], each 32 weights' scale; xo float32 [n / 16],
-    s_x * the sum of each 16 xq in natural order (the mins term)."""
+    """x float32 [n] -> for INT8_SCHEMES[kind]'s tile, p = padded_len(kind, n): xq int8 [p] in
+    the tile's order (_ORDER); ni int32 [p / 4], -bias * the sum of each 4 xq (the lane
+    accumulators' starts); sx float32 [p / 32], each 32 weights' scale; xo float32 [p / 16],
+    s_x * the sum of each 16 xq in natural order (the mins term). Past x's end all are 0, so a
+    row's missing blocks add nothing."""
     n = x.shape[0]
-    where = _WHERE[kind]
+    at = _AT[kind]
+    xq[n // 128 * 128:] = 0
+    sx[n // 32:] = 0.0
+    xo[n // 16:] = 0.0
     for b in range(n // 32):
         s, inv, finite = group_scale(x, 32 * b, 32)
         sx[b] = s
-        at = 128 * (b >> 2) + where[b & 3]
+        base = 128 * (b >> 2)
         for h in range(2):  # (summed as written: reading the bytes back stalls on their stores)
             t = np.int32(0)
             for k in range(16 * h, 16 * h + 16):
                 v = to_int8(x[32 * b + k], inv, finite)
-                xq[at + k] = v
+                xq[base + at[32 * (b & 3) + k]] = v
                 t += np.int32(v)
             xo[2 * b + h] = s * np.float32(t)
     bias = _BIAS[kind]
-    for lane in range(n // 4):
+    for lane in range(xq.shape[0] // 4):
         t = np.int32(0)
         for k in range(4):
             t += np.int32(xq[4 * lane + k])
@@ -116,7 +160,7 @@ def quantize_blocks_into(kind, x, xq, ni, sx, xo):
 def quantize_blocks(kind, x):
     """x [n] -> (xq, ni, sx, xo) for INT8_SCHEMES[kind]; empty arrays where kind is -1 (a type
     the exact path takes)."""
-    n = x.shape[0] if kind >= 0 else 0
+    n = padded_len(kind, x.shape[0]) if kind >= 0 else 0
     xa = (np.empty(n, np.int8), np.empty(n // 4, np.int32), np.empty(n // 32, np.float32),
           np.empty(n // 16, np.float32))
     if kind >= 0:
@@ -128,7 +172,7 @@ def quantize_blocks(kind, x):
 def quantize_blocks_rows(kind, x):
     """Rows x [K, n] -> quantize_blocks of each, as arrays with a leading K axis."""
     K = x.shape[0]
-    n = x.shape[1] if kind >= 0 else 0
+    n = padded_len(kind, x.shape[1]) if kind >= 0 else 0
     xa = (np.empty((K, n), np.int8), np.empty((K, n // 4), np.int32), np.empty((K, n // 32), np.float32),
           np.empty((K, n // 16), np.float32))
     if kind >= 0:
@@ -140,7 +184,7 @@ def quantize_blocks_rows(kind, x):
 # --- the tile ----------------------------------------------------------------------------
 
 _F32, _I8, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
-_V16F, _V8F = ir.VectorType(_F32, 16), ir.VectorType(_F32, 8)
+_V16F = ir.VectorType(_F32, 16)
 _V16I = ir.VectorType(_I32, 16)
 _V64B, _V32B = ir.VectorType(_I8, 64), ir.VectorType(_I8, 32)
 
@@ -153,13 +197,13 @@ def _i64(v):
     return ir.Constant(_I64, v)
 
 
-def _q4k_codes(builder, blk, h, load):
+def _q4k_codes(builder, blk, h, load, nvalid=None):
     """Q4_K's 64-byte load h of a super-block's nibbles: (low nibbles, high nibbles), bytes."""
     raw = load(builder.gep(blk, [_i64(16 + 64 * h)]), _V64B)
     return builder.and_(raw, _c(_V64B, [15] * 64)), builder.lshr(raw, _c(_V64B, [4] * 64))
 
 
-def _q6k_codes(builder, blk, h, load):
+def _q6k_codes(builder, blk, h, load, nvalid=None):
     """Q6_K's weights 128h .. 128h + 127 as 6-bit codes (0..63), bytes: weights 0..63 of the
     half, then 64..127. ql[64h + l] holds weights l (low nibble) and 64 + l (high) for l < 32,
     32 + l' and 96 + l' for l = 32 + l'; their high bits: qh[32h + l % 32] bits 0-1 (weights
@@ -173,7 +217,7 @@ def _q6k_codes(builder, blk, h, load):
     return lo, hi
 
 
-def _q5k_codes(builder, blk, h, load):
+def _q5k_codes(builder, blk, h, load, nvalid=None):
     """Q5_K's 64-byte load h: Q4_K's nibbles (qs at 48) with their fifth bits, weight 64c + k's
     in bit 2c of qh[k] (low nibble) and 64c + 32 + k's in bit 2c + 1 (high), c = 2h + i // 32
     for byte i of the load: so bits 4h, 4h + 1 of qh serve bytes 0..31, bits 4h + 2, 4h + 3
@@ -189,6 +233,20 @@ def _q5k_codes(builder, blk, h, load):
     return lo, hi
 
 
+_mxfp4_blocks = lut32_codes("mxfp4")
+
+
+def _mxfp4_codes(builder, blk, h, load, nvalid):
+    """MXFP4's four blocks at blk (the row's last real one for those past its end, nvalid) as
+    doubled E2M1 values + 12 (0..24, block_tiles' table): the blocks' weights 0..15 in order,
+    then their 16..31 (_mxfp4_order)."""
+    def joined(parts):
+        ab = builder.shuffle_vector(parts[0], parts[1], _c(ir.VectorType(_I32, 32), range(32)))
+        cd = builder.shuffle_vector(parts[2], parts[3], _c(ir.VectorType(_I32, 32), range(32)))
+        return builder.shuffle_vector(ab, cd, _c(ir.VectorType(_I32, 64), range(64)))
+    return tuple(joined(parts) for parts in _mxfp4_blocks(builder, blk, h, load, nvalid))
+
+
 def _q4k_lanes(h):
     """Q4_K / Q5_K: lanes 0-7 of load h's low nibbles in sub-block 4h, 8-15 in 4h + 2; the
     high nibbles' in 4h + 1, 4h + 3."""
@@ -200,23 +258,36 @@ def _q6k_lanes(h):
     return [8 * h + (lane >> 2) for lane in range(16)], [8 * h + 4 + (lane >> 2) for lane in range(16)]
 
 
-# kind -> (super-block bytes, scales decode, codes of a 64-byte load, lane -> scale index of
-# the (low, high) codes of load h: a sub-block of 32 (Q4_K, Q5_K) or group of 16 (Q6_K))
+def _mxfp4_lanes(h):
+    """MXFP4: lane l of both 64-byte loads in block l // 4."""
+    return [lane >> 2 for lane in range(16)], [lane >> 2 for lane in range(16)]
+
+
+# kind -> (super-block bytes, its weights, scales decode, codes of a 64-byte load (nvalid: the
+# super-block's blocks inside the row, for the 32-weight types; None for the K-quants), lane ->
+# scale index of the (low, high) codes of load h, weights a scale: a sub-block or block of 32
+# (Q4_K, Q5_K, MXFP4) or group of 16 (Q6_K), mins (Q4_K, Q5_K), block bytes (the 32-weight
+# types, whose rows may end inside a super-block))
 _KINDS = {
-    "q4_k": (Q4K_BYTES, q4k_superblock, _q4k_codes, _q4k_lanes),
-    "q6_k": (Q6K_BYTES, q6k_superblock, _q6k_codes, _q6k_lanes),
-    "q5_k": (Q5K_BYTES, q4k_superblock, _q5k_codes, _q4k_lanes),  # Q4_K's header and sub-blocks
+    "q4_k": (Q4K_BYTES, 256, q4k_superblock, _q4k_codes, _q4k_lanes, 32, True, None),
+    "q6_k": (Q6K_BYTES, 256, q6k_superblock, _q6k_codes, _q6k_lanes, 16, False, None),
+    "q5_k": (Q5K_BYTES, 256, q4k_superblock, _q5k_codes, _q4k_lanes, 32, True, None),  # Q4_K's header and sub-blocks
+    "mxfp4": (4 * _MXFP4_BLOCK, 128, lut32_superblock("mxfp4"), _mxfp4_codes, _mxfp4_lanes, 32, False,
+              _MXFP4_BLOCK),  # four blocks a super-block, as the exact tile
 }
 
 
 def _idot_codegen(kind: str, wrows: int):
     """The tile over `wrows` weight rows of type `kind` x one quantized x (q, r, rn, xq, ni, sx,
     xo, d): per super-block, x's scales loaded once and each row's scales decoded, multiplied by
-    them ((d * sc) * s_x per sub-block or group) and (Q4_K) the mins term added; then per 64-byte
-    load of codes, x's two 64-byte pieces (and Q6_K's lane starts) loaded once for all rows, and
-    per row two integer dots, each converted and added with one fmuladd; d[j] = hsum(acc)."""
-    nbytes, superblock, codes_of, lane_scales = _KINDS[kind]
-    q4k = kind != "q6_k"  # the 32-weight sub-blocks with mins (Q4_K, Q5_K)
+    them ((d * sc) * s_x per sub-block, group or block) and (Q4_K, Q5_K) the mins term added; then
+    per 64-byte load of codes, x's two 64-byte pieces (and the Q6_K / MXFP4 lane starts) loaded
+    once for all rows, and per row two integer dots, each converted and added with one fmuladd;
+    d[j] = hsum(acc)."""
+    nbytes, weights, superblock, codes_of, lane_scales, per_scale, mins, bb = _KINDS[kind]
+    biased = _BIAS[INT8_SCHEMES.index(kind)] != 0
+    nscales = weights // per_scale
+    sxv = ir.VectorType(_F32, weights // 32)
 
     def codegen(context, builder, sig, args):
         qty, _, _, xqty, nity, sxty, xoty, dty = sig.args
@@ -225,7 +296,8 @@ def _idot_codegen(kind: str, wrows: int):
         xqa, nia, sxa, xoa, da = (context.make_array(t)(context, builder, a)
                                   for t, a in zip((xqty, nity, sxty, xoty, dty), args[3:]))
         n = cgutils.unpack_tuple(builder, xqa.shape, 1)[0]
-        nsb = builder.udiv(n, _i64(256))
+        nsb = builder.udiv(n, _i64(weights))
+        nblk = builder.udiv(cgutils.unpack_tuple(builder, qa.shape, 2)[1], _i64(bb)) if bb else None
         xqbase = builder.bitcast(xqa.data, _I8.as_pointer())
         nibase = builder.bitcast(nia.data, _I32.as_pointer())
         sxbase = builder.bitcast(sxa.data, _F32.as_pointer())
@@ -240,36 +312,35 @@ def _idot_codegen(kind: str, wrows: int):
         with cgutils.for_range(builder, nsb) as loop:
             sb = loop.index
             b = builder.mul(sb, _i64(nbytes))
-            e = builder.mul(sb, _i64(256))
-            sx8 = load(builder.gep(sxbase, [builder.lshr(e, _i64(5))]), _V8F, 4)
-            if q4k:
+            e = builder.mul(sb, _i64(weights))
+            nvalid = valid_blocks(builder, nblk, sb) if bb else None
+            sx = load(builder.gep(sxbase, [builder.lshr(e, _i64(5))]), sxv, 4)
+            sx_of = builder.shuffle_vector(sx, sx, _c(ir.VectorType(_I32, nscales),  # s_x of each scale's weights
+                                                      [g * per_scale // 32 for g in range(nscales)]))
+            if mins:
                 xo16 = load(builder.gep(xobase, [builder.lshr(e, _i64(4))]), _V16F, 4)
-            else:  # s_x of each group of 16
-                sx16 = builder.shuffle_vector(sx8, sx8, _c(_V16I, [g >> 1 for g in range(16)]))
             scales = []
-            for j in range(wrows):
-                sv, offs = superblock(builder, builder.gep(rows[j], [b]), load)
-                if q4k:  # (d * sc_j) * s_x[j] over the 8 sub-blocks; the mins through x's 16-sums
-                    dsc = builder.shuffle_vector(sv, sv, _c(ir.VectorType(_I32, 8), range(8)))
-                    scales.append(builder.fmul(dsc, sx8))
+            for j in range(wrows):  # (d * sc) * s_x per sub-block, group or block
+                sv, offs = superblock(builder, builder.gep(rows[j], [b]), load, nvalid)
+                dsc = builder.shuffle_vector(sv, sv, _c(ir.VectorType(_I32, nscales), range(nscales)))
+                scales.append(builder.fmul(dsc, sx_of))
+                if mins:  # through x's 16-sums
                     builder.store(builder.call(fma, [offs, xo16, builder.load(accs[j])]), accs[j])
-                else:  # (d * sc_g) * s_x of the group, over the 16 groups
-                    scales.append(builder.fmul(sv, sx16))
                 for off in range(0, nbytes, 64):  # the next block of rows' same super-block
                     at = builder.gep(nexts[j], [builder.add(b, _i64(off))])  # (prefetch never faults)
                     builder.call(pf, [at, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
-            for h in range(2):
+            for h in range(weights // 128):
                 xo_ = builder.add(e, _i64(128 * h))
                 xs = [load(builder.gep(xqbase, [builder.add(xo_, _i64(64 * p))]), _V64B) for p in range(2)]
-                if q4k:
-                    starts = [zero, zero]
-                else:
+                if biased:
                     starts = [load(builder.gep(nibase, [builder.lshr(builder.add(xo_, _i64(64 * p)), _i64(2))]), _V16I, 4)
                               for p in range(2)]
+                else:
+                    starts = [zero, zero]
                 idx = lane_scales(h)
                 for j in range(wrows):
                     acc = builder.load(accs[j])
-                    for p, codes in enumerate(codes_of(builder, builder.gep(rows[j], [b]), h, load)):
+                    for p, codes in enumerate(codes_of(builder, builder.gep(rows[j], [b]), h, load, nvalid)):
                         isum = dot_u8s8(builder, starts[p], ((codes, xs[p]),), 16)
                         s = builder.shuffle_vector(scales[j], scales[j], _c(_V16I, idx[p]))
                         acc = builder.call(fma, [builder.sitofp(isum, _V16F), s, acc])
@@ -290,7 +361,7 @@ def _idot8_intrinsic(kind: str):
     return intrinsic(idot8)
 
 
-q4k_idot8, q6k_idot8, q5k_idot8 = (_idot8_intrinsic(k) for k in INT8_SCHEMES)
+q4k_idot8, q6k_idot8, q5k_idot8, mxfp4_idot8 = (_idot8_intrinsic(k) for k in INT8_SCHEMES)
 
 
 # --- rows --------------------------------------------------------------------------------
@@ -306,8 +377,10 @@ def rows8(tc, q, r, xa, d):
         q4k_idot8(q, r, r + 8, xq, ni, sx, xo, d)
     elif tc == _Q6_K:
         q6k_idot8(q, r, r + 8, xq, ni, sx, xo, d)
-    else:
+    elif tc == _Q5_K:
         q5k_idot8(q, r, r + 8, xq, ni, sx, xo, d)
+    else:
+        mxfp4_idot8(q, r, r + 8, xq, ni, sx, xo, d)
 
 
 @njit(parallel=True, cache=True)

@@ -51,9 +51,9 @@ def fuse_rows(*ts: QTensor) -> QTensor | None:
 
 
 def _int8_kernels(w: QTensor):
-    """The integer-dot module for w under `--activations int8` (int4: kernels/idot.py; GGUF
-    Q4_K / Q6_K: kernels/block_idot.py), or None: the exact kernels (every other scheme, and
-    any scheme in the default f32 mode)."""
+    """The integer-dot module for w under `--activations int8` (int4: kernels/idot.py; the GGUF
+    types of block_idot.INT8_SCHEMES, Q4_K / Q5_K / Q6_K / MXFP4: kernels/block_idot.py), or
+    None: the exact kernels (every other scheme, and any scheme in the default f32 mode)."""
     if idot.current() != "int8":
         return None
     if w.scheme in INT4_SCHEMES:
@@ -63,8 +63,8 @@ def _int8_kernels(w: QTensor):
 
 def linear(x: np.ndarray, w: QTensor, bias: np.ndarray | None = None) -> np.ndarray:
     """x [L, in] -> [L, out]. Decode (L == 1) takes the matvec kernel, prefill the matmul one;
-    int4, Q4_K and Q6_K weights under `--activations int8` take the integer-dot kernels, whose
-    prompt rows equal decoding each token (_int8_kernels)."""
+    int4 and block_idot.INT8_SCHEMES weights under `--activations int8` take the integer-dot
+    kernels, whose prompt rows equal decoding each token (_int8_kernels)."""
     int8 = _int8_kernels(w)
     if int8 is not None:
         y = int8.matvec_q(w, x[0])[None, :] if x.shape[0] == 1 else int8.matmul_q(w, x)

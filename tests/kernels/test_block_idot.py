@@ -1,5 +1,5 @@
-"""GGUF Q4_K / Q6_K / Q5_K rows x int8 activations (colibri/kernels/block_idot.py, `--activations
-int8`): the result is the float64 dot of gguf-py's dequantized weights with the int8-rounded x
+"""GGUF Q4_K / Q6_K / Q5_K / MXFP4 rows x int8 activations (colibri/kernels/block_idot.py,
+`--activations int8`): the result is the float64 dot of gguf-py's dequantized weights with the int8-rounded x
 within float32 rounding; a row's bits never depend on the caller (matvec, the several-rows
 kernel, the fused MoE kernel), the thread count or the integer form (VNNI, AVX2 pairs, portable
 IR); block types without an int8 tile run exactly in int8 mode."""
@@ -15,11 +15,13 @@ from colibri.kernels import block_idot, idot
 from colibri.kernels.cpu import matvec as exact_matvec
 from colibri.kernels.cpu import matvec_rows as exact_rows
 
-from test_blocks import _block_layer, make, reference
+from test_blocks import _block_layer, make, reference, shapes
 from test_idot import assert_same_bits_in_every_form
 
 SCHEMES = block_idot.INT8_SCHEMES
-SHAPES = [(13, 512), (3, 256), (24, 1024)]  # rows: not a multiple of 8, fewer than 8, whole blocks
+# test_blocks' shapes: rows not a multiple of 8, fewer than 8, whole blocks of rows; MXFP4's rows
+# also ending inside the tile's four blocks
+CASES = [(scheme, out, n) for scheme in SCHEMES for out, n in shapes(scheme)]
 
 
 def rounded(x: np.ndarray) -> np.ndarray:
@@ -37,8 +39,7 @@ def threads():
     set_num_threads(saved)
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize("out, n", SHAPES)
+@pytest.mark.parametrize("scheme, out, n", CASES)
 def test_matvec_is_the_dot_with_rounded_activations(scheme, out, n):
     t = make(scheme, (out, n), seed=out)
     w = reference(t).astype(np.float64)
@@ -57,8 +58,9 @@ def test_matvec_is_the_dot_with_rounded_activations(scheme, out, n):
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_rows_do_not_depend_on_caller_or_threads(scheme, threads):
-    t = make(scheme, (37, 768), seed=5)
-    X = np.random.default_rng(6).standard_normal((5, 768)).astype(np.float32)
+    width = 768 if scheme != "mxfp4" else 736  # MXFP4: the last of the tile's four blocks missing
+    t = make(scheme, (37, width), seed=5)
+    X = np.random.default_rng(6).standard_normal((5, width)).astype(np.float32)
     X[0] *= 1e3
     results = []
     for n in (1, 2):
@@ -99,6 +101,7 @@ def test_other_block_types_run_exactly_in_int8_mode():
 MOE_CASES = [  # (gate, up, down types), D, I, E, K
     (("q4_k", "q4_k", "q6_k"), 512, 256, 6, 3),  # GGUF's usual mix: every projection int8
     (("q6_k", "q2_k", "q5_k"), 256, 256, 4, 2),  # an exact projection among int8 ones
+    (("mxfp4", "mxfp4", "mxfp4"), 288, 160, 5, 3),  # gpt-oss's experts, rows ending inside four blocks
 ]
 
 

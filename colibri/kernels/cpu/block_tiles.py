@@ -433,12 +433,12 @@ def _q3k_half(builder, blk, h, sv, xs, load, fma, nvalid=None):
 _IQ4_VALUES = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]
 # type -> (bytes from a block's qs to the next's, offset of the first qs, bias, table (None:
 # Q5's qh bits, the 4 bytes before qs))
-_LUTS = {"mxfp4": (17, 1, 12, [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]),  # e2m1, doubled
-         "iq4_nl": (18, 2, 128, _IQ4_VALUES),
-         "q5_0": (22, 6, 16, None),
-         "q5_1": (24, 8, 0, None),
-         "iq4_xs": (16, 8, 128, _IQ4_VALUES)}
-PSHUFB_KINDS = tuple(k for k, (_, _, _, table) in _LUTS.items() if table is not None)  # x86 only
+LUTS = {"mxfp4": (17, 1, 12, [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]),  # e2m1, doubled
+        "iq4_nl": (18, 2, 128, _IQ4_VALUES),
+        "q5_0": (22, 6, 16, None),
+        "q5_1": (24, 8, 0, None),
+        "iq4_xs": (16, 8, 128, _IQ4_VALUES)}
+PSHUFB_KINDS = tuple(k for k, (_, _, _, table) in LUTS.items() if table is not None)  # x86 only
 _BYTE_MASKS = [_c(_V16I, [255 << (8 * k)] * 16) for k in range(3)]
 _V4F = ir.VectorType(_F32, 4)
 
@@ -452,8 +452,14 @@ def _block_at(builder, blk, c: int, nvalid, bb: int):
     return builder.gep(blk, [builder.mul(cc, _i64(bb))])
 
 
-def _lut32_superblock(kind: str):
-    bb, _, bias, _ = _LUTS[kind]
+def valid_blocks(builder, nblk, sb):
+    """How many of super-block sb's four 32-weight blocks lie inside a row of nblk blocks (1..4)."""
+    left = builder.sub(nblk, builder.shl(sb, _i64(2)))
+    return builder.select(builder.icmp_signed("<", left, _i64(4)), left, _i64(4))
+
+
+def lut32_superblock(kind: str):
+    bb, _, bias, _ = LUTS[kind]
 
     def superblock(builder, blk, load, nvalid):
         """(<4 x float> the scales of the four blocks, -bias * scale over the 8 groups of 16,
@@ -492,19 +498,20 @@ def _iq4xs_superblock(builder, blk, load, nvalid=None):
                   [(2 + j // 4, 2 * (j & 3)) for j in range(8)])
     dh = halves_f32(builder, blk, 1, load)
     ds = builder.fmul(builder.shuffle_vector(dh, dh, _c(_V8I, [0] * 8)), sc)
-    neg = builder.fmul(ds, _c(_V8F, [-float(_LUTS["iq4_xs"][2])] * 8))
+    neg = builder.fmul(ds, _c(_V8F, [-float(LUTS["iq4_xs"][2])] * 8))
     return ds, builder.shuffle_vector(neg, neg, _c(_V16I, [g // 2 for g in range(16)]))
 
 
-def _lut32_half(kind: str):
-    bb, qoff, bias, values = _LUTS[kind]
+def lut32_codes(kind: str):
+    """The codes of a 32-weight type (shared with block_idot's int8 tile): codes(builder, blk,
+    h, load, nvalid) -> (lows, highs), blocks 4h .. 4h+3's 16-byte vectors of value + bias
+    bytes, weights 0..15 of the block in lows, 16..31 in highs."""
+    bb, qoff, bias, values = LUTS[kind]
     if values is not None:
         table = _c(_V16B, [((v + bias) + 128) % 256 - 128 for v in values])  # value + bias as a byte
     bit = _c(_V16B, [1 << (i & 7) for i in range(16)])
 
-    def half(builder, blk, h, sv, xs, load, fma, nvalid):
-        """Blocks 4h .. 4h+3 of the super-block (its 128 weights) . x: one t, lane L's eight
-        products all in block 4h + L // 4 (sv: the blocks' scales)."""
+    def codes(builder, blk, h, load, nvalid):
         shuf = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16B, [_V16B, _V16B]),
                                               "llvm.x86.ssse3.pshuf.b.128")
         lows, highs = [], []
@@ -521,6 +528,17 @@ def _lut32_half(kind: str):
                 spread = builder.shuffle_vector(qh, qh, _c(_V16I, [first + i // 8 for i in range(16)]))
                 on = builder.icmp_unsigned("!=", builder.and_(spread, bit), _c(_V16B, [0] * 16))
                 dst.append(builder.or_(nib, builder.select(on, _c(_V16B, [16] * 16), _c(_V16B, [0] * 16))))
+        return lows, highs
+    return codes
+
+
+def _lut32_half(kind: str):
+    codes = lut32_codes(kind)
+
+    def half(builder, blk, h, sv, xs, load, fma, nvalid):
+        """Blocks 4h .. 4h+3 of the super-block (its 128 weights) . x: one t, lane L's eight
+        products all in block 4h + L // 4 (sv: the blocks' scales)."""
+        lows, highs = codes(builder, blk, h, load, nvalid)
 
         def lanes(parts):  # four 16-byte vectors -> sixteen 32-bit lanes
             ab = builder.shuffle_vector(parts[0], parts[1], _c(ir.VectorType(_I32, 32), range(32)))
@@ -540,7 +558,7 @@ def _lut32_half(kind: str):
 # type -> (super-block bytes, per super-block decode, per half dot); Q5_K's header is Q4_K's
 _KINDS = {"q4_k": (Q4K_BYTES, q4k_superblock, _q4k_half), "q6_k": (Q6K_BYTES, q6k_superblock, _q6k_half),
           "q5_k": (Q5K_BYTES, q4k_superblock, _q5k_half), "q2_k": (Q2K_BYTES, _q2k_superblock, _q2k_half),
-          **{k: (4 * _LUTS[k][0], _lut32_superblock(k), _lut32_half(k)) for k in _BLOCKS32},
+          **{k: (4 * LUTS[k][0], lut32_superblock(k), _lut32_half(k)) for k in _BLOCKS32},
           "q3_k": (Q3K_BYTES, _q3k_superblock, _q3k_half),
           "iq4_xs": (IQ4XS_BYTES, _iq4xs_superblock, _lut32_half("iq4_xs"))}
 
@@ -553,7 +571,7 @@ def _fused_codegen(kind: str, wrows: int):
     result is hsum(acc)."""
     nbytes, superblock, half = _KINDS[kind]
     weights = int(SUPER[FUSED.index(kind)])  # a super-block's: 256, or four 32-weight blocks
-    halves, bb = weights // 128, _LUTS[kind][0] if kind in _BLOCKS32 else None
+    halves, bb = weights // 128, LUTS[kind][0] if kind in _BLOCKS32 else None
 
     def codegen(context, builder, sig, args):
         qty, _, _, xpty, xsty, dty = sig.args
@@ -579,8 +597,7 @@ def _fused_codegen(kind: str, wrows: int):
             e = builder.mul(sb, _i64(weights))
             nvalid = None  # the 32-weight types: the super-block's blocks inside the row (1..4)
             if bb:
-                left = builder.sub(nblk, builder.shl(sb, _i64(2)))
-                nvalid = builder.select(builder.icmp_signed("<", left, _i64(4)), left, _i64(4))
+                nvalid = valid_blocks(builder, nblk, sb)
             xs16 = load(builder.gep(xsbase, [builder.lshr(e, _i64(4))]), _V16F, 4)
             scales = []
             for j in range(wrows):
