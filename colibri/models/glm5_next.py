@@ -100,7 +100,7 @@ class ModelArgs(mla.MLAArgs):
         for key, name in LINEAR_ATTN_KEYS.items():
             if name is not None and key in sub:
                 setattr(self, name, sub[key])
-        if sub.get("safe_gate", True) and self.linear_lower_bound is None and "gate_lower_bound" in sub:
+        if self.linear_attn_config is not None and sub.get("safe_gate", True) and self.linear_lower_bound is None:
             self.linear_lower_bound = -5.0  # as Glm5NextTextConfig: a safe gate without a bound gets -5
         if self.layer_types is None:  # the default: every fourth layer is MLA
             self.layer_types = [INDEXED if i % 4 == 3 else LINEAR for i in range(n)]
