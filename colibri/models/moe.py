@@ -75,36 +75,31 @@ class RoutedMoE:
             if t0:
                 PHASES.add("routed_experts", self.layer, t0)
             return out if shared is None else out + shared
-        out = run_experts(x, weights, ids, self.experts, self.prefix)
-        if t0:
-            PHASES.add("routed_experts", self.layer, t0)
-            t0 = clock()
-        shared = self.shared_out(x)
-        if shared is not None:
-            out += shared
-            if t0:
-                PHASES.add("shared_experts", self.layer, t0)
-        return out
+        return self._plus_shared(x, run_experts(x, weights, ids, self.experts, self.prefix), t0)
 
     def over_matrices(self, x: np.ndarray, routes: tuple[np.ndarray, np.ndarray], t0: float) -> np.ndarray:
         """The block for a family whose experts the fused MoE kernels do not compute (a clipped
-        SwiGLU: DeepSeek V4, GLM-5.3-Flash; biases: gpt-oss): its routes (weights [L, K], ids [L, K]), made since
-        t0 (the phase clock's start, 0.0 when off), through `self.expert(x_rows, e, matrices)`
-        over the matrix kernels, plus shared_out; each phase timed."""
+        SwiGLU: DeepSeek V4, GLM-5.3-Flash; biases: gpt-oss): its routes (weights [L, K], ids
+        [L, K]), made since t0 (the phase clock's start, 0.0 when off), through
+        `self.expert(x_rows, e, matrices)` over the matrix kernels, plus shared_out; each phase
+        timed."""
         weights, ids = routes
         if t0:
             PHASES.add("router", self.layer, t0)
             t0 = clock()
-        out = sum_experts(x, weights, ids, self.experts, self.prefix, self.expert)
+        return self._plus_shared(x, sum_experts(x, weights, ids, self.experts, self.prefix, self.expert), t0)
+
+    def _plus_shared(self, x: np.ndarray, routed: np.ndarray, t0: float) -> np.ndarray:
+        """The routed experts' sum (computed since t0) plus shared_out(x), each phase timed."""
         if t0:
             PHASES.add("routed_experts", self.layer, t0)
             t0 = clock()
         shared = self.shared_out(x)
         if shared is not None:
-            out += shared
+            routed += shared
             if t0:
                 PHASES.add("shared_experts", self.layer, t0)
-        return out
+        return routed
 
     def rows(self, hs: list[np.ndarray]) -> list[np.ndarray]:
         """self(h) for each one-token row h [1, D], the same bits, with each expert the rows
