@@ -262,7 +262,8 @@ class ClippedMLP:
     """down(clipped_swiglu(gate(x), up(x))): the dense layers' MLP and the shared expert."""
 
     def __init__(self, w, prefix: str, limit: float):
-        self.gate, self.up, self.down = (w.tensor(f"{prefix}.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj"))
+        self.gate, self.up, self.down = (w.tensor(f"{prefix}.{p}.weight")
+                                         for p in ("gate_proj", "up_proj", "down_proj"))
         self.gate_up = fuse_rows(self.gate, self.up)
         self.limit = limit
 

@@ -20,13 +20,14 @@ from colibri.models.layers import sigmoid, softmax, unweighted_rms
 class HyperConnection:
     """mHC weights from the streams [L, S, D]: `pre` collapses them into the block's input,
     `post` spreads the block's output over them, `comb` (Sinkhorn-normalised, doubly
-    stochastic) mixes them (DeepseekV4HyperConnection)."""
+    stochastic) mixes them (DeepseekV4HyperConnection, Glm5NextTextHyperConnection)."""
 
     def __init__(self, args, w, prefix: str):
         self.fn = dequantize(w.tensor(f"{prefix}.fn")).astype(np.float32)   # [(2 + S) S, S D]
         self.base = w.tensor(f"{prefix}.base").astype(np.float32)
         self.scale = w.tensor(f"{prefix}.scale").astype(np.float32)
-        self.s, self.iters, self.eps, self.norm_eps = args.hc_mult, args.hc_sinkhorn_iters, args.hc_eps, args.rms_norm_eps
+        self.s, self.iters = args.hc_mult, args.hc_sinkhorn_iters
+        self.eps, self.norm_eps = args.hc_eps, args.rms_norm_eps
 
     def __call__(self, streams: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         L, S = streams.shape[0], self.s

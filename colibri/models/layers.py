@@ -88,9 +88,9 @@ def linear_rows(x: np.ndarray, w: QTensor) -> np.ndarray:
     return matvec_rows(w, x)
 
 
-
 def unweighted_rms(x: np.ndarray, eps: float) -> np.ndarray:
-    """x / sqrt(mean(x^2) + eps) over the last axis, float32 (RMSNorm without a weight: DeepseekV4UnweightedRMSNorm)."""
+    """x / sqrt(mean(x^2) + eps) over the last axis, float32: RMSNorm without a weight
+    (DeepseekV4UnweightedRMSNorm)."""
     x = x.astype(np.float32)
     return x / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + np.float32(eps))
 
