@@ -29,6 +29,7 @@ from tools.gguf_writer import save_fixture_tokenizer, write_gguf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from harness import make_hf_model, prompts_for
+from test_gguf_moe import same_value
 from test_gpt_oss import to_mxfp4_checkpoint
 
 pytestmark = pytest.mark.usefixtures("private_cache")  # tests/io/conftest.py: the link index goes there
@@ -68,14 +69,6 @@ def models(tmp_path_factory):
     return built
 
 
-def _same(a, b) -> bool:
-    if isinstance(a, float) or isinstance(b, float):
-        return a is not None and b is not None and np.float32(a) == np.float32(b)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return a == b
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_config_matches_hf(models, kind):
     from colibri.models import gpt_oss
@@ -85,7 +78,7 @@ def test_config_matches_hf(models, kind):
     ref = transformers.AutoConfig.from_pretrained(hf)
     ours = transformers.GptOssConfig(**got)
     for key in KEYS + ["rms_norm_eps"]:
-        assert _same(getattr(ours, key), getattr(ref, key)), f"{key}: {getattr(ours, key)!r} != {getattr(ref, key)!r}"
+        assert same_value(getattr(ours, key), getattr(ref, key)), f"{key}: {getattr(ours, key)!r} != {getattr(ref, key)!r}"
     args, ref_args = gpt_oss.ModelArgs.from_dict(got), gpt_oss.ModelArgs.from_dict(ref.to_dict())
     n = ref.num_hidden_layers
     assert [args.window(i) for i in range(n)] == [ref_args.window(i) for i in range(n)] == [WINDOW, None]
@@ -321,7 +314,7 @@ def test_twin_reads_back_as_the_container(twin):
     want, got = c.config, ckpt.config
     for key in KEYS:
         if key != "rope_parameters":
-            assert _same(got.get(key), want.get(key)), f"{key}: {got.get(key)!r} != {want.get(key)!r}"
+            assert same_value(got.get(key), want.get(key)), f"{key}: {got.get(key)!r} != {want.get(key)!r}"
     assert np.float32(got["rms_norm_eps"]) == np.float32(want["rms_norm_eps"])
     args = [gpt_oss.ModelArgs.from_dict(cfg) for cfg in (got, want)]
     assert args[0].rope_params() == args[1].rope_params() and args[0].rope_params()["truncate"] is False

@@ -112,11 +112,12 @@ def models(tmp_path_factory):
     return get
 
 
-def _same(a, b) -> bool:
+def same_value(a, b) -> bool:
+    """Config values equal as the model reads them (floats as float32, dicts key by key)."""
     if isinstance(a, float) or isinstance(b, float):
         return a is not None and b is not None and np.float32(a) == np.float32(b)
     if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
     return a == b
 
 
@@ -129,8 +130,8 @@ def test_config_matches_hf(models, arch):
     ref = transformers.AutoConfig.from_pretrained(hf)
     ours = type(ref)(**ckpt.config)
     for key in COMMON_KEYS + CASES[arch][-1]:
-        assert _same(getattr(ours, key), getattr(ref, key)), f"{key}: {getattr(ours, key)!r} != {getattr(ref, key)!r}"
-    assert _same(ours.rope_parameters, ref.rope_parameters), (ours.rope_parameters, ref.rope_parameters)
+        assert same_value(getattr(ours, key), getattr(ref, key)), f"{key}: {getattr(ours, key)!r} != {getattr(ref, key)!r}"
+    assert same_value(ours.rope_parameters, ref.rope_parameters), (ours.rope_parameters, ref.rope_parameters)
     # colibri's family code reads the same layer kinds
     from colibri.models import family
 
@@ -242,7 +243,7 @@ def test_transformers_reads_the_gguf_alike(models, arch, monkeypatch):
     ours = read_gguf(path).config
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
                 "num_experts", "num_experts_per_tok", "norm_topk_prob"):
-        assert _same(ours[key], getattr(cfg, key)), key
+        assert same_value(ours[key], getattr(cfg, key)), key
 
 
 # ---------------------------------------------------------------- (d) split sets
