@@ -31,8 +31,16 @@ up rows and each expert's activation once for its down rows. Each mode is its ow
 specialization, and every expert of a mode goes through it, so the rule above holds per mode.
 GGUF block experts take `act` too: Q4_K and Q6_K projections get block_idot.py's int8 tiles,
 the other block types stay exact in int8 mode.
+
+`glu` (ExpertActivation.for_experts) says what runs between the gate/up rows and the down rows
+when it is not the plain SwiGLU: the clipped SwiGLU (DeepSeek V4, GLM-5.3-Flash) or gpt-oss's
+clamped one with its alpha, and per-expert biases of the three projections (gpt-oss), added to
+each row's dot product before the activation and before the router weight. The activation is
+ops.expert_glu_into, the code those families' prefill runs too.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 from numba import njit, prange
@@ -45,35 +53,64 @@ from .block_idot import row_of as block_row_of
 from .block_idot import rows8_into as block_rows8_into
 from .cpu.blocks import ELEMENTS, NBYTES, block_scratch
 from .idot import marker, prepare, prepare_rows, row_of, rows8_into
-from .ops import silu_gate_into
+from .ops import SILU, expert_glu_into
 
 _ONE_SLOT = np.zeros(1, np.int64)
+_NO_BIAS = np.zeros((0, 0), np.float32)
+
+
+@dataclass(frozen=True)
+class ExpertActivation:
+    """A family's routed experts beyond the plain SwiGLU: the activation (ops.SILU,
+    CLIPPED_SILU, GPT_OSS) with its alpha and limit, and optional per-expert biases of the
+    gate, up and down projections ([E, I], [E, I], [E, D] float32)."""
+
+    kind: int = SILU
+    alpha: float = 1.0
+    limit: float = float("inf")
+    biases: tuple | None = None
+
+    def for_experts(self, ids) -> tuple:
+        """The kernels' `glu` argument for the experts `ids` (in the call's slot order): the
+        code, alpha, limit and those experts' bias rows (empty arrays when there are none)."""
+        if self.biases is None:
+            rows = (_NO_BIAS, _NO_BIAS, _NO_BIAS)
+        else:
+            ids = np.asarray(ids, np.int64)
+            rows = tuple(np.ascontiguousarray(b[ids], dtype=np.float32) for b in self.biases)
+        return (self.kind, np.float32(self.alpha), np.float32(self.limit), *rows)
+
+
+PLAIN = ExpertActivation()
+_PLAIN_GLU = PLAIN.for_experts([])
 
 
 def fused_experts(kernel: FusedExperts, x: np.ndarray, memory: np.ndarray, slots: np.ndarray, weights: np.ndarray,
-                  nthreads: int, activations: str = "f32") -> np.ndarray:
+                  nthreads: int, activations: str = "f32", glu: tuple = _PLAIN_GLU) -> np.ndarray:
     """sum_k weights[k] * expert_{slots[k]}(x) for one token x [D] float32, the experts' blobs
     in `memory` [n, stride] uint8 laid out as `kernel` says; `slots` in ascending expert-id
-    order (the order contributions are added in); `activations`: "f32" (exact) or "int8"."""
+    order (the order contributions are added in); `activations`: "f32" (exact) or "int8";
+    `glu`: ExpertActivation.for_experts of the slots' experts (default: the plain SwiGLU)."""
     if kernel.blocks is not None:  # GGUF block experts (int8: the types of block_idot.INT8_SCHEMES)
         return routed_block_experts(x, memory, kernel.layout, kernel.blocks, slots, weights, nthreads,
-                                    marker(activations))
+                                    marker(activations), *glu)
     return routed_experts(x, memory, kernel.layout, slots, weights, kernel.half, kernel.cshift, nthreads,
-                          marker(activations))
+                          marker(activations), *glu)
 
 
 def stacked_experts(stacked: StackedExperts, x: np.ndarray, slots: np.ndarray, weights: np.ndarray, nthreads: int,
-                    activations: str = "f32") -> np.ndarray:
+                    activations: str = "f32", glu: tuple = _PLAIN_GLU) -> np.ndarray:
     """fused_experts over a layer's expert blobs in place (`stacked.memory`)."""
-    return fused_experts(stacked.kernel, x, stacked.memory, slots, weights, nthreads, activations)
+    return fused_experts(stacked.kernel, x, stacked.memory, slots, weights, nthreads, activations, glu)
 
 
 def one_expert(kernel: FusedExperts, x: np.ndarray, blob: np.ndarray, weight: float, nthreads: int,
-               activations: str = "f32") -> np.ndarray:
-    """weight * expert(x) for the expert whose blob (uint8, C-contiguous) is `blob`: the same
-    compiled call, so summing these in expert-id order equals one call over all."""
+               activations: str = "f32", glu: tuple = _PLAIN_GLU) -> np.ndarray:
+    """weight * expert(x) for the expert whose blob (uint8, C-contiguous) is `blob` (`glu` for
+    that one expert): the same compiled call, so summing these in expert-id order equals one
+    call over all."""
     return fused_experts(kernel, x, blob.reshape(1, -1), _ONE_SLOT, np.full(1, weight, np.float32), nthreads,
-                         activations)
+                         activations, glu)
 
 
 @njit(cache=True)
@@ -88,7 +125,8 @@ def _weight(memory, s, layout, p, half):
 
 
 @njit(parallel=True, cache=True)
-def routed_experts(x, memory, layout, slots, weights, half, cshift, nthreads, act):
+def routed_experts(x, memory, layout, slots, weights, half, cshift, nthreads, act, kind, alpha, limit, gate_bias,
+                   up_bias, down_bias):
     K = slots.shape[0]
     I = layout[0, 2]
     D = layout[2, 2]
@@ -115,8 +153,13 @@ def routed_experts(x, memory, layout, slots, weights, half, cshift, nthreads, ac
             for j in range(8):
                 u[k, r + j] = d[j]
     a = np.empty((K, I), np.float32)
+    biased = down_bias.shape[0] != 0
+    none = np.zeros(0, np.float32)
     for k in range(K):
-        silu_gate_into(g[k], u[k], a[k])
+        if biased:
+            expert_glu_into(g[k], u[k], gate_bias[k], up_bias[k], a[k], kind, alpha, limit)
+        else:
+            expert_glu_into(g[k], u[k], none, none, a[k], kind, alpha, limit)
     ap = prepare_rows(a, half, act)
     # Down rows: each thread owns a run of output rows and adds the experts' contributions to
     # them one expert after another, in ascending expert id (a product, then a sum: this
@@ -134,8 +177,12 @@ def routed_experts(x, memory, layout, slots, weights, half, cshift, nthreads, ac
             for blk in range(t * per, min(nblk, (t + 1) * per)):
                 r = 8 * blk
                 rows8_into(dq, ds, ds, coef, half, cshift, layout[2, 4], a[k], apk, r, d, act)
-                for j in range(8):
-                    out[r + j] += d[j] * w
+                if biased:
+                    for j in range(8):
+                        out[r + j] += (d[j] + down_bias[k, r + j]) * w
+                else:
+                    for j in range(8):
+                        out[r + j] += d[j] * w
     return out
 
 
@@ -158,7 +205,8 @@ def _block_weight(memory, s, layout, tcs, p):
 
 
 @njit(parallel=True, cache=True)
-def routed_block_experts(x, memory, layout, tcs, slots, weights, nthreads, act):
+def routed_block_experts(x, memory, layout, tcs, slots, weights, nthreads, act, kind, alpha, limit, gate_bias,
+                         up_bias, down_bias):
     K = slots.shape[0]
     I = layout[0, 2]
     D = layout[2, 2]
@@ -184,8 +232,13 @@ def routed_block_experts(x, memory, layout, tcs, slots, weights, nthreads, act):
             for j in range(min(8, I - r)):
                 u[k, r + j] = d[j]
     a = np.empty((K, I), np.float32)
+    biased = down_bias.shape[0] != 0
+    none = np.zeros(0, np.float32)
     for k in range(K):
-        silu_gate_into(g[k], u[k], a[k])
+        if biased:
+            expert_glu_into(g[k], u[k], gate_bias[k], up_bias[k], a[k], kind, alpha, limit)
+        else:
+            expert_glu_into(g[k], u[k], none, none, a[k], kind, alpha, limit)
     xp_d = block_prepare_rows(tcs[2], a, act)
     out = np.zeros(D, np.float32)
     nblk = (D + 7) // 8
@@ -200,6 +253,10 @@ def routed_block_experts(x, memory, layout, tcs, slots, weights, nthreads, act):
             for blk in range(t * per, min(nblk, (t + 1) * per)):
                 r = 8 * blk
                 block_rows8_into(tcs[2], dq, r, a[k], apk, codes, sc, of, d, act)
-                for j in range(min(8, D - r)):
-                    out[r + j] += d[j] * w
+                if biased:
+                    for j in range(min(8, D - r)):
+                        out[r + j] += (d[j] + down_bias[k, r + j]) * w
+                else:
+                    for j in range(min(8, D - r)):
+                        out[r + j] += d[j] * w
     return out

@@ -485,6 +485,52 @@ def silu_gate(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     return out
 
 
+# The gated activations of routed experts, by code (colibri.kernels.moe.ExpertActivation):
+SILU = 0          # silu(gate) * up: every family's SwiGLU
+CLIPPED_SILU = 1  # silu(min(gate, limit)) * clip(up, -limit, limit): DeepSeek V4, GLM-5.3-Flash
+GPT_OSS = 2       # (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
+
+
+@njit(cache=True, fastmath={"contract"}, error_model="numpy")
+def expert_glu_into(g, u, gate_bias, up_bias, out, kind, alpha, limit):
+    """out = the activation `kind` of gate g and up u [I] (each plus its bias row, when the bias
+    rows are not empty): the one activation code every path of a family's experts runs (the
+    fused decode kernel, prefill's matrices), so decode and prefill round it alike."""
+    if kind == SILU and gate_bias.shape[0] == 0:
+        silu_gate_into(g, u, out)
+        return
+    one = np.float32(1.0)
+    biased = gate_bias.shape[0] != 0
+    for i in range(g.shape[0]):
+        v, w = g[i], u[i]
+        if biased:
+            v += gate_bias[i]
+            w += up_bias[i]
+        if kind != SILU:
+            v = min(v, limit)
+            w = min(max(w, -limit), limit)
+        if kind == GPT_OSS:
+            out[i] = (w + one) * (v / (one + expf(-v * alpha)))
+        else:
+            out[i] = v / (one + expf(-v)) * w
+
+
+def expert_glu(gate: np.ndarray, up: np.ndarray, kind: int, alpha: float = 1.0, limit: float = np.inf) -> np.ndarray:
+    """expert_glu_into over [L, I] float32 gate and up (biases already added) -> [L, I]."""
+    gate = np.ascontiguousarray(gate, dtype=np.float32)
+    up = np.ascontiguousarray(up, dtype=np.float32)
+    out = np.empty_like(gate)
+    _expert_glu_rows(gate, up, out, kind, np.float32(alpha), np.float32(limit))
+    return out
+
+
+@njit(cache=True)
+def _expert_glu_rows(gate, up, out, kind, alpha, limit):
+    none = np.zeros(0, np.float32)
+    for r in range(gate.shape[0]):
+        expert_glu_into(gate[r], up[r], none, none, out[r], kind, alpha, limit)
+
+
 # --- routing ----------------------------------------------------------------------------
 
 

@@ -41,7 +41,8 @@ import numpy as np
 
 from colibri.errors import ColibriError
 from colibri.formats.qtensor import dequantize
-from colibri.kernels import embedding
+from colibri.kernels import embedding, ops
+from colibri.kernels.moe import ExpertActivation
 from colibri.models.args import ModelArgs as BaseModelArgs
 from colibri.models.cache import KVCache
 from colibri.models.decoder import DecoderModel, in_activation_mode
@@ -548,6 +549,7 @@ class V4MoE(RoutedMoE):
         self.experts, self.prefix, self.layer = experts, prefix, layer_index(prefix)
         self.top_k, self.func = args.num_experts_per_tok, args.scoring_func
         self.scaling, self.limit = np.float32(args.routed_scaling_factor), args.swiglu_limit
+        self.activation = ExpertActivation(ops.CLIPPED_SILU, limit=self.limit)
 
     def route(self, x: np.ndarray, ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(weights [L, K], expert ids [L, K]); hash layers need the tokens' ids."""

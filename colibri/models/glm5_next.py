@@ -39,7 +39,8 @@ import numpy as np
 
 from colibri.errors import ColibriError
 from colibri.formats.qtensor import QTensor
-from colibri.kernels import embedding
+from colibri.kernels import embedding, ops
+from colibri.kernels.moe import ExpertActivation
 from colibri.model_types import checkpoint_name
 from colibri.models import mla
 from colibri.models.decoder import in_activation_mode
@@ -288,6 +289,7 @@ class ClippedGroupedMoE(GroupedMoE):
         super().__init__(w, experts, prefix, args.n_routed_experts, args.num_experts_per_tok, args.n_group,
                          args.topk_group, bool(args.norm_topk_prob), args.routed_scaling_factor)
         self.limit = args.swiglu_limit
+        self.activation = ExpertActivation(ops.CLIPPED_SILU, limit=self.limit)
         self.shared = ClippedMLP(w, f"{prefix}.shared_experts", self.limit)
 
     def expert(self, x: np.ndarray, e: int, ew: dict) -> np.ndarray:

@@ -19,6 +19,8 @@ import numpy as np
 
 from colibri.errors import ColibriError
 from colibri.formats.qtensor import dequantize
+from colibri.kernels import ops
+from colibri.kernels.moe import ExpertActivation
 from colibri.models.args import ModelArgs as BaseModelArgs
 from colibri.models.attention import Attention
 from colibri.models.cache import KVCache
@@ -131,13 +133,9 @@ class SinkAttention(Attention):
 
 def clamped_swiglu(gate: np.ndarray, up: np.ndarray, alpha: float, limit: float) -> np.ndarray:
     """gpt-oss's expert activation (GptOssExperts._apply_gate): the gate clamped from above,
-    up on both sides, then (up + 1) * gate * sigmoid(alpha * gate)."""
-    lim = np.float32(limit)
-    gate = np.minimum(gate, lim)
-    up = np.clip(up, -lim, lim)
-    with np.errstate(over="ignore"):  # exp overflow: sigmoid 0, as in float32 torch
-        glu = gate * (np.float32(1.0) / (np.float32(1.0) + np.exp(-gate * np.float32(alpha))))
-    return ((up + np.float32(1.0)) * glu).astype(np.float32)
+    up on both sides, then (up + 1) * gate * sigmoid(alpha * gate); the fused decode kernel's
+    own code (ops.expert_glu_into)."""
+    return ops.expert_glu(gate, up, ops.GPT_OSS, alpha, limit)
 
 
 def topk_softmax(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -150,9 +148,9 @@ def topk_softmax(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 class GptOssMoE(RoutedMoE):
-    """Routed experts with biases and the clamped SwiGLU. The experts come from the expert
-    source as any family's (RAM, disk, prefetch), but run here in numpy over the matrix
-    kernels: the fused MoE kernels compute silu(gate) * up without biases."""
+    """Routed experts with biases and the clamped SwiGLU, from the expert source as any
+    family's (RAM, disk, prefetch): one token through the fused MoE kernel with the biases and
+    the clamp (`activation`), several over the matrix kernels (`expert`)."""
 
     def __init__(self, args: ModelArgs, w, experts, prefix: str):
         if getattr(experts, "compute", None) is not None:
@@ -165,6 +163,8 @@ class GptOssMoE(RoutedMoE):
         self.experts, self.prefix = experts, prefix
         self.layer = layer_index(prefix)
         self.top_k, self.alpha, self.limit = args.num_experts_per_tok, args.swiglu_alpha, args.swiglu_limit
+        self.activation = ExpertActivation(ops.GPT_OSS, self.alpha, self.limit,
+                                           tuple(self.biases[p] for p in ("gate_proj", "up_proj", "down_proj")))
 
     def route(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return topk_softmax(linear(x, self.router, self.router_bias), self.top_k)
@@ -180,8 +180,6 @@ class GptOssMoE(RoutedMoE):
         t0 = clock() if PHASES.on else 0.0
         return self.over_matrices(x, self.route(x), t0)
 
-    def rows(self, hs: list[np.ndarray]) -> list[np.ndarray]:
-        return [self(h) for h in hs]  # each row as decoding it alone: the same bits
 
 
 def build(config: dict, weights, experts) -> DecoderModel:

@@ -109,10 +109,9 @@ def softmax(x: np.ndarray, axis: int) -> np.ndarray:
 
 def clipped_swiglu(gate: np.ndarray, up: np.ndarray, limit: float) -> np.ndarray:
     """silu(min(gate, limit)) * clip(up, -limit, limit): the SwiGLU of DeepSeek V4 and GLM-5.3-Flash,
-    whose gate and up are clipped at `swiglu_limit` (DeepseekV4MLP, Glm5NextTextMLP)."""
-    lim = np.float32(limit)
-    gate = np.minimum(gate, lim)
-    return (gate * sigmoid(gate) * np.clip(up, -lim, lim)).astype(np.float32)
+    whose gate and up are clipped at `swiglu_limit` (DeepseekV4MLP, Glm5NextTextMLP); the fused
+    decode kernel's own code for their routed experts (ops.expert_glu_into)."""
+    return ops.expert_glu(gate, up, ops.CLIPPED_SILU, 1.0, limit)
 
 
 class MLP:

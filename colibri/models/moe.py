@@ -16,6 +16,7 @@ from numba import get_num_threads
 from colibri.errors import ColibriError
 from colibri.kernels import decode, idot, ops
 from colibri.kernels import moe as moe_kernels
+from colibri.kernels.moe import PLAIN, ExpertActivation
 from colibri.kernels.cpu import int4_weight
 from colibri.formats.qtensor import QTensor
 from colibri.models.args import ModelArgs
@@ -40,11 +41,14 @@ def softmax_topk(logits: np.ndarray, k: int, normalize: bool) -> tuple[np.ndarra
 class RoutedMoE:
     """What every MoE block shares: route, run the routed experts, add the shared expert(s).
     Subclasses set router-specific fields and define `route(x) -> (weights [L, K], ids [L, K])`
-    and `shared_out(x)` (None: no shared expert)."""
+    and `shared_out(x)` (None: no shared expert). A family whose experts are not the plain
+    SwiGLU sets `activation` (what the fused decode kernel runs) and defines
+    `expert(x_rows, e, matrices)` (the same over the matrix kernels), and calls over_matrices."""
 
     experts: object
     prefix: str
     layer: int
+    activation: ExpertActivation = PLAIN
 
     def shared_out(self, x: np.ndarray) -> np.ndarray | None:
         return None
@@ -78,16 +82,22 @@ class RoutedMoE:
         return self._plus_shared(x, run_experts(x, weights, ids, self.experts, self.prefix), t0)
 
     def over_matrices(self, x: np.ndarray, routes: tuple[np.ndarray, np.ndarray], t0: float) -> np.ndarray:
-        """The block for a family whose experts the fused MoE kernels do not compute (a clipped
-        SwiGLU: DeepSeek V4, GLM-5.3-Flash; biases: gpt-oss): its routes (weights [L, K], ids
-        [L, K]), made since t0 (the phase clock's start, 0.0 when off), through
-        `self.expert(x_rows, e, matrices)` over the matrix kernels, plus shared_out; each phase
+        """The block for a family whose experts are not the plain SwiGLU (a clipped SwiGLU:
+        DeepSeek V4, GLM-5.3-Flash; biases and a clamp: gpt-oss): its routes (weights [L, K],
+        ids [L, K]), made since t0 (the phase clock's start, 0.0 when off); one token through
+        the fused kernel with `self.activation` where the experts' format has one, else
+        `self.expert(x_rows, e, matrices)` over the matrix kernels; plus shared_out; each phase
         timed."""
         weights, ids = routes
         if t0:
             PHASES.add("router", self.layer, t0)
             t0 = clock()
-        return self._plus_shared(x, sum_experts(x, weights, ids, self.experts, self.prefix, self.expert), t0)
+        kernel = self.experts.fused(self.prefix) if x.shape[0] == 1 else None
+        if kernel is not None:
+            routed = _decode_fused(x, weights[0], ids[0], self.experts, self.prefix, kernel, self.activation)
+        else:
+            routed = sum_experts(x, weights, ids, self.experts, self.prefix, self.expert)
+        return self._plus_shared(x, routed, t0)
 
     def _plus_shared(self, x: np.ndarray, routed: np.ndarray, t0: float) -> np.ndarray:
         """The routed experts' sum (computed since t0) plus shared_out(x), each phase timed."""
@@ -109,7 +119,8 @@ class RoutedMoE:
         if t0:
             PHASES.add("router", self.layer, t0)
             t0 = clock()
-        outs = run_experts_rows(hs, routes, self.experts, self.prefix)
+        outs = run_experts_rows(hs, routes, self.experts, self.prefix, self.activation,
+                                getattr(self, "expert", None))
         if t0:
             PHASES.add("routed_experts", self.layer, t0)
             t0 = clock()
@@ -179,7 +190,8 @@ def sum_experts(x: np.ndarray, weights: np.ndarray, ids: np.ndarray, experts, pr
     return out
 
 
-def _decode_fused(x, weights, ids, experts, prefix: str, kernel) -> np.ndarray:
+def _decode_fused(x, weights, ids, experts, prefix: str, kernel,
+                  activation: ExpertActivation = PLAIN) -> np.ndarray:
     """One token's routed experts through the fused kernel (colibri/kernels/moe.py): one call
     when every expert is in RAM in place, else one call per expert as its blob is ready, summed
     in expert-id order, which equals the single call bit for bit (placement never changes
@@ -190,24 +202,32 @@ def _decode_fused(x, weights, ids, experts, prefix: str, kernel) -> np.ndarray:
     ready = experts.stacked(prefix, ids)
     if ready is not None:
         view, slots = ready
-        return moe_kernels.stacked_experts(view, xv, slots, w, nthreads, idot.current())[None, :]
-    return _expert_by_expert([row], experts, prefix, kernel, nthreads)[0]
+        return moe_kernels.stacked_experts(view, xv, slots, w, nthreads, idot.current(),
+                                           activation.for_experts(ids))[None, :]
+    return _expert_by_expert([row], experts, prefix, kernel, nthreads, activation)[0]
 
 
-def run_experts_rows(hs: list[np.ndarray], routes: list, experts, prefix: str) -> list[np.ndarray]:
+def run_experts_rows(hs: list[np.ndarray], routes: list, experts, prefix: str,
+                     activation: ExpertActivation = PLAIN, expert=None) -> list[np.ndarray]:
     """run_experts(h, weights, ids) for each one-token row, the same bits, with each expert of
     the rows' union fetched once (_expert_by_expert, as _decode_fused's own fallback). Without
-    the fused kernel (a blob format it does not cover), row by row."""
+    the fused kernel (a blob format it does not cover), row by row; `activation` and `expert`
+    as RoutedMoE.over_matrices takes them (expert None: the plain SwiGLU)."""
     compute = getattr(experts, "compute", None)
     if compute is not None and len(hs) > 1:  # colibri/cluster: all rows in one call, each its own token
         out = compute(prefix, np.concatenate(hs), np.concatenate([w for w, _ in routes]),
                       np.concatenate([ids for _, ids in routes]), one_token_rows=True)
         return [out[r:r + 1] for r in range(len(hs))]
     kernel = experts.fused(prefix)
-    if kernel is None or len(hs) == 1:
-        return [run_experts(h, w, ids, experts, prefix) for h, (w, ids) in zip(hs, routes)]
+    if kernel is None or compute is not None:
+        if expert is None:
+            return [run_experts(h, w, ids, experts, prefix) for h, (w, ids) in zip(hs, routes)]
+        return [sum_experts(h, w, ids, experts, prefix, expert) for h, (w, ids) in zip(hs, routes)]
+    if len(hs) == 1:
+        (w, ids), = routes
+        return [_decode_fused(hs[0], w[0], ids[0], experts, prefix, kernel, activation)]
     rows = [_sorted_row(h, w[0], ids[0]) for h, (w, ids) in zip(hs, routes)]
-    return _expert_by_expert(rows, experts, prefix, kernel, get_num_threads())
+    return _expert_by_expert(rows, experts, prefix, kernel, get_num_threads(), activation)
 
 
 def _sorted_row(x, weights, ids) -> tuple:
@@ -217,7 +237,8 @@ def _sorted_row(x, weights, ids) -> tuple:
             np.ascontiguousarray(weights[order], dtype=np.float32))
 
 
-def _expert_by_expert(rows: list[tuple], experts, prefix: str, kernel, nthreads: int) -> list[np.ndarray]:
+def _expert_by_expert(rows: list[tuple], experts, prefix: str, kernel, nthreads: int,
+                      activation: ExpertActivation = PLAIN) -> list[np.ndarray]:
     """Rows from _sorted_row: each expert of their union fetched once, in the order the store
     has them ready, and applied to every row that routes to it (the fused kernel's one-expert
     call); each row's contributions then summed in expert-id order -> [1, D] per row."""
@@ -226,9 +247,10 @@ def _expert_by_expert(rows: list[tuple], experts, prefix: str, kernel, nthreads:
     parts: list[dict] = [{} for _ in rows]
     mode = idot.current()
     for e, blob in experts.iter_experts(prefix, union, blobs=True):
+        glu = activation.for_experts([e])
         for (xv, _, _), chosen, part in zip(rows, weight_of, parts):
             if e in chosen:
-                part[e] = moe_kernels.one_expert(kernel, xv, blob, chosen[e], nthreads, mode)
+                part[e] = moe_kernels.one_expert(kernel, xv, blob, chosen[e], nthreads, mode, glu)
     outs = []
     for (xv, _, _), part in zip(rows, parts):
         out = np.zeros(xv.shape[0], np.float32)

@@ -5,6 +5,8 @@ kernel, the fused MoE kernel), the thread count or the integer form (VNNI, AVX2 
 IR); block types without an int8 tile run exactly in int8 mode."""
 from __future__ import annotations
 
+import inspect
+
 import os
 
 import numpy as np
@@ -137,7 +139,8 @@ def test_fused_block_experts_int8(types_, D, I, E, K):
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-3 * np.abs(ref).max())
     exact = stacked_experts(stacked, x, ids, w, 2, "f32")
     assert 0 < np.abs(got - exact).max() < 0.05 * np.abs(exact).max()
-    modes = {s.args[-1] for s in routed_block_experts.nopython_signatures}
+    act = list(inspect.signature(routed_block_experts.py_func).parameters).index("act")
+    modes = {s.args[act] for s in routed_block_experts.nopython_signatures}
     assert modes <= {types.float32, types.int8}
 
 

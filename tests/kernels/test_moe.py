@@ -4,12 +4,15 @@ invisible), whatever the threads and slot layout, and the float64 dequantized re
 float32 rounding."""
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 
 from colibri.io.container import pack_expert
 from colibri.formats.expert_blob import FusedExperts, StackedExperts
-from colibri.kernels.moe import fused_experts, one_expert, routed_experts, stacked_experts
+from colibri.kernels import ops
+from colibri.kernels.moe import ExpertActivation, fused_experts, one_expert, routed_experts, stacked_experts
 from colibri.formats.qtensor import dequantize, quantize
 
 
@@ -96,6 +99,47 @@ def test_every_call_shares_one_compiled_kernel():
     x = rng.standard_normal(128).astype(np.float32)
     fused_experts(kernel, x, memory, np.array([0, 2]), np.array([0.5, 0.5], np.float32), 2)
     one_expert(kernel, x, memory[1], 0.25, 2)
-    # one per activation mode (the last argument's type: float32 exact, int8 for int8 activations)
-    exact = [sig for sig in routed_experts.nopython_signatures if str(sig.args[-1]) == "float32"]
+    # one per activation mode (the `act` argument's type: float32 exact, int8 for int8 activations)
+    act = list(inspect.signature(routed_experts.py_func).parameters).index("act")
+    exact = [sig for sig in routed_experts.nopython_signatures if str(sig.args[act]) == "float32"]
     assert len(exact) == 1
+
+
+def _glu64(kind, g, u, alpha, limit):
+    if kind == ops.SILU:
+        return g / (1 + np.exp(-g)) * u
+    g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+    if kind == ops.CLIPPED_SILU:
+        return g / (1 + np.exp(-g)) * u
+    return (u + 1) * g / (1 + np.exp(-alpha * g))
+
+
+@pytest.mark.parametrize("scheme", ["int4_g64", "mxfp4"])
+@pytest.mark.parametrize("kind, biased", [(ops.GPT_OSS, True), (ops.CLIPPED_SILU, False), (ops.SILU, True)])
+def test_activations_and_biases(scheme, kind, biased):
+    """gpt-oss's clamped SwiGLU with per-expert biases, and the clipped SwiGLU of DeepSeek V4 and
+    GLM-5.3-Flash, inside the fused kernel: one call equals one call per expert (each with its
+    own bias rows) summed in id order, bit for bit, and the float64 reference within float32
+    rounding; a limit low enough that the clamps bite."""
+    rng = np.random.default_rng(4)
+    E, D, I, K = 5, 128, 64, 3
+    experts, memory, layout = _layer(rng, E, D, I, scheme)
+    stacked = StackedExperts.view(memory, memory.shape[1], E, layout)
+    biases = tuple(rng.standard_normal((E, n)).astype(np.float32) * 0.3 for n in (I, I, D)) if biased else None
+    activation = ExpertActivation(kind, 1.702, 0.35, biases)
+    x = rng.standard_normal(D).astype(np.float32) * 2
+    ids = np.array([0, 2, 4])
+    w = rng.random(K).astype(np.float32)
+    got = stacked_experts(stacked, x, ids, w, 2, "f32", activation.for_experts(ids))
+    one = np.zeros(D, np.float32)
+    for e, wk in zip(ids, w):
+        one += one_expert(stacked.kernel, x, memory[e].copy(), wk, 1, "f32", activation.for_experts([e]))
+    np.testing.assert_array_equal(got, one)
+    ref = np.zeros(D)
+    for e, wk in zip(ids, w):
+        g, u, d = (dequantize(experts[e][p]).astype(np.float64) for p in ("gate_proj", "up_proj", "down_proj"))
+        b = [np.zeros(n) for n in (I, I, D)] if biases is None else [bb[e].astype(np.float64) for bb in biases]
+        a = _glu64(kind, g @ x + b[0], u @ x + b[1], 1.702, 0.35)
+        ref += float(wk) * (d @ a + b[2])
+    assert np.abs(np.minimum(g @ x, 9) - np.minimum(g @ x, 0.35)).max() > 0  # the clamp bites
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max() + 1e-6)
