@@ -441,6 +441,7 @@ LUTS = {"mxfp4": (17, 1, 12, [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8
 PSHUFB_KINDS = tuple(k for k, (_, _, _, table) in LUTS.items() if table is not None)  # x86 only
 _BYTE_MASKS = [_c(_V16I, [255 << (8 * k)] * 16) for k in range(3)]
 _V4F = ir.VectorType(_F32, 4)
+_V4I = ir.VectorType(_I32, 4)
 
 
 def _block_at(builder, blk, c: int, nvalid, bb: int):
@@ -464,6 +465,8 @@ def lut32_superblock(kind: str):
     def superblock(builder, blk, load, nvalid):
         """(<4 x float> the scales of the four blocks, -bias * scale over the 8 groups of 16,
         then 8 zero lanes): 0 for the blocks past the row's end."""
+        if kind == "mxfp4":
+            return _mxfp4_scales(builder, blk, load, nvalid)
         ds = ms = ir.Constant(_V4F, ir.Undefined)
         for c in range(4):
             at = _block_at(builder, blk, c, nvalid, bb)
@@ -473,12 +476,6 @@ def lut32_superblock(kind: str):
                 m = builder.select(builder.icmp_signed("<", _i64(c), nvalid), builder.extract_element(dm, ir.Constant(_I32, 1)),
                                    ir.Constant(_F32, 0.0))
                 ms = builder.insert_element(ms, m, ir.Constant(_I32, c))
-            elif kind == "mxfp4":  # ggml_e8m0_to_fp32_half: 2^(e - 128), as bits
-                e = builder.zext(load(at, _I8, 1), _I32)
-                tiny = builder.shl(ir.Constant(_I32, 0x00200000), e)
-                d = builder.select(builder.icmp_unsigned("<", e, ir.Constant(_I32, 2)), tiny,
-                                   builder.shl(builder.sub(e, ir.Constant(_I32, 1)), ir.Constant(_I32, 23)))
-                d = builder.bitcast(d, _F32)
             else:
                 d = builder.extract_element(halves_f32(builder, at, 1, load), ir.Constant(_I32, 0))
             d = builder.select(builder.icmp_signed("<", _i64(c), nvalid), d, ir.Constant(_F32, 0.0))
@@ -487,6 +484,29 @@ def lut32_superblock(kind: str):
         offs = builder.shuffle_vector(neg, ir.Constant(_V4F, [0.0] * 4), _c(_V16I, [g // 2 for g in range(8)] + [4] * 8))
         return ds, offs
     return superblock
+
+
+def _mxfp4_scales(builder, blk, load, nvalid):
+    """MXFP4's lut32_superblock: the four E8M0 bytes gathered into one vector and decoded
+    together (ggml_e8m0_to_fp32_half: 2^(e - 128), as bits; 2^-127 and 2^-128 subnormal), 0 for
+    the blocks past the row's end. One vector decode instead of four scalar ones: the tile
+    decodes these per 128 weights and row, where the K-quants decode theirs per 256."""
+    bb, bias = LUTS["mxfp4"][0], LUTS["mxfp4"][2]
+    e = ir.Constant(ir.VectorType(_I8, 4), ir.Undefined)
+    for c in range(4):
+        e = builder.insert_element(e, load(_block_at(builder, blk, c, nvalid, bb), _I8, 1), ir.Constant(_I32, c))
+    e = builder.zext(e, _V4I)
+    tiny = builder.shl(_c(_V4I, [0x00200000] * 4), e)
+    normal = builder.shl(builder.sub(e, _c(_V4I, [1] * 4)), _c(_V4I, [23] * 4))
+    d = builder.select(builder.icmp_unsigned("<", e, _c(_V4I, [2] * 4)), tiny, normal)
+    inside = builder.icmp_signed("<", _c(ir.VectorType(_I64, 4), range(4)),
+                                 builder.shuffle_vector(builder.insert_element(
+                                     ir.Constant(ir.VectorType(_I64, 1), ir.Undefined), nvalid, ir.Constant(_I32, 0)),
+                                     ir.Constant(ir.VectorType(_I64, 1), ir.Undefined), _c(_V4I, [0] * 4)))
+    ds = builder.select(inside, builder.bitcast(d, _V4F), ir.Constant(_V4F, [0.0] * 4))
+    neg = builder.fmul(ds, _c(_V4F, [-float(bias)] * 4))
+    offs = builder.shuffle_vector(neg, ir.Constant(_V4F, [0.0] * 4), _c(_V16I, [g // 2 for g in range(8)] + [4] * 8))
+    return ds, offs
 
 
 def _iq4xs_superblock(builder, blk, load, nvalid=None):
@@ -515,14 +535,23 @@ def lut32_codes(kind: str):
         shuf = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16B, [_V16B, _V16B]),
                                               "llvm.x86.ssse3.pshuf.b.128")
         lows, highs = [], []
+        if values is not None:  # the four blocks' bytes joined first: one mask and one shift for all
+            raws = [load(builder.gep(_block_at(builder, blk, c, nvalid, bb), [_i64(qoff)]), _V16B, 1)
+                    for c in range(4 * h, 4 * h + 4)]
+            ab = builder.shuffle_vector(raws[0], raws[1], _c(ir.VectorType(_I32, 32), range(32)))
+            cd = builder.shuffle_vector(raws[2], raws[3], _c(ir.VectorType(_I32, 32), range(32)))
+            raw = builder.shuffle_vector(ab, cd, _c(ir.VectorType(_I32, 64), range(64)))
+            v64 = ir.VectorType(_I8, 64)
+            for dst, nib in ((lows, builder.and_(raw, _c(v64, [15] * 64))),
+                             (highs, builder.and_(builder.lshr(raw, _c(v64, [4] * 64)), _c(v64, [15] * 64)))):
+                for c in range(4):
+                    part = builder.shuffle_vector(nib, nib, _c(_V16I, range(16 * c, 16 * c + 16)))
+                    dst.append(builder.call(shuf, [table, part]))
+            return lows, highs
         for c in range(4 * h, 4 * h + 4):
             at = _block_at(builder, blk, c, nvalid, bb)
             raw = load(builder.gep(at, [_i64(qoff)]), _V16B, 1)
             lo, hi = builder.and_(raw, _c(_V16B, [15] * 16)), builder.lshr(raw, _c(_V16B, [4] * 16))
-            if values is not None:
-                lows.append(builder.call(shuf, [table, lo]))
-                highs.append(builder.call(shuf, [table, hi]))
-                continue
             qh = load(builder.gep(at, [_i64(qoff - 4)]), ir.VectorType(_I8, 4), 1)
             for dst, nib, first in ((lows, lo, 0), (highs, hi, 2)):  # weight w's fifth bit: qh bit w
                 spread = builder.shuffle_vector(qh, qh, _c(_V16I, [first + i // 8 for i in range(16)]))
