@@ -130,7 +130,7 @@ def disk_bandwidth(path: Path, nbytes: int = 1 << 30, chunk: int = 4 << 20) -> f
     import mmap
 
     buf = mmap.mmap(-1, chunk)
-    files = sorted(path.glob("experts-*.safetensors"))
+    files = [path] if path.is_file() else sorted(path.glob("experts-*.safetensors"))  # a .gguf: the file
     done, t0 = 0, time.perf_counter()
     for f in files:
         fd = os.open(f, os.O_RDONLY | os.O_DIRECT)
@@ -175,6 +175,11 @@ def main() -> None:
     ap.add_argument("--child", choices=["colibri", "llama", "llama-mmap"])
     add_json_arg(ap)
     a = ap.parse_args()
+    gguf_file = None
+    if a.model.suffix == ".gguf":  # colibri reads the file in place (its index in the cache), as moe_resident
+        from colibri.default_model import gguf_model_dir
+
+        gguf_file, a.model = a.model, gguf_model_dir(a.model, progress=not a.child)
     if a.child:
         out = child_colibri(a) if a.child == "colibri" else child_llama(a, repack=a.child == "llama")
         print(json.dumps(out))
@@ -192,7 +197,7 @@ def main() -> None:
     per_tok_expert = sum(l.blob_bytes * int(c.config.get("num_experts_per_tok", 8))
                          for l in c.expert_layouts.values())
     drop_caches()
-    bw = disk_bandwidth(a.model)
+    bw = disk_bandwidth(gguf_file or a.model)
     env = child_env({"NUMBA_NUM_THREADS": str(a.threads), "OMP_NUM_THREADS": str(a.threads)})
     common = ["--model", str(a.model), "--tokens", str(a.tokens),
               "--threads", str(a.threads), "--expert-io", a.expert_io, "--ram-gb", str(ram_gb)]
