@@ -532,8 +532,8 @@ class V4Attention:
 class V4MoE(RoutedMoE):
     """Routed experts (clipped SwiGLU) chosen by scores plus a correction bias, or by token id
     (hash layers), plus one shared expert. The experts come from the expert source as any
-    family's (RAM, disk, prefetch) and run over the matrix kernels here: the fused MoE kernels
-    compute the unclipped SwiGLU."""
+    family's (RAM, disk, prefetch); a decode token's run in the fused MoE kernel with the clip
+    (`activation`), several tokens' over the matrix kernels (`expert`)."""
 
     def __init__(self, args: ModelArgs, w, experts, prefix: str, hashed: bool):
         if getattr(experts, "compute", None) is not None:

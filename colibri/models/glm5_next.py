@@ -279,8 +279,8 @@ class ClippedMLP:
 class ClippedGroupedMoE(GroupedMoE):
     """Grouped sigmoid routing (GroupedMoE) over clipped-SwiGLU experts plus a clipped shared
     expert (Glm5NextTextMoE). The experts come from the expert source as any family's (RAM,
-    disk, prefetch) and run over the matrix kernels: the fused MoE kernels compute the
-    unclipped SwiGLU."""
+    disk, prefetch); a decode token's run in the fused MoE kernel with the clip (`activation`),
+    several tokens' over the matrix kernels (`expert`)."""
 
     def __init__(self, args: ModelArgs, w, experts, prefix: str):
         if getattr(experts, "compute", None) is not None:
