@@ -181,7 +181,6 @@ class GptOssMoE(RoutedMoE):
         return self.over_matrices(x, self.route(x), t0)
 
 
-
 def build(config: dict, weights, experts) -> DecoderModel:
     args = ModelArgs.from_dict(config)
     return build_decoder(
