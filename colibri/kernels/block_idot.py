@@ -1,6 +1,6 @@
-"""GGUF K-quant, MXFP4 and Q5_0 rows times int8 activations: the `--activations int8` form of
-block_tiles.py's fused tiles, for Q4_K, Q6_K, Q5_K, MXFP4 and Q5_0 (llama.cpp's Q8_K / Q8_0 idea
-with idot.py's integer dots). Block types without an int8 tile (Q2_K, Q3_K, IQ4_XS, IQ4_NL,
+"""GGUF K-quant and MXFP4 rows times int8 activations: the `--activations int8` form of
+block_tiles.py's fused tiles, for Q4_K, Q6_K, Q5_K and MXFP4 (llama.cpp's Q8_K / Q8_0 idea with
+idot.py's integer dots). Block types without an int8 tile (Q2_K, Q3_K, IQ4_XS, IQ4_NL, Q5_0,
 Q5_1) stay on the exact path in int8 mode. (IQ4_NL / IQ4_XS are not here because their table
 values made unsigned (+128, up to 241) would overflow AVX2's vpmaddubsw pair sums, 2 * 241 * 127
 > 32767, so the integer forms would disagree: they need |value| paired with sign(value) * xq.)
@@ -26,8 +26,6 @@ super-block and row, with the sub-block scales decoded as the exact tiles decode
     MXFP4, 4 blocks c of 32:     isum_c = sum(code * xq) - 12 * sum(xq)   (code: the doubled E2M1
         value + 12, 0..24, by block_tiles' byte lookup; the -12 as Q6_K's -32) ;
         acc = fmuladd(float(isum lanes), d_c * s_x[c], acc), d_c = 2^(e - 128) (the E8M0 scale halved)
-    Q5_0, 4 blocks c of 32:      isum_c = sum(code * xq) - 16 * sum(xq)   (code: the 5-bit value,
-        0..31, its fifth bit from qh, by block_tiles' lut32_codes) ; acc as MXFP4's, d_c the block's d
 
 A lane's integer sum is exact in every form (at most 4 * 63 * 127 + 32 * 4 * 127 in magnitude;
 AVX2's vpmaddubsw sums two products of at most 63 * 127 into int16, far from its limit), so the
@@ -45,9 +43,9 @@ The layouts, per 128 weights (half a super-block) and 64-byte load h:
 - Q6_K: ql's 64 bytes and qh's 32 give codes of weights 0..63 (low nibbles, qh bits 0-1 and 2-3)
   and 64..127 (high nibbles, bits 4-5 and 6-7): xq in the natural order, lane l in group l // 4
   of its 64.
-- MXFP4 and Q5_0, per super-block of four blocks: their 16-byte qs joined, so the low nibbles
-  are the blocks' weights 0..15 and the high ones their 16..31 (lane l in block l // 4), xq
-  likewise (_mxfp4_order). A row may end inside a super-block (gpt-oss's 2880 = 90 blocks): x is padded
+- MXFP4, per super-block of four blocks: their 16-byte qs joined, so the low nibbles are the
+  blocks' weights 0..15 and the high ones their 16..31 (lane l in block l // 4), xq likewise
+  (_mxfp4_order). A row may end inside a super-block (gpt-oss's 2880 = 90 blocks): x is padded
   to whole super-blocks with zeros (padded_len), the missing blocks read the row's last real
   one and get scale 0, as in the exact tile.
 """
@@ -87,12 +85,11 @@ from .cpu.checks import check_tensor, checked_x
 from .cpu.codegen import hsum
 from .idot import dot_u8s8, group_scale, to_int8
 
-INT8_SCHEMES = ("q4_k", "q6_k", "q5_k", "mxfp4", "q5_0")  # the block types with an int8 tile, in IDOT_KIND's order
+INT8_SCHEMES = ("q4_k", "q6_k", "q5_k", "mxfp4")  # the block types with an int8 tile, in IDOT_KIND's order
 # scheme code (blocks.TYPE_CODE) -> its int8 tile's index in INT8_SCHEMES, -1: exact in int8 mode
 IDOT_KIND = np.array([INT8_SCHEMES.index(s) if s in INT8_SCHEMES else -1 for s in BLOCK_SCHEMES], np.int64)
-_Q4_K, _Q6_K, _Q5_K, _MXFP4 = TYPE_CODE["q4_k"], TYPE_CODE["q6_k"], TYPE_CODE["q5_k"], TYPE_CODE["mxfp4"]
+_Q4_K, _Q6_K, _Q5_K = TYPE_CODE["q4_k"], TYPE_CODE["q6_k"], TYPE_CODE["q5_k"]
 _MXFP4_BLOCK, _, _MXFP4_BIAS, _ = LUTS["mxfp4"]  # a block's bytes; the bias that makes its codes unsigned
-_Q5_0_BLOCK, _, _Q5_0_BIAS, _ = LUTS["q5_0"]
 
 
 def _q4k_order(m: int) -> int:
@@ -110,12 +107,12 @@ def _mxfp4_order(m: int) -> int:
 
 
 _ORDER = [[_q4k_order(m) for m in range(128)], list(range(128)), [_q4k_order(m) for m in range(128)],
-          [_mxfp4_order(m) for m in range(128)], [_mxfp4_order(m) for m in range(128)]]
+          [_mxfp4_order(m) for m in range(128)]]
 # each weight's position in xq, within its 128
 _AT = np.array([[order.index(w) for w in range(128)] for order in _ORDER], np.int64)
-_BIAS = np.array([0, 32, 0, _MXFP4_BIAS, _Q5_0_BIAS], np.int32)  # subtracted from every code, through the lane starts
+_BIAS = np.array([0, 32, 0, _MXFP4_BIAS], np.int32)  # subtracted from every code, through the lane starts
 # x's padding unit, a super-block: MXFP4's rows end at any block, and the tile reads four
-_SUPER = np.array([256, 256, 256, 128, 128], np.int64)
+_SUPER = np.array([256, 256, 256, 128], np.int64)
 
 
 # --- x, quantized once per call --------------------------------------------------------------
@@ -236,20 +233,18 @@ def _q5k_codes(builder, blk, h, load, nvalid=None):
     return lo, hi
 
 
-def _blocks32_codes(kind: str):
-    """A 32-weight type's four blocks at blk (the row's last real one for those past its end,
-    nvalid) as unsigned code bytes (block_tiles.lut32_codes: MXFP4's doubled E2M1 values + 12,
-    0..24; Q5_0's 5-bit codes, 0..31): the blocks' weights 0..15 in order, then their 16..31
-    (_mxfp4_order)."""
-    blocks = lut32_codes(kind)
+_mxfp4_blocks = lut32_codes("mxfp4")
 
-    def codes(builder, blk, h, load, nvalid):
-        def joined(parts):
-            ab = builder.shuffle_vector(parts[0], parts[1], _c(ir.VectorType(_I32, 32), range(32)))
-            cd = builder.shuffle_vector(parts[2], parts[3], _c(ir.VectorType(_I32, 32), range(32)))
-            return builder.shuffle_vector(ab, cd, _c(ir.VectorType(_I32, 64), range(64)))
-        return tuple(joined(parts) for parts in blocks(builder, blk, h, load, nvalid))
-    return codes
+
+def _mxfp4_codes(builder, blk, h, load, nvalid):
+    """MXFP4's four blocks at blk (the row's last real one for those past its end, nvalid) as
+    doubled E2M1 values + 12 (0..24, block_tiles' table): the blocks' weights 0..15 in order,
+    then their 16..31 (_mxfp4_order)."""
+    def joined(parts):
+        ab = builder.shuffle_vector(parts[0], parts[1], _c(ir.VectorType(_I32, 32), range(32)))
+        cd = builder.shuffle_vector(parts[2], parts[3], _c(ir.VectorType(_I32, 32), range(32)))
+        return builder.shuffle_vector(ab, cd, _c(ir.VectorType(_I32, 64), range(64)))
+    return tuple(joined(parts) for parts in _mxfp4_blocks(builder, blk, h, load, nvalid))
 
 
 def _q4k_lanes(h):
@@ -277,10 +272,8 @@ _KINDS = {
     "q4_k": (Q4K_BYTES, 256, q4k_superblock, _q4k_codes, _q4k_lanes, 32, True, None),
     "q6_k": (Q6K_BYTES, 256, q6k_superblock, _q6k_codes, _q6k_lanes, 16, False, None),
     "q5_k": (Q5K_BYTES, 256, q4k_superblock, _q5k_codes, _q4k_lanes, 32, True, None),  # Q4_K's header and sub-blocks
-    "mxfp4": (4 * _MXFP4_BLOCK, 128, lut32_superblock("mxfp4"), _blocks32_codes("mxfp4"), _mxfp4_lanes, 32, False,
+    "mxfp4": (4 * _MXFP4_BLOCK, 128, lut32_superblock("mxfp4"), _mxfp4_codes, _mxfp4_lanes, 32, False,
               _MXFP4_BLOCK),  # four blocks a super-block, as the exact tile
-    "q5_0": (4 * _Q5_0_BLOCK, 128, lut32_superblock("q5_0"), _blocks32_codes("q5_0"), _mxfp4_lanes, 32, False,
-             _Q5_0_BLOCK),  # MXFP4's layout; its codes' bias, 16, as the lane starts
 }
 
 
@@ -368,7 +361,7 @@ def _idot8_intrinsic(kind: str):
     return intrinsic(idot8)
 
 
-q4k_idot8, q6k_idot8, q5k_idot8, mxfp4_idot8, q5_0_idot8 = (_idot8_intrinsic(k) for k in INT8_SCHEMES)
+q4k_idot8, q6k_idot8, q5k_idot8, mxfp4_idot8 = (_idot8_intrinsic(k) for k in INT8_SCHEMES)
 
 
 # --- rows --------------------------------------------------------------------------------
@@ -386,10 +379,8 @@ def rows8(tc, q, r, xa, d):
         q6k_idot8(q, r, r + 8, xq, ni, sx, xo, d)
     elif tc == _Q5_K:
         q5k_idot8(q, r, r + 8, xq, ni, sx, xo, d)
-    elif tc == _MXFP4:
-        mxfp4_idot8(q, r, r + 8, xq, ni, sx, xo, d)
     else:
-        q5_0_idot8(q, r, r + 8, xq, ni, sx, xo, d)
+        mxfp4_idot8(q, r, r + 8, xq, ni, sx, xo, d)
 
 
 @njit(parallel=True, cache=True)

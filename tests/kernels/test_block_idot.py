@@ -21,8 +21,8 @@ from test_blocks import _block_layer, make, reference, shapes
 from test_idot import assert_same_bits_in_every_form
 
 SCHEMES = block_idot.INT8_SCHEMES
-# test_blocks' shapes: rows not a multiple of 8, fewer than 8, whole blocks of rows; MXFP4's and
-# Q5_0's rows also ending inside the tile's four blocks
+# test_blocks' shapes: rows not a multiple of 8, fewer than 8, whole blocks of rows; MXFP4's rows
+# also ending inside the tile's four blocks
 CASES = [(scheme, out, n) for scheme in SCHEMES for out, n in shapes(scheme)]
 
 
@@ -60,7 +60,7 @@ def test_matvec_is_the_dot_with_rounded_activations(scheme, out, n):
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_rows_do_not_depend_on_caller_or_threads(scheme, threads):
-    width = 736 if scheme in ("mxfp4", "q5_0") else 768  # the 32-weight types: the tile's last block missing
+    width = 768 if scheme != "mxfp4" else 736  # MXFP4: the last of the tile's four blocks missing
     t = make(scheme, (37, width), seed=5)
     X = np.random.default_rng(6).standard_normal((5, width)).astype(np.float32)
     X[0] *= 1e3
@@ -104,7 +104,6 @@ MOE_CASES = [  # (gate, up, down types), D, I, E, K
     (("q4_k", "q4_k", "q6_k"), 512, 256, 6, 3),  # GGUF's usual mix: every projection int8
     (("q6_k", "q2_k", "q5_k"), 256, 256, 4, 2),  # an exact projection among int8 ones
     (("mxfp4", "mxfp4", "mxfp4"), 288, 160, 5, 3),  # gpt-oss's experts, rows ending inside four blocks
-    (("q5_0", "q5_0", "q5_0"), 288, 160, 4, 2),  # llama.cpp's fallback for rows of no 256-blocks
 ]
 
 
