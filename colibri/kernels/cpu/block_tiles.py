@@ -227,7 +227,12 @@ def halves_f32(builder, ptr, n: int, load, f16c: bool = F16C):
     """<n x float> of the n IEEE halves at ptr: F16C's vcvtph2ps where the target has it (every
     AVX2 CPU), else integer IR (codegen.f16_bits_f32); both exact, so the same bits
     (tests/kernels/test_block_tiles.py)."""
-    h = load(ptr, ir.VectorType(_I16, n), 1)
+    return halves_value_f32(builder, load(ptr, ir.VectorType(_I16, n), 1), f16c)
+
+
+def halves_value_f32(builder, h, f16c: bool = F16C):
+    """halves_f32 of a vector value h (<n x i16>, the halves' bits)."""
+    n = h.type.count
     if f16c:
         return builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), n)), ir.VectorType(_F32, n))
     return f16_bits_f32(builder, builder.zext(h, ir.VectorType(_I32, n)))
@@ -467,6 +472,8 @@ def lut32_superblock(kind: str):
         then 8 zero lanes): 0 for the blocks past the row's end."""
         if kind == "mxfp4":
             return _mxfp4_scales(builder, blk, load, nvalid)
+        if kind != "q5_1":
+            return _half_scales(builder, blk, load, nvalid, bb, bias)
         ds = ms = ir.Constant(_V4F, ir.Undefined)
         for c in range(4):
             at = _block_at(builder, blk, c, nvalid, bb)
@@ -499,11 +506,27 @@ def _mxfp4_scales(builder, blk, load, nvalid):
     tiny = builder.shl(_c(_V4I, [0x00200000] * 4), e)
     normal = builder.shl(builder.sub(e, _c(_V4I, [1] * 4)), _c(_V4I, [23] * 4))
     d = builder.select(builder.icmp_unsigned("<", e, _c(_V4I, [2] * 4)), tiny, normal)
+    return _scales_and_offsets(builder, builder.bitcast(d, _V4F), nvalid, bias)
+
+
+def _half_scales(builder, blk, load, nvalid, bb: int, bias: int):
+    """IQ4_NL's and Q5_0's lut32_superblock: the four blocks' half d gathered into one vector and
+    converted at once (one vcvtph2ps, not four), 0 past the row's end; -bias * d over the 8
+    groups of 16, then 8 zero lanes."""
+    h = ir.Constant(ir.VectorType(_I16, 4), ir.Undefined)
+    for c in range(4):
+        h = builder.insert_element(h, load(_block_at(builder, blk, c, nvalid, bb), _I16, 1), ir.Constant(_I32, c))
+    return _scales_and_offsets(builder, halves_value_f32(builder, h), nvalid, bias)
+
+
+def _scales_and_offsets(builder, d, nvalid, bias: int):
+    """lut32_superblock's result from the four blocks' scales d (<4 x float>): d, 0 for the
+    blocks at or past nvalid; -bias * d over the 8 groups of 16, then 8 zero lanes."""
     inside = builder.icmp_signed("<", _c(ir.VectorType(_I64, 4), range(4)),
                                  builder.shuffle_vector(builder.insert_element(
                                      ir.Constant(ir.VectorType(_I64, 1), ir.Undefined), nvalid, ir.Constant(_I32, 0)),
                                      ir.Constant(ir.VectorType(_I64, 1), ir.Undefined), _c(_V4I, [0] * 4)))
-    ds = builder.select(inside, builder.bitcast(d, _V4F), ir.Constant(_V4F, [0.0] * 4))
+    ds = builder.select(inside, d, ir.Constant(_V4F, [0.0] * 4))
     neg = builder.fmul(ds, _c(_V4F, [-float(bias)] * 4))
     offs = builder.shuffle_vector(neg, ir.Constant(_V4F, [0.0] * 4), _c(_V16I, [g // 2 for g in range(8)] + [4] * 8))
     return ds, offs
