@@ -124,6 +124,20 @@ def _weight(memory, s, layout, p, half):
     return q, scales
 
 
+@njit(cache=True)
+def _activations(g, u, kind, alpha, limit, gate_bias, up_bias, biased):
+    """Each expert k's down-projection input from its gate and up rows g[k], u[k] [K, I]: the
+    activation `kind`, after its bias rows where `biased`."""
+    a = np.empty_like(g)
+    none = np.zeros(0, np.float32)
+    for k in range(g.shape[0]):
+        if biased:
+            expert_glu_into(g[k], u[k], gate_bias[k], up_bias[k], a[k], kind, alpha, limit)
+        else:
+            expert_glu_into(g[k], u[k], none, none, a[k], kind, alpha, limit)
+    return a
+
+
 @njit(parallel=True, cache=True)
 def routed_experts(x, memory, layout, slots, weights, half, cshift, nthreads, act, kind, alpha, limit, gate_bias,
                    up_bias, down_bias):
@@ -152,14 +166,8 @@ def routed_experts(x, memory, layout, slots, weights, half, cshift, nthreads, ac
             rows8_into(uq, us, us, coef, half, cshift, layout[1, 4], x, xp, r, d, act)
             for j in range(8):
                 u[k, r + j] = d[j]
-    a = np.empty((K, I), np.float32)
     biased = down_bias.shape[0] != 0
-    none = np.zeros(0, np.float32)
-    for k in range(K):
-        if biased:
-            expert_glu_into(g[k], u[k], gate_bias[k], up_bias[k], a[k], kind, alpha, limit)
-        else:
-            expert_glu_into(g[k], u[k], none, none, a[k], kind, alpha, limit)
+    a = _activations(g, u, kind, alpha, limit, gate_bias, up_bias, biased)
     ap = prepare_rows(a, half, act)
     # Down rows: each thread owns a run of output rows and adds the experts' contributions to
     # them one expert after another, in ascending expert id (a product, then a sum: this
@@ -231,14 +239,8 @@ def routed_block_experts(x, memory, layout, tcs, slots, weights, nthreads, act, 
             block_rows8_into(tcs[1], uq, r, x, xp_u, codes, sc, of, d, act)
             for j in range(min(8, I - r)):
                 u[k, r + j] = d[j]
-    a = np.empty((K, I), np.float32)
     biased = down_bias.shape[0] != 0
-    none = np.zeros(0, np.float32)
-    for k in range(K):
-        if biased:
-            expert_glu_into(g[k], u[k], gate_bias[k], up_bias[k], a[k], kind, alpha, limit)
-        else:
-            expert_glu_into(g[k], u[k], none, none, a[k], kind, alpha, limit)
+    a = _activations(g, u, kind, alpha, limit, gate_bias, up_bias, biased)
     xp_d = block_prepare_rows(tcs[2], a, act)
     out = np.zeros(D, np.float32)
     nblk = (D + 7) // 8
