@@ -233,18 +233,10 @@ def _q5k_codes(builder, blk, h, load, nvalid=None):
     return lo, hi
 
 
-_mxfp4_blocks = lut32_codes("mxfp4")
-
-
-def _mxfp4_codes(builder, blk, h, load, nvalid):
-    """MXFP4's four blocks at blk (the row's last real one for those past its end, nvalid) as
-    doubled E2M1 values + 12 (0..24, block_tiles' table): the blocks' weights 0..15 in order,
-    then their 16..31 (_mxfp4_order)."""
-    def joined(parts):
-        ab = builder.shuffle_vector(parts[0], parts[1], _c(ir.VectorType(_I32, 32), range(32)))
-        cd = builder.shuffle_vector(parts[2], parts[3], _c(ir.VectorType(_I32, 32), range(32)))
-        return builder.shuffle_vector(ab, cd, _c(ir.VectorType(_I32, 64), range(64)))
-    return tuple(joined(parts) for parts in _mxfp4_blocks(builder, blk, h, load, nvalid))
+# MXFP4's four blocks at blk (the row's last real one for those past its end, nvalid) as doubled
+# E2M1 values + 12 (0..24, block_tiles' table): the blocks' weights 0..15 in order, then their
+# 16..31 (_mxfp4_order)
+_mxfp4_codes = lut32_codes("mxfp4")
 
 
 def _q4k_lanes(h):

@@ -547,40 +547,43 @@ def _iq4xs_superblock(builder, blk, load, nvalid=None):
 
 def lut32_codes(kind: str):
     """The codes of a 32-weight type (shared with block_idot's int8 tile): codes(builder, blk,
-    h, load, nvalid) -> (lows, highs), blocks 4h .. 4h+3's 16-byte vectors of value + bias
-    bytes, weights 0..15 of the block in lows, 16..31 in highs."""
+    h, load, nvalid) -> (lows, highs), blocks 4h .. 4h+3's value + bias bytes as two 64-byte
+    vectors: block c's weights 0..15 in bytes 16c .. 16c+15 of lows, its 16..31 in highs. The
+    four blocks' bytes are joined before anything else, so the masks, shifts, lookups and Q5's
+    fifth bits each take one 64-byte operation (one zmm instruction on AVX-512), not four."""
     bb, qoff, bias, values = LUTS[kind]
+    v64 = ir.VectorType(_I8, 64)
     if values is not None:
         table = _c(_V16B, [((v + bias) + 128) % 256 - 128 for v in values])  # value + bias as a byte
-    bit = _c(_V16B, [1 << (i & 7) for i in range(16)])
+    bit = _c(v64, [1 << (j & 7) for j in range(64)])
+
+    def join(builder, parts):  # four 16-byte vectors -> one of 64
+        ab = builder.shuffle_vector(parts[0], parts[1], _c(ir.VectorType(_I32, 32), range(32)))
+        cd = builder.shuffle_vector(parts[2], parts[3], _c(ir.VectorType(_I32, 32), range(32)))
+        return builder.shuffle_vector(ab, cd, _c(ir.VectorType(_I32, 64), range(64)))
 
     def codes(builder, blk, h, load, nvalid):
-        shuf = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16B, [_V16B, _V16B]),
-                                              "llvm.x86.ssse3.pshuf.b.128")
-        lows, highs = [], []
-        if values is not None:  # the four blocks' bytes joined first: one mask and one shift for all
-            raws = [load(builder.gep(_block_at(builder, blk, c, nvalid, bb), [_i64(qoff)]), _V16B, 1)
-                    for c in range(4 * h, 4 * h + 4)]
-            ab = builder.shuffle_vector(raws[0], raws[1], _c(ir.VectorType(_I32, 32), range(32)))
-            cd = builder.shuffle_vector(raws[2], raws[3], _c(ir.VectorType(_I32, 32), range(32)))
-            raw = builder.shuffle_vector(ab, cd, _c(ir.VectorType(_I32, 64), range(64)))
-            v64 = ir.VectorType(_I8, 64)
-            for dst, nib in ((lows, builder.and_(raw, _c(v64, [15] * 64))),
-                             (highs, builder.and_(builder.lshr(raw, _c(v64, [4] * 64)), _c(v64, [15] * 64)))):
-                for c in range(4):
-                    part = builder.shuffle_vector(nib, nib, _c(_V16I, range(16 * c, 16 * c + 16)))
-                    dst.append(builder.call(shuf, [table, part]))
-            return lows, highs
-        for c in range(4 * h, 4 * h + 4):
-            at = _block_at(builder, blk, c, nvalid, bb)
-            raw = load(builder.gep(at, [_i64(qoff)]), _V16B, 1)
-            lo, hi = builder.and_(raw, _c(_V16B, [15] * 16)), builder.lshr(raw, _c(_V16B, [4] * 16))
-            qh = load(builder.gep(at, [_i64(qoff - 4)]), ir.VectorType(_I8, 4), 1)
-            for dst, nib, first in ((lows, lo, 0), (highs, hi, 2)):  # weight w's fifth bit: qh bit w
-                spread = builder.shuffle_vector(qh, qh, _c(_V16I, [first + i // 8 for i in range(16)]))
-                on = builder.icmp_unsigned("!=", builder.and_(spread, bit), _c(_V16B, [0] * 16))
-                dst.append(builder.or_(nib, builder.select(on, _c(_V16B, [16] * 16), _c(_V16B, [0] * 16))))
-        return lows, highs
+        ats = [_block_at(builder, blk, c, nvalid, bb) for c in range(4 * h, 4 * h + 4)]
+        raw = join(builder, [load(builder.gep(at, [_i64(qoff)]), _V16B, 1) for at in ats])
+        lo = builder.and_(raw, _c(v64, [15] * 64))
+        hi = builder.lshr(raw, _c(v64, [4] * 64))
+        if values is not None:
+            shuf = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16B, [_V16B, _V16B]),
+                                                  "llvm.x86.ssse3.pshuf.b.128")
+            return tuple(join(builder, [builder.call(shuf, [table, builder.shuffle_vector(
+                nib, nib, _c(_V16I, range(16 * c, 16 * c + 16)))]) for c in range(4)]) for nib in (lo, hi))
+        # Q5: weight w's fifth bit is bit w of its block's 32-bit qh, the 4 bytes before qs
+        qh = ir.Constant(_V4I, ir.Undefined)
+        for c, at in enumerate(ats):
+            qh = builder.insert_element(qh, load(builder.gep(at, [_i64(qoff - 4)]), _I32, 1), ir.Constant(_I32, c))
+        qh = builder.bitcast(qh, _V16B)
+        out = []
+        for nib, first in ((lo, 0), (hi, 2)):  # weights 0..15 take qh bytes 0-1, 16..31 bytes 2-3
+            spread = builder.shuffle_vector(qh, qh, _c(ir.VectorType(_I32, 64),
+                                                       [4 * (j // 16) + first + (j % 16) // 8 for j in range(64)]))
+            on = builder.icmp_unsigned("!=", builder.and_(spread, bit), _c(v64, [0] * 64))
+            out.append(builder.or_(nib, builder.select(on, _c(v64, [16] * 64), _c(v64, [0] * 64))))
+        return tuple(out)
     return codes
 
 
@@ -590,14 +593,9 @@ def _lut32_half(kind: str):
     def half(builder, blk, h, sv, xs, load, fma, nvalid):
         """Blocks 4h .. 4h+3 of the super-block (its 128 weights) . x: one t, lane L's eight
         products all in block 4h + L // 4 (sv: the blocks' scales)."""
-        lows, highs = codes(builder, blk, h, load, nvalid)
-
-        def lanes(parts):  # four 16-byte vectors -> sixteen 32-bit lanes
-            ab = builder.shuffle_vector(parts[0], parts[1], _c(ir.VectorType(_I32, 32), range(32)))
-            cd = builder.shuffle_vector(parts[2], parts[3], _c(ir.VectorType(_I32, 32), range(32)))
-            return builder.bitcast(builder.shuffle_vector(ab, cd, _c(ir.VectorType(_I32, 64), range(64))), _V16I)
         t = None
-        for part, v in enumerate((lanes(lows), lanes(highs))):
+        for part, v in enumerate(codes(builder, blk, h, load, nvalid)):
+            v = builder.bitcast(v, _V16I)  # sixteen 32-bit lanes, four codes each
             ns = [builder.sitofp(builder.and_(v, mk), _V16F) for mk in _BYTE_MASKS]
             ns.append(builder.sitofp(builder.lshr(v, _c(_V16I, [24] * 16)), _V16F))
             for k in range(4):
