@@ -102,7 +102,7 @@ def test_full_preset_sizes():
 
 SLICES = {"qwen3-30b-a3b": 2, "qwen3-235b-a22b": 2, "deepseek-v3": 4, "kimi-k2": 2, "glm-5": 4, "glm-4.5-air": 2,
           "gpt-oss-20b": 2, "qwen3.6-35b-a3b": 4,
-          "minimax-m2": 2, "deepseek-v4-flash": 4, "glm-5.3-flash": 5}
+          "minimax-m2": 2, "deepseek-v4-flash": 4, "deepseek-v4-pro": 4, "glm-5.3-flash": 5}
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ byte where the formats allow) as a GGUF that llama.cpp runs.
     python -m tools.synthetic_moe OUT_DIR --preset deepseek-v3 --layers 5     # 3 dense + 2 MoE layers
 
 Presets (tools/moe_presets.py): the real shapes of qwen3-30b-a3b (whole model, ~17 GB),
-qwen3-235b-a22b, deepseek-v3, deepseek-v4-flash, kimi-k2, glm-5, glm-4.5-air and minimax-m2 (slice them with --layers N: the
+qwen3-235b-a22b, deepseek-v3, deepseek-v4-flash, deepseek-v4-pro, kimi-k2, glm-5, glm-4.5-air and minimax-m2 (slice them with --layers N: the
 config keeps N layers and records the full count in `colibri_synthetic`), and the small
 OLMoE-shaped olmoe-1b-7b / medium / small / tiny the tests use. --width-divisor shrinks every
 width (tests build each family's layer structure in a few MB).
