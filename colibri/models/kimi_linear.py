@@ -144,6 +144,15 @@ class LatentRecurrentCache(RecurrentCache):
         super().__init__(attention_layers, linear_layers, 1, kv_lora_rank, max_tokens, conv_shape, state_shape,
                          max_snapshots=max_snapshots, v_dim=rope_dim + index_dim)
         self.rope_dim = rope_dim
+        # indexer layer -> [its complete pools' keys, the positions they cover]: derived from
+        # index_rows and kept between steps (glm5_next.PooledIndexer.kept_pool_keys); never saved
+        self.pool_keys: dict[int, list] = {}
+
+    def _cut(self, n: int) -> int:
+        n = super()._cut(n)
+        for kept in self.pool_keys.values():  # the rows past n are gone: so are their pools' keys
+            kept[1] = min(kept[1], n)
+        return n
 
     def latent(self, layer: int) -> np.ndarray:
         return self.k[self.kv_layer[layer]][0]                       # [capacity, r]

@@ -133,6 +133,36 @@ def test_the_indexer_keeps_its_best_pools_and_its_own():
     assert mid[:15].tolist() == [t // P in (1, 2) or t >= 12 for t in range(15)]
 
 
+def test_kept_pool_keys_change_no_bit(container):
+    """The indexer's pool keys kept in the cache between steps (PooledIndexer.kept_pool_keys)
+    against recomputing every pool each step: the same logits bit for bit, through a prefill,
+    decode steps, several rows in one pass, and a cut back to a kept state followed by other
+    tokens (whose pools the cut must make the cache forget)."""
+    model = Engine.load(container).model
+    seq = prompts_for(160, 3, (52,))[0]
+
+    def run(keep: bool) -> list:
+        cache, out = model.new_cache(96), []
+
+        def step(ids):
+            if not keep:
+                cache.pool_keys.clear()
+            out.append(model.forward(np.asarray(ids), cache))
+        step(seq[:30])  # 7 complete pools of 4: the indexer chooses 2
+        for t in seq[30:38]:
+            step([t])
+        step(seq[38:41])  # several rows in one pass
+        assert cache.rewind(30) == 30  # the prefill's end is a kept state
+        for t in seq[41:52]:  # other tokens where pools 7.. were
+            step([t])
+        if keep:
+            assert cache.pool_keys and all(kept[1] == 40 for kept in cache.pool_keys.values())
+        return out
+
+    for a, b in zip(run(True), run(False), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("field,value", [
     ("qk_rope_head_dim", 8), ("num_key_value_heads", 2), ("index_topk", 10),
     ("index_kpool_always_select_tail", False), ("indexer_types", ["full", "full", "shared", "full", "shared"]),
