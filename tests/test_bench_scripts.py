@@ -98,6 +98,9 @@ SMOKE: dict[str, tuple] = {
         "colibri serve, 1 client, 8 tokens (no llama-server)",
         lambda c: ["--clients", "1", "--tokens", "8", "--rounds", "1", "--no-baseline", "--logs", c["tmp"],
                    "--json", c["json"]], True, {}),
+    "bench.engine.mla_decode": (
+        "a glm-5.3-flash slice at 1/16 width, 64 tokens (past its 8-token choice: the sparse rows)",
+        lambda c: ["--shrink", "16", "--contexts", "64", "--repeats", "1", "--json", c["json"]], False, {}),
     "bench.engine.mla_kv": ("deepseek-v3 at 64 tokens", lambda c: ["--presets", "deepseek-v3", "--contexts", "64",
                                                                   "--json", c["json"]], False, {}),
     # io

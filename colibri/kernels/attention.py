@@ -46,7 +46,10 @@ class OnlineSoftmax:
         b = s.shape[-1]
         _exp_block(s.reshape(-1, b), b if visible0 is None else visible0, 1 if visible0 is None else period,
                    self.m.reshape(-1), self.l.reshape(-1), c.reshape(-1))
-        pv = np.matmul(s, v)
+        if v.ndim == 2:  # one value matrix for every head (MLA's latent): one GEMM, v read once
+            pv = (s.reshape(-1, b) @ v).reshape(s.shape[:-1] + v.shape[-1:])
+        else:
+            pv = np.matmul(s, v)
         self.acc *= c  # in place: the same two roundings as acc * c + pv
         self.acc += pv
 

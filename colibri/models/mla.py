@@ -149,6 +149,8 @@ class MLAttention:
         N = pos0 + L
         c = cache.latent(layer)[:N]                                          # [N, r]
         k_rope = cache.k_rope(layer)[:N]                                      # [N, R]
+        if L == 1:  # decode over a sparse choice (DSA): only the chosen rows are read
+            c, k_rope, visible = sparse_rows(c, k_rope, visible)
         q_rope = np.ascontiguousarray(q_rope.transpose(1, 0, 2)) * self.scale  # [H, L, R]
         if 2 * L < self.dn + self.dv:
             out = self._absorbed(q_nope, q_rope, c, k_rope, visible)
@@ -169,7 +171,11 @@ class MLAttention:
             acc = OnlineSoftmax((h1 - h0, L), self.r)
             for n0 in range(0, N, b):
                 n1 = min(N, n0 + b)
-                s = q_lat[h0:h1] @ c[n0:n1].T + q_rope[h0:h1] @ k_rope[n0:n1].T   # [P, L, b]
+                # every head scores the same latent rows: [P L, r] @ [r, b], one GEMM reading
+                # them once, where a head at a time is P matrix-vector products at decode
+                rows = (h1 - h0) * L
+                s = (q_lat[h0:h1].reshape(rows, self.r) @ c[n0:n1].T
+                     + q_rope[h0:h1].reshape(rows, q_rope.shape[-1]) @ k_rope[n0:n1].T).reshape(h1 - h0, L, n1 - n0)
                 acc.update(mask(s, visible[:, n0:n1]), c[n0:n1])
             o_lat[h0:h1] = acc.result()
 
@@ -200,6 +206,18 @@ class MLAttention:
             run_tasks(task, list(range(len(groups))))
         out = np.concatenate([a.result() for a in accs], axis=0)            # [H, L, Dv]
         return out.transpose(1, 0, 2).reshape(L, self.h * self.dv)
+
+
+def sparse_rows(c: np.ndarray, k_rope: np.ndarray, visible: np.ndarray):
+    """One query's (c, k_rope, visible) cut to the rows it sees, where it sees at most half of
+    them (a sparse attention's top-k at a context past twice k): scoring and summing only those
+    is the same attention (a masked row weighs exp(-inf) = 0) for N / k times less work, which
+    is what a sparse layer is for. Every one-row pass takes this path alike (decode, and each
+    row of a batch or a draft, DecoderModel.forward_rows), so they keep giving the same bits."""
+    seen = np.flatnonzero(visible[0])
+    if 2 * seen.size > c.shape[0]:
+        return c, k_rope, visible
+    return c[seen], k_rope[seen], np.ones((1, seen.size), bool)
 
 
 HEAD_GROUP = 8  # heads per attention task
