@@ -53,6 +53,9 @@ SMOKE: dict[str, tuple] = {
                    "--activations", "f32,int8"], False, {}),
     "bench.kernels.decode_attention": (
         "64-token context, 2 layers", lambda c: ["--contexts", "64", "--layers", "2", "--repeats", "1"], False, {}),
+    "bench.kernels.v4_attention": (
+        "contexts 512 and 4096, 2 repeats", lambda c: ["--contexts", "512,4096", "--repeats", "2", "--json", c["json"]],
+        False, {}),
     "bench.kernels.int4_tiles": (
         "one 1 MB matrix", lambda c: ["--shapes", "576:1", "--repeats", "1"], False, {}),
     "bench.kernels.kernels_quick": (

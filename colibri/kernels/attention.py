@@ -26,6 +26,19 @@ from .tasks import run_tasks, split
 QUERY_TILE = 128  # queries per causal_attention task
 
 
+def seen_rows(visible: np.ndarray, *rows: np.ndarray) -> tuple:
+    """One query's visible [1, N] and the key/value arrays [N, ...] it masks, cut to the rows
+    it sees where that is at most half of them (a sparse attention's top-k at a context past
+    twice k), else as they are: scoring and summing only those is the same attention (a
+    masked row weighs exp(-inf) = 0) for N / k times less work, which is what a sparse layer
+    is for. The models take this path for every one-query pass alike (decode, and each row of
+    a batch or a draft, which they run one by one), so those keep giving the same bits."""
+    seen = np.flatnonzero(visible[0])
+    if 2 * seen.size > visible.shape[1]:
+        return (visible, *rows)
+    return (np.ones((1, seen.size), bool), *(r[seen] for r in rows))
+
+
 class OnlineSoftmax:
     """Running max m, denominator l and weighted value sum acc for rows of queries; fed blocks
     of scores (-inf where a key is not visible) and their values, it ends with softmax(S) V

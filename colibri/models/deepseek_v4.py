@@ -42,6 +42,7 @@ import numpy as np
 from colibri.errors import ColibriError
 from colibri.formats.qtensor import dequantize
 from colibri.kernels import embedding, ops
+from colibri.kernels.attention import seen_rows
 from colibri.kernels.moe import ExpertActivation
 from colibri.models.args import ModelArgs as BaseModelArgs
 from colibri.models.cache import KVCache
@@ -419,7 +420,8 @@ class Indexer:
         if E <= self.topk:
             return visible
         q = interleaved_rope(linear(q_residual, self.q_b_proj).reshape(L, self.heads, self.dim), cos, sin)
-        scores = np.maximum(np.einsum("lhd,ed->lhe", q, keys), np.float32(0)) * np.float32(self.dim ** -0.5)
+        q_keys = (q.reshape(L * self.heads, self.dim) @ keys.T).reshape(L, self.heads, E)  # one GEMM, not einsum's loops
+        scores = np.maximum(q_keys, np.float32(0)) * np.float32(self.dim ** -0.5)
         weights = linear(x, self.weights_proj) * np.float32(self.heads ** -0.5)                  # [L, Hi]
         total = np.sum(scores * weights[:, :, None], axis=1)                                      # [L, E]
         total = np.where(visible, total, np.float32(-np.inf))
@@ -449,12 +451,16 @@ def v4_attention(q: np.ndarray, keys: np.ndarray, pos0: int, window: int, scale:
         if entries is not None and entries.shape[0]:
             kv = np.concatenate([kv, entries])
             seen = np.concatenate([seen, entry_mask[a:b]], axis=1)
-        s = np.einsum("lhd,nd->lhn", q[a:b], kv) * scale               # [l, H, n]
+        l = b - a
+        if l == 1:  # one query (decode, and each row of a batch or a draft): only the rows it sees
+            seen, kv = seen_rows(seen, kv)
+        # every head against the same rows: [l H, Dh] @ [Dh, n], one GEMM
+        s = (q[a:b].reshape(l * H, Dh) @ kv.T).reshape(l, H, -1) * scale  # [l, H, n]
         s = np.where(seen[:, None, :], s, np.float32(-np.inf))
         m = np.maximum(s.max(axis=-1, keepdims=True), sink)
         p = np.exp(s - m)
         p = p / (p.sum(axis=-1, keepdims=True) + np.exp(sink - m))
-        out[a:b] = np.einsum("lhn,nd->lhd", p, kv)
+        out[a:b] = (p.reshape(l * H, -1) @ kv).reshape(l, H, Dh)
     return out
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from colibri.errors import ColibriError
-from colibri.kernels.attention import OnlineSoftmax, key_block
+from colibri.kernels.attention import OnlineSoftmax, key_block, seen_rows
 from colibri.kernels.tasks import run_tasks, split
 from colibri.formats.qtensor import dequantize
 from colibri.models.cache import MLACache
@@ -150,7 +150,7 @@ class MLAttention:
         c = cache.latent(layer)[:N]                                          # [N, r]
         k_rope = cache.k_rope(layer)[:N]                                      # [N, R]
         if L == 1:  # decode over a sparse choice (DSA): only the chosen rows are read
-            c, k_rope, visible = sparse_rows(c, k_rope, visible)
+            visible, c, k_rope = seen_rows(visible, c, k_rope)
         q_rope = np.ascontiguousarray(q_rope.transpose(1, 0, 2)) * self.scale  # [H, L, R]
         if 2 * L < self.dn + self.dv:
             out = self._absorbed(q_nope, q_rope, c, k_rope, visible)
@@ -206,18 +206,6 @@ class MLAttention:
             run_tasks(task, list(range(len(groups))))
         out = np.concatenate([a.result() for a in accs], axis=0)            # [H, L, Dv]
         return out.transpose(1, 0, 2).reshape(L, self.h * self.dv)
-
-
-def sparse_rows(c: np.ndarray, k_rope: np.ndarray, visible: np.ndarray):
-    """One query's (c, k_rope, visible) cut to the rows it sees, where it sees at most half of
-    them (a sparse attention's top-k at a context past twice k): scoring and summing only those
-    is the same attention (a masked row weighs exp(-inf) = 0) for N / k times less work, which
-    is what a sparse layer is for. Every one-row pass takes this path alike (decode, and each
-    row of a batch or a draft, DecoderModel.forward_rows), so they keep giving the same bits."""
-    seen = np.flatnonzero(visible[0])
-    if 2 * seen.size > c.shape[0]:
-        return c, k_rope, visible
-    return c[seen], k_rope[seen], np.ones((1, seen.size), bool)
 
 
 HEAD_GROUP = 8  # heads per attention task
