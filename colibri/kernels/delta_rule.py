@@ -26,6 +26,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from .cpu.fpenv import flush_subnormals, restore_fp
 from .ops import expf
 
 FAST = {"reassoc", "contract", "nsz"}  # sums may reassociate (vectorized); each head is one thread's, so
@@ -80,6 +81,7 @@ def delta_step(state, q, k, v, g, beta):
     out = np.empty((Hv, Dv), np.float32)
     qscale = np.float32(Dk ** -0.5)
     for h in prange(Hv):
+        fp = flush_subnormals()  # (cpu/fpenv.py: the decays make subnormals by the million)
         kh = h // group
         qn = _unit(q[kh], L2_EPS) * qscale
         kn = _unit(k[kh], L2_EPS)
@@ -102,6 +104,7 @@ def delta_step(state, q, k, v, g, beta):
                 S[i, j] = x
                 o[j] += x * qi
         out[h] = o
+        restore_fp(fp)
     return out
 
 
@@ -125,6 +128,7 @@ def delta_chunked(state, q, k, v, g, beta):
     out = np.zeros((L, Hv, Dv), np.float32)
     qscale = np.float32(Dk ** -0.5)
     for h in prange(Hv):
+        fp = flush_subnormals()  # (cpu/fpenv.py: the decays make subnormals by the million)
         kh = h // group
         S = state[h]
         Q = np.empty((CHUNK, Dk), np.float32)
@@ -204,6 +208,7 @@ def delta_chunked(state, q, k, v, g, beta):
                     kd = Kn[i, d] * b[i]
                     for j in range(Dv):
                         S[d, j] += kd * U[i, j]
+        restore_fp(fp)
     return out
 
 
@@ -244,6 +249,7 @@ def kda_step(state, q, k, v, g, beta):
     out = np.empty((H, Dv), np.float32)
     qscale = np.float32(Dk ** -0.5)
     for h in prange(H):
+        fp = flush_subnormals()  # (cpu/fpenv.py: the decays make subnormals by the million)
         qn = _unit(q[h], L2_EPS) * qscale
         kn = _unit(k[h], L2_EPS)
         S = state[h]
@@ -267,6 +273,7 @@ def kda_step(state, q, k, v, g, beta):
                 S[i, j] = x
                 o[j] += x * qi
         out[h] = o
+        restore_fp(fp)
     return out
 
 
@@ -295,6 +302,7 @@ def kda_chunked(state, q, k, v, g, beta):
     out = np.zeros((L, H, Dv), np.float32)
     qscale = np.float32(Dk ** -0.5)
     for h in prange(H):
+        fp = flush_subnormals()  # (cpu/fpenv.py: the decays make subnormals by the million)
         S = state[h]
         Q = np.empty((CHUNK, Dk), np.float32)
         Kn = np.empty((CHUNK, Dk), np.float32)
@@ -363,6 +371,7 @@ def kda_chunked(state, q, k, v, g, beta):
                     kd = Kn[i, d] * expf(C[last, d] - C[i, d])
                     for j in range(Dv):
                         S[d, j] += kd * U[i, j]
+        restore_fp(fp)
     return out
 
 

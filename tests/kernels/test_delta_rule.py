@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from colibri.kernels import delta_rule
+from colibri.kernels.cpu.fpenv import fp_setting
 
 
 def l2(x):
@@ -206,3 +207,44 @@ def test_sigmoid_gated_rms_norm_normalizes_then_gates():
     w = rng.standard_normal(16).astype(np.float32)
     want = w * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-5) / (1 + np.exp(-z))
     close(delta_rule.sigmoid_gated_rms_norm(x, z, w, np.float32(1e-5)), want, 1e-6)
+
+
+@numba.njit(parallel=True, cache=True)
+def _settings_of_threads(n):
+    """Each parallel iteration's floating-point setting (the threads the kernels' prange uses)."""
+    out = np.empty(n, np.int32)
+    for i in numba.prange(n):
+        out[i] = fp_setting()
+    return out
+
+
+def test_kernels_flush_subnormals_and_leave_every_thread_as_it_was():
+    """Under strong decays (-3 to -90 a token) the states and the chunk's pair factors fall into
+    float32's subnormal range, where every operation costs a microcode assist: the kernels flush
+    them to zero (cpu/fpenv.py) inside each parallel iteration and put the setting back, so the
+    calling thread and numba's workers run every other kernel as before. The results still
+    follow the float64 token loop."""
+    from colibri.kernels.cpu import fpenv
+
+    before = _settings_of_threads(64)
+    here = numba.njit(lambda: fp_setting())
+    caller = here()
+    state, q, k, v, g, beta = kda_inputs(130, H=4, seed=7, strength=30.0)
+    want, want_state = kda_reference(state, q, k, v, g, beta)
+    s = state.copy()
+    close(delta_rule.kda_chunked(s, q, k, v, g, beta), want)
+    close(s, want_state)
+    s = state.copy()
+    close(np.stack([delta_rule.kda_step(s, q[t], k[t], v[t], g[t], beta[t]) for t in range(130)]), want)
+    close(s, want_state)
+    state, q, k, v, g, beta = inputs(130, Hk=2, Hv=4, seed=8)
+    g = 20 * g  # a scalar decay per head of e^-1 .. e^-90 a token
+    want, want_state = reference(state, q, k, v, g, beta)
+    s = state.copy()
+    close(delta_rule.delta_chunked(s, q, k, v, g, beta), want)
+    close(s, want_state)
+    s = state.copy()
+    close(np.stack([delta_rule.delta_step(s, q[t], k[t], v[t], g[t], beta[t]) for t in range(130)]), want)
+    assert here() == caller and np.array_equal(_settings_of_threads(64), before)
+    if fpenv.X86:
+        assert not caller & 0x8040 and not (before & 0x8040).any()  # the default: subnormals kept
