@@ -53,6 +53,10 @@ SMOKE: dict[str, tuple] = {
                    "--activations", "f32,int8"], False, {}),
     "bench.kernels.decode_attention": (
         "64-token context, 2 layers", lambda c: ["--contexts", "64", "--layers", "2", "--repeats", "1"], False, {}),
+    "bench.kernels.delta_rule": (
+        "4 heads of 32, 128 tokens, two decays",
+        lambda c: ["--heads", "4", "--dim", "32", "--tokens", "128", "--decays", "0.1,10", "--repeats", "1",
+                   "--json", c["json"]], False, {}),
     "bench.kernels.v4_attention": (
         "contexts 512 and 4096, 2 repeats", lambda c: ["--contexts", "512,4096", "--repeats", "2", "--json", c["json"]],
         False, {}),

@@ -4,6 +4,7 @@
     dequant.py   exact row dequantizers and the embedding lookup
     matvec.py    decode's matvec (one token) and matvec_rows (a few tokens, the same bits)
     checks.py    the argument checks every entry point runs
+    fpenv.py     the floating-point setting a kernel runs in (subnormals flushed to zero)
 
 Prefill's matmul is gemm.py; int4 x int8 dots idot.py. The package attribute `matvec` is the
 function; take the module's other names with `from colibri.kernels.cpu.matvec import ...`.

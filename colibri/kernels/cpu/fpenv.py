@@ -3,15 +3,17 @@ flush-to-zero and denormals-are-zero bits) for the span of a kernel's loop body,
 caller's setting back.
 
 Why: an operation on a subnormal float (|x| < 2^-126) takes a microcode assist, ~100 cycles
-instead of one, on Intel and AMD alike. The recurrent layers' decays make them by the million: a
-Gated DeltaNet / KDA channel that forgets fast multiplies its state by e^-3 a token, and a chunk's
-pair factors e^(c_i - c_m) reach e^-190, so their products sweep through the subnormal range. A
-64-token chunk of KDA took 10-24 ms a head with decays of -3 to -10 a token against 0.5-0.8 ms
-with mild ones (bench/kernels/delta_rule.py). Flushed, those values become 0: below 2^-126, they
-are ~10^-31 of the terms they are summed with, far under float32's rounding. The
-setting is a thread's, so it is set and restored inside each parallel iteration (numba's worker
-threads run other kernels after), and every iteration flushes alike: any thread count gives the
-same bits.
+instead of one, on Intel and AMD alike. The recurrent layers' decays make them by the million.
+A Gated DeltaNet or KDA channel that forgets fast multiplies its state by e^-3 a token, and a
+chunk's pair factors e^(c_i - c_m) reach e^-190, so their products sweep through the subnormal
+range. One 64-token chunk of one 128 x 128 head took 12-27 ms with decays of -3 to -10 x |N(0, 1)|
+a token, against 0.4-0.8 ms with mild ones (`python -m bench.kernels.delta_rule`). Flushed, those
+values become 0. A value below 2^-126 is summed with terms near 1, so dropping it is far below
+float32's rounding.
+
+The setting belongs to a thread, so it is set and restored inside each parallel iteration:
+numba's worker threads run other kernels afterwards. Every iteration flushes alike, so any
+thread count gives the same bits.
 
 Elsewhere than x86 both calls compile to nothing.
 """
