@@ -40,23 +40,27 @@ def _silu(x):
     return x / (np.float32(1.0) + expf(-x))
 
 
-@njit(cache=True)
+@njit(cache=True, parallel=True)
 def causal_conv(x, state, w):
     """Depthwise causal convolution with SiLU: x [L, C], state [K-1, C] (the K-1 inputs before
-    x[0]; updated in place to the last K-1 inputs), w [C, K] -> [L, C]."""
+    x[0]; updated in place to the last K-1 inputs), w [C, K] -> [L, C]. Tokens in parallel, each
+    tap's weights read as one contiguous row over the channels (w.T): per element the same
+    products summed in tap order, whatever the thread count."""
     L, C = x.shape
     K = w.shape[1]
     window = np.empty((K - 1 + L, C), np.float32)
     window[: K - 1] = state
     window[K - 1:] = x
+    taps = np.ascontiguousarray(w.T)  # [K, C]
     out = np.zeros((L, C), np.float32)
-    for t in range(L):
+    for t in prange(L):
+        o = out[t]
         for j in range(K):
-            row = window[t + j]
+            row, wj = window[t + j], taps[j]
             for c in range(C):
-                out[t, c] += w[c, j] * row[c]
+                o[c] += wj[c] * row[c]
         for c in range(C):
-            out[t, c] = _silu(out[t, c])
+            o[c] = _silu(o[c])
     state[:] = window[L:]
     return out
 
