@@ -152,8 +152,9 @@ def child_llama(a) -> dict:
     import numpy as np
     from llama_cpp import Llama
 
-    llm = Llama(model_path=a.gguf, n_ctx=4096, n_batch=512, n_threads=a.threads, n_threads_batch=a.threads,
-                verbose=False)
+    # room for the long prompt (a word is ~1.1 tokens in these texts) and what follows it
+    llm = Llama(model_path=a.gguf, n_ctx=max(4096, int(1.5 * a.prompt_words) + 256), n_batch=512,
+                n_threads=a.threads, n_threads_batch=a.threads, verbose=False)
     ids = llm.tokenize(_render(llm, SHORT), add_bos=False, special=True)
     llm.eval(ids)
     first = time.time()
