@@ -131,22 +131,6 @@ REAL = {
         "rope_theta": 10000.0, "compress_rope_theta": 160000.0, "rms_norm_eps": 1e-6,
         "max_position_embeddings": 1048576, "tie_word_embeddings": False, "hidden_act": "silu",
         "bos_token_id": 0, "eos_token_id": 1, "num_nextn_predict_layers": 1},
-    # deepseek-ai/DeepSeek-V4-Pro: 1.6T total, 49B active; V4-Flash's architecture at 7168 wide, 61
-    # layers, 384 experts of 3072 and 128 heads in 16 output groups (its config.json as DeepSeek's
-    # V4 inference code and the model card give it); the fields they do not give (the indexer's
-    # heads and width, swiglu_limit, hc_eps) are V4-Flash's
-    "deepseek-v4-pro": {
-        "model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"], "vocab_size": 129280,
-        "hidden_size": 7168, "moe_intermediate_size": 3072, "num_hidden_layers": 61, "num_attention_heads": 128,
-        "num_key_value_heads": 1, "head_dim": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
-        "num_experts_per_tok": 6, "n_routed_experts": 384, "n_shared_experts": 1, "scoring_func": "sqrtsoftplus",
-        "norm_topk_prob": True, "routed_scaling_factor": 2.5, "hc_mult": 4, "hc_sinkhorn_iters": 20,
-        "hc_eps": 1e-6, "swiglu_limit": 10.0, "sliding_window": 128, "o_groups": 16, "o_lora_rank": 1024,
-        "index_n_heads": 64, "index_head_dim": 128, "index_topk": 1024, "num_hash_layers": 3,
-        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
-        "rope_theta": 10000.0, "compress_rope_theta": 160000.0, "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 1048576, "tie_word_embeddings": False, "hidden_act": "silu",
-        "bos_token_id": 0, "eos_token_id": 1, "num_nextn_predict_layers": 1},
     # zai-org/GLM-5.3-Flash's language model (transformers' Glm5NextTextConfig defaults, which name
     # that checkpoint): KDA in three layers of four, NoPE MLA with the pooled DSA indexer in the
     # fourth, 4 hyper-connection streams, 288 experts (top-8) plus a shared one, three dense layers
@@ -187,6 +171,14 @@ SMALL = {
     "tiny": dict(_OLMOE, hidden_size=128, intermediate_size=128, num_hidden_layers=3, num_experts=8,
                  num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2),
 }
+# deepseek-ai/DeepSeek-V4-Pro: 1.6T total, 49B active; V4-Flash's architecture at 7168 wide, 61
+# layers, 384 experts of 3072 and 128 heads in 16 output groups (its config.json as DeepSeek's
+# V4 inference code and the model card give it); the fields they do not give (the indexer's
+# heads and width, swiglu_limit, hc_eps) are V4-Flash's
+REAL["deepseek-v4-pro"] = dict(REAL["deepseek-v4-flash"], hidden_size=7168, moe_intermediate_size=3072,
+                               num_hidden_layers=61, num_attention_heads=128, q_lora_rank=1536,
+                               n_routed_experts=384, routed_scaling_factor=2.5, o_groups=16, index_topk=1024)
+
 # moonshotai/Kimi-K2.6 (model_type kimi_k25): its text_config, which is what `colibri convert` keeps,
 # is Kimi-K2's architecture (1T total, 32B active; the vision tower is not run). The shapes are
 # K2's; so are the context fields (K2.6's own were not checked offline).

@@ -229,22 +229,19 @@ def test_kernels_flush_subnormals_and_leave_every_thread_as_it_was():
     before = _settings_of_threads(64)
     here = numba.njit(lambda: fp_setting())
     caller = here()
-    state, q, k, v, g, beta = kda_inputs(130, H=4, seed=7, strength=30.0)
-    want, want_state = kda_reference(state, q, k, v, g, beta)
-    s = state.copy()
-    close(delta_rule.kda_chunked(s, q, k, v, g, beta), want)
-    close(s, want_state)
-    s = state.copy()
-    close(np.stack([delta_rule.kda_step(s, q[t], k[t], v[t], g[t], beta[t]) for t in range(130)]), want)
-    close(s, want_state)
     state, q, k, v, g, beta = inputs(130, Hk=2, Hv=4, seed=8)
-    g = 20 * g  # a scalar decay per head of e^-1 .. e^-90 a token
-    want, want_state = reference(state, q, k, v, g, beta)
-    s = state.copy()
-    close(delta_rule.delta_chunked(s, q, k, v, g, beta), want)
-    close(s, want_state)
-    s = state.copy()
-    close(np.stack([delta_rule.delta_step(s, q[t], k[t], v[t], g[t], beta[t]) for t in range(130)]), want)
+    cases = [(delta_rule.kda_chunked, delta_rule.kda_step, kda_reference,
+              kda_inputs(130, H=4, seed=7, strength=30.0)),
+             (delta_rule.delta_chunked, delta_rule.delta_step, reference,  # per head: e^-1 .. e^-90 a token
+              (state, q, k, v, 20 * g, beta))]
+    for chunked, step, ref, (state, q, k, v, g, beta) in cases:
+        want, want_state = ref(state, q, k, v, g, beta)
+        s = state.copy()
+        close(chunked(s, q, k, v, g, beta), want)
+        close(s, want_state)
+        s = state.copy()
+        close(np.stack([step(s, q[t], k[t], v[t], g[t], beta[t]) for t in range(130)]), want)
+        close(s, want_state)
     assert here() == caller and np.array_equal(_settings_of_threads(64), before)
     if fpenv.X86:
         assert not caller & 0x8040 and not (before & 0x8040).any()  # the default: subnormals kept

@@ -36,15 +36,20 @@ def _mxcsr(builder, op: str, slot):
     builder.call(fn, [builder.bitcast(slot, _I8P)])
 
 
+def _read(builder):
+    """(a stack slot, this thread's MXCSR read into it)."""
+    slot = cgutils.alloca_once(builder, _I32)
+    _mxcsr(builder, "stmxcsr", slot)
+    return slot, builder.load(slot)
+
+
 @intrinsic
 def flush_subnormals(typingctx):
     """Set flush-to-zero and denormals-are-zero on this thread; returns the setting to restore."""
     def codegen(context, builder, sig, args):
         if not X86:
             return ir.Constant(_I32, 0)
-        slot = cgutils.alloca_once(builder, _I32)
-        _mxcsr(builder, "stmxcsr", slot)
-        old = builder.load(slot)
+        slot, old = _read(builder)
         builder.store(builder.or_(old, ir.Constant(_I32, _FTZ_DAZ)), slot)
         _mxcsr(builder, "ldmxcsr", slot)
         return old
@@ -67,9 +72,5 @@ def restore_fp(typingctx, old):
 def fp_setting(typingctx):
     """This thread's MXCSR (0 elsewhere than x86): for tests."""
     def codegen(context, builder, sig, args):
-        if not X86:
-            return ir.Constant(_I32, 0)
-        slot = cgutils.alloca_once(builder, _I32)
-        _mxcsr(builder, "stmxcsr", slot)
-        return builder.load(slot)
+        return _read(builder)[1] if X86 else ir.Constant(_I32, 0)
     return types.int32(), codegen
