@@ -451,16 +451,16 @@ def v4_attention(q: np.ndarray, keys: np.ndarray, pos0: int, window: int, scale:
         if entries is not None and entries.shape[0]:
             kv = np.concatenate([kv, entries])
             seen = np.concatenate([seen, entry_mask[a:b]], axis=1)
-        l = b - a
-        if l == 1:  # one query (decode, and each row of a batch or a draft): only the rows it sees
+        nq = b - a
+        if nq == 1:  # one query (decode, and each row of a batch or a draft): only the rows it sees
             seen, kv = seen_rows(seen, kv)
-        # every head against the same rows: [l H, Dh] @ [Dh, n], one GEMM
-        s = (q[a:b].reshape(l * H, Dh) @ kv.T).reshape(l, H, -1) * scale  # [l, H, n]
+        # every head against the same rows: [nq H, Dh] @ [Dh, n], one GEMM
+        s = (q[a:b].reshape(nq * H, Dh) @ kv.T).reshape(nq, H, -1) * scale  # [nq, H, n]
         s = np.where(seen[:, None, :], s, np.float32(-np.inf))
         m = np.maximum(s.max(axis=-1, keepdims=True), sink)
         p = np.exp(s - m)
         p = p / (p.sum(axis=-1, keepdims=True) + np.exp(sink - m))
-        out[a:b] = (p.reshape(l * H, -1) @ kv).reshape(l, H, Dh)
+        out[a:b] = (p.reshape(nq * H, -1) @ kv).reshape(nq, H, Dh)
     return out
 
 
