@@ -242,6 +242,12 @@ def test_kernels_flush_subnormals_and_leave_every_thread_as_it_was():
         s = state.copy()
         close(np.stack([step(s, q[t], k[t], v[t], g[t], beta[t]) for t in range(130)]), want)
         close(s, want_state)
+    # a state decayed by e^-90 with nothing written (beta 0) falls below 2^-126: flushed, it is 0
+    state, q, k, v, g, beta = kda_inputs(1, H=4, seed=9)
+    s = np.full_like(state, 0.1)
+    delta_rule.kda_step(s, q[0], k[0], v[0], np.full_like(g[0], -90.0), np.zeros_like(beta[0]))
+    if fpenv.X86:
+        assert not ((s != 0) & (np.abs(s) < np.finfo(np.float32).tiny)).any()
     assert here() == caller and np.array_equal(_settings_of_threads(64), before)
     if fpenv.X86:
         assert not caller & 0x8040 and not (before & 0x8040).any()  # the default: subnormals kept
