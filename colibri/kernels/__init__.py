@@ -41,10 +41,10 @@ def _sources_digest() -> str:
     formats = here.parent / "formats"
     for f in [*sorted(here.rglob("*.py")), formats / "qtensor.py", formats / "ggml_blocks.py"]:
         h.update(str(f.relative_to(here.parent)).encode() + f.read_bytes())
-    # A forced integer-dot form or a named target CPU (idot.py reads both) compiles different
-    # code from the same sources.
+    # A forced integer-dot or tile form or a named target CPU (cpu/target.py reads them)
+    # compiles different code from the same sources.
     # (An empty NUMBA_CPU_FEATURES, the named CPU's own features, differs from an unset one, the host's.)
-    for var in ("COLIBRI_IDOT", "NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES"):
+    for var in ("COLIBRI_IDOT", "COLIBRI_TILES", "NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES"):
         h.update(repr(os.environ.get(var)).encode())
     return f"kernels-{h.hexdigest()[:12]}"
 

@@ -78,3 +78,44 @@ def test_out_argument_and_bad_inputs():
     with pytest.raises(ValueError, match="out must be"):
         matvec_rows(t, x, out=np.empty((2, 16), np.float32))
     assert matvec_rows(t, np.ones((0, 64), np.float32)).shape == (0, 16)
+
+
+_FORMS_SCRIPT = """
+import sys
+import numpy as np
+from colibri.kernels.cpu import codegen, matvec, matvec_rows
+from colibri.formats.qtensor import interleaved, quantize
+rng = np.random.default_rng(11)
+out = []
+for scheme in ("int4_g64", "q4_0", "q4_1", "q8_0"):
+    for rows, n in ((37, 576), (16, 1536), (19, 2048), (9, 192)):
+        t = quantize(rng.standard_normal((rows, n)).astype(np.float32), scheme)
+        x = rng.standard_normal((6, n)).astype(np.float32)
+        out += [matvec(t, x[0]), matvec_rows(t, x).ravel()]
+        if scheme != "q8_0" and rows % 8 == 0:
+            out.append(matvec(interleaved(t), x[1]))
+np.save(sys.argv[1], np.concatenate(out))
+print(codegen.PARTS)
+"""
+
+
+def test_narrow_and_wide_tiles_give_the_same_bits(tmp_path):
+    """The decode tiles' two forms (cpu/codegen.py: 16-lane vectors, or 8-lane halves for
+    16-register targets such as AVX2), each compiled in its own process and numba cache
+    (COLIBRI_TILES), on int4, q4_1 and q8_0 rows with and without tails, one token and tiles
+    of several: the same bits, so a model gives the same tokens on every CPU class."""
+    import os
+    import subprocess
+    import sys
+
+    results = {}
+    for form, parts in (("wide", "1"), ("narrow", "2")):
+        env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / f"cache-{form}"), "COLIBRI_TILES": form}
+        f = tmp_path / f"{form}.npy"
+        p = subprocess.run([sys.executable, "-c", _FORMS_SCRIPT, str(f)], env=env, capture_output=True, text=True,
+                           timeout=900)
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert p.stdout.strip() == parts
+        results[form] = np.load(f)
+    assert results["wide"].size > 2000
+    np.testing.assert_array_equal(results["wide"], results["narrow"])

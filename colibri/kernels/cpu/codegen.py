@@ -14,6 +14,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .target import narrow_tiles
+
 # reassoc lets LLVM split each reduction over vector lanes; contract fuses to FMA. Sums
 # change only by float32 rounding.
 FASTMATH = {"reassoc", "contract", "nsz"}
@@ -128,6 +130,14 @@ _V16F = ir.VectorType(_F32, 16)
 _V16I = ir.VectorType(_I32, 16)
 _V16B = ir.VectorType(_I8, 16)
 
+# Where the target has 16 vector registers (AVX2), a tile keeps each 16-lane vector as two
+# 8-lane halves and emits a block row half by row half, its activations read from memory where
+# they are used (cpu/target.py, narrow_tiles): the lane-for-lane operations, so the same bits.
+PARTS = 2 if narrow_tiles() else 1
+LANES = 16 // PARTS
+_VF = ir.VectorType(_F32, LANES)
+_VI = ir.VectorType(_I32, LANES)
+
 
 def _i64(v: int) -> ir.Constant:
     return ir.Constant(_I64, v)
@@ -162,15 +172,28 @@ def hsum(builder, v):
 # eight products belong to one group: t = sum_k n_k x'_k, then acc = fmuladd(t, s_lane, acc)
 # with the block's 1, 2 or 4 group scales spread over the lanes.
 _BLOCK_MASKS = [ir.Constant(_V16I, [15 << (4 * k)] * 16) for k in range(7)]  # nibble 7: a shift
+_PART_MASKS = [ir.Constant(_VI, [15 << (4 * k)] * LANES) for k in range(7)]
+
+
+def laundered(builder, ptr, tag: int):
+    """`ptr`, through an empty inline asm that LLVM cannot see into, tagged so that each tag is a
+    distinct value: loads through two tags of one pointer are not merged. A tile reads its
+    activations through one tag per weight row, so each multiply-add takes its activation
+    straight from memory (a folded load) instead of LLVM keeping every activation of a block in
+    a register, which on a 16-register target meant spilling them and reading them back."""
+    fnty = ir.FunctionType(ptr.type, [ptr.type, _I32])
+    return builder.asm(fnty, "", "=r,0,i", [ptr, _i32(tag)], side_effect=False)
 
 
 def _int4_blocks(builder, nfull, cshift, qstep, qrows, srows, xrows, accs, fma, prefetch_next):
     """Blocks 0..nfull-1 of every weight row x every activation row, into the accumulators.
     One loop per group width (cshift 0, 1, 2+), chosen here once rather than per block and
     row: the per-block branch made LLVM spill the scales and accumulators to the stack."""
+    block = _int4_block if PARTS == 1 else _int4_block_halves
+
     def loop(shift, spread: int):
         with cgutils.for_range(builder, nfull) as it:
-            _int4_block(builder, it.index, shift, spread, qstep, qrows, srows, xrows, accs, fma, prefetch_next)
+            block(builder, it.index, shift, spread, qstep, qrows, srows, xrows, accs, fma, prefetch_next)
 
     with builder.if_else(builder.icmp_unsigned("==", cshift, _i64(0))) as (four, fewer):
         with four:
@@ -202,23 +225,68 @@ def _int4_block(builder, bi, cshift, spread: int, qstep, qrows, srows, xrows, ac
             t = builder.fmul(ns[0], x[0])
             for k in range(1, 8):
                 t = builder.call(fma, [ns[k], x[k], t])
-            builder.store(builder.call(fma, [t, s, builder.load(accs[j][a])]), accs[j][a])
+            acc = accs[j][a][0]
+            builder.store(builder.call(fma, [t, s, builder.load(acc)]), acc)
 
 
-def _block_scales(builder, srow, g0, spread: int):
-    """<16 x float> of lane i's group scale in a block of `spread` groups from group g0: four
-    groups of 32 (lanes 4c..4c+3 are chunk c), two of 64, or one."""
+def _int4_block_halves(builder, bi, cshift, spread: int, qstep, qrows, srows, xrows, accs, fma, prefetch_next):
+    """_int4_block's operations lane for lane, for targets with 16 vector registers (PARTS 2):
+    each weight row's block as two halves of 8 lanes (its bytes 0-31 and 32-63), the product
+    chains of about four (row, half, activation row) triples advanced side by side, k by k,
+    the activations read where they are used (laundered).
+
+    _int4_block keeps a block's 8 activation vectors live across the rows: with the rows'
+    accumulators that is more than 16 ymm registers, and LLVM spilled and reloaded them every
+    block. And a chain (t = n0 x0, then seven dependent multiply-adds) is ~30 cycles long: one
+    chain after another, the out-of-order window held two or three, so the core waited on
+    them; four side by side keep its multiply-add pipes busy."""
+    b = builder.mul(bi, qstep)
+    e = builder.shl(bi, _i64(7))
+    g0 = builder.lshr(builder.shl(bi, _i64(2)), cshift)
+    prefetch_next(b, g0)
+    units = [(j, h) for j in range(len(qrows)) for h in range(PARTS)]
+    per = max(1, 4 // len(xrows))
+    for u0 in range(0, len(units), per):
+        group = units[u0:u0 + per]
+        raws, scales, xbs = [], [], []
+        for j, h in group:
+            at = builder.gep(qrows[j], [builder.add(b, _i64(4 * LANES * h))])
+            raws.append(builder.load(builder.bitcast(at, _VI.as_pointer()), align=1))
+            scales.append(_block_scales(builder, srows[j], g0, spread, h))
+            xbs.append([laundered(builder, builder.gep(row, [e]), PARTS * j + h) for row in xrows])
+        ts = [[None] * len(xrows) for _ in group]
+        for k in range(8):
+            for u, (j, h) in enumerate(group):
+                if k < 7:
+                    n = builder.sitofp(builder.and_(raws[u], _PART_MASKS[k]), _VF)
+                else:
+                    n = builder.sitofp(builder.lshr(raws[u], ir.Constant(_VI, [28] * LANES)), _VF)
+                for a in range(len(xrows)):
+                    at = builder.gep(xbs[u][a], [_i64(16 * k + LANES * h)])
+                    x = builder.load(builder.bitcast(at, _VF.as_pointer()), align=4)
+                    ts[u][a] = builder.fmul(n, x) if k == 0 else builder.call(fma, [n, x, ts[u][a]])
+        for u, (j, h) in enumerate(group):
+            for a in range(len(xrows)):
+                acc = accs[j][a][h]
+                builder.store(builder.call(fma, [ts[u][a], scales[u], builder.load(acc)]), acc)
+
+
+def _block_scales(builder, srow, g0, spread: int, part: int = 0):
+    """Lane i's group scale in a block of `spread` groups from group g0 (four groups of 32:
+    lanes 4c..4c+3 are chunk c; two of 64; or one), for the block's lanes 16 / PARTS * part..
+    (all 16 where PARTS is 1)."""
+    lanes = 16 // PARTS
     if spread == 1:
-        return _splat(builder, builder.load(builder.gep(srow, [g0])), _V16F)
-    return _spread(builder, srow, g0, spread)
+        return _splat(builder, builder.load(builder.gep(srow, [g0])), ir.VectorType(_F32, lanes))
+    return _spread(builder, srow, g0, spread, range(lanes * part, lanes * (part + 1)))
 
 
-def _spread(builder, srow, g0, n):
-    """Scales g0..g0+n-1 of a row, each over 16/n consecutive lanes."""
+def _spread(builder, srow, g0, n, lanes=range(16)):
+    """Scales g0..g0+n-1 of a row, each over 16/n consecutive lanes of 16 (those in `lanes`)."""
     vty = ir.VectorType(_F32, n)
     v = builder.load(builder.bitcast(builder.gep(srow, [g0]), vty.as_pointer()), align=4)
     return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined),
-                                  ir.Constant(ir.VectorType(_I32, 16), [i * n // 16 for i in range(16)]))
+                                  ir.Constant(ir.VectorType(_I32, len(lanes)), [i * n // 16 for i in lanes]))
 
 
 def q_row_ptrs(builder, qbase, qstride, nfull, ilv, row, j):
@@ -286,10 +354,10 @@ def tile_codegen(nibbles: bool, wrows: int, arows: int):
         mbase = builder.bitcast(ma.data, _F32.as_pointer())
         nmrows = [row_ptr(mbase, rn, j, ngroups) for j in range(wrows)]
         has_offs = builder.icmp_unsigned("!=", mbase, sbase)
-        accs = [[cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * 16)) for _ in range(arows)]
-                for _ in range(wrows)]
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3),
-                                             "llvm.fmuladd.v16f32")
+        accs = [[[cgutils.alloca_once_value(builder, ir.Constant(_VF, [0.0] * LANES)) for _ in range(PARTS)]
+                 for _ in range(arows)] for _ in range(wrows)]
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF] * 3),
+                                             f"llvm.fmuladd.v{LANES}f32")
         pf = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]),
             "llvm.prefetch.p0")
@@ -299,8 +367,9 @@ def tile_codegen(nibbles: bool, wrows: int, arows: int):
 
         cmask = builder.sub(builder.shl(_i64(1), cshift), _i64(1))
 
-        def load_x(row, offset):
-            return builder.load(builder.bitcast(builder.gep(row, [offset]), _V16F.as_pointer()), align=4)
+        def load_x(row, offset, h):
+            at = builder.gep(row, [builder.add(offset, _i64(LANES * h))])
+            return builder.load(builder.bitcast(at, _VF.as_pointer()), align=4)
 
         def prefetch_next(b, g, q_next=nrows):  # the next rows: weights at q_next[j] + b, scales (and mins) at group g
             for j in range(wrows):
@@ -319,9 +388,10 @@ def tile_codegen(nibbles: bool, wrows: int, arows: int):
             if nibbles:  # low nibbles pair with x[2*g*half + c*16 ...], high ones half later
                 xo = builder.add(builder.mul(g, builder.shl(gbytes, _i64(1))),
                                  builder.shl(builder.and_(i, cmask), _i64(4)))
-                xs = [(load_x(row, xo), load_x(row, builder.add(xo, gbytes))) for row in xrows]
+                xs = [[(load_x(row, xo, h), load_x(row, builder.add(xo, gbytes), h)) for h in range(PARTS)]
+                      for row in xrows]
             else:
-                xs = [(load_x(row, b), None) for row in xrows]
+                xs = [[(load_x(row, b, h), None) for h in range(PARTS)] for row in xrows]
             # One prefetch per row per 64-byte line (every 4th chunk), not per chunk: a
             # prefetch is an instruction like any other, and 24 per chunk were a third of the
             # one-token tile's.
@@ -330,23 +400,29 @@ def tile_codegen(nibbles: bool, wrows: int, arows: int):
             elif prefetch_here is not False:
                 with builder.if_then(prefetch_here):
                     prefetch_next(qoff, g, q_next)
+            vb = ir.VectorType(_I8, LANES)
             for j in range(wrows):
-                raw = builder.load(builder.bitcast(builder.gep(q_at[j], [qoff]), _V16B.as_pointer()), align=1)
-                if nibbles:
-                    w = builder.zext(raw, _V16I)
-                    lo = builder.uitofp(builder.and_(w, ir.Constant(_V16I, [15] * 16)), _V16F)
-                    hi = builder.uitofp(builder.lshr(w, ir.Constant(_V16I, [4] * 16)), _V16F)
-                else:
-                    lo = builder.sitofp(raw, _V16F)
-                s = _splat(builder, builder.load(builder.gep(srows[j], [g])), _V16F)
-                if nibbles:
-                    for a, (xl, xh) in enumerate(xs):
-                        t = builder.call(fma, [hi, xh, builder.fmul(lo, xl)])
-                        builder.store(builder.call(fma, [t, s, builder.load(accs[j][a])]), accs[j][a])
-                else:  # int8: scaled once per weight row, then one fused multiply-add per pair
-                    w = builder.fmul(lo, s)
-                    for a, (xl, _) in enumerate(xs):
-                        builder.store(builder.call(fma, [w, xl, builder.load(accs[j][a])]), accs[j][a])
+                s = _splat(builder, builder.load(builder.gep(srows[j], [g])), _VF)
+                for h in range(PARTS):
+                    at = builder.gep(q_at[j], [builder.add(qoff, _i64(LANES * h))])
+                    raw = builder.load(builder.bitcast(at, vb.as_pointer()), align=1)
+                    if nibbles:
+                        w = builder.zext(raw, _VI)
+                        lo = builder.uitofp(builder.and_(w, ir.Constant(_VI, [15] * LANES)), _VF)
+                        hi = builder.uitofp(builder.lshr(w, ir.Constant(_VI, [4] * LANES)), _VF)
+                    else:
+                        lo = builder.sitofp(raw, _VF)
+                    if nibbles:
+                        for a, parts in enumerate(xs):
+                            xl, xh = parts[h]
+                            t = builder.call(fma, [hi, xh, builder.fmul(lo, xl)])
+                            acc = accs[j][a][h]
+                            builder.store(builder.call(fma, [t, s, builder.load(acc)]), acc)
+                    else:  # int8: scaled once per weight row, then one fused multiply-add per pair
+                        w = builder.fmul(lo, s)
+                        for a, parts in enumerate(xs):
+                            acc = accs[j][a][h]
+                            builder.store(builder.call(fma, [w, parts[h][0], builder.load(acc)]), acc)
 
         # Whole 64-byte blocks first, at qrows[j] + k * qstep: int4 through _int4_block (x
         # prepared by prepare_x_into), int8 as four chunks; then the tail's chunks.
@@ -366,9 +442,16 @@ def tile_codegen(nibbles: bool, wrows: int, arows: int):
         for j in range(wrows):
             for a in range(arows):
                 at = builder.add(a0, _i64(j)) if ocols is None else builder.add(builder.mul(_i64(a), ocols), _i64(j))
-                builder.store(hsum(builder, builder.load(accs[j][a])), builder.gep(obase, [at]))
+                builder.store(hsum(builder, _joined(builder, accs[j][a])), builder.gep(obase, [at]))
         return context.get_dummy_value()
     return codegen
+
+
+def _joined(builder, parts):
+    """A 16-lane accumulator's lanes for hsum: its one vector, or its two halves added (hsum's
+    first step, lanes 0-7 plus lanes 8-15: the same bits)."""
+    v = builder.load(parts[0])
+    return v if len(parts) == 1 else builder.fadd(v, builder.load(parts[1]))
 
 
 def _one_row_tile(wrows: int, nibbles: bool):

@@ -52,6 +52,28 @@ def target_isa() -> str:
     return best
 
 
+_AVX512_CPUS = _VNNI_CPUS | {"skylake-avx512", "x86-64-v4", "knl", "knm"}
+
+
+def narrow_tiles() -> bool:
+    """Whether the target has 16 vector registers rather than AVX-512's 32 (AVX2 and older): the
+    decode tiles then hold their 16-lane vectors as 8-lane halves (cpu/codegen.py), since 16 x 16
+    lanes of accumulators and activations do not fit in 16 ymm registers and LLVM spilled them
+    every block. COLIBRI_TILES=narrow / wide forces a form (the tests compare them)."""
+    forced = os.environ.get("COLIBRI_TILES")
+    if forced in ("narrow", "wide"):
+        return forced == "narrow"
+    from numba.core import config
+
+    if config.CPU_NAME and config.CPU_NAME != "host" or config.CPU_FEATURES:
+        name = (config.CPU_NAME or "").lower()
+        flags = {f[1:]: f[0] == "+" for f in (config.CPU_FEATURES or "").replace(" ", "").split(",") if f}
+        return not flags.get("avx512f", name in _AVX512_CPUS)
+    import llvmlite.binding as llvm
+
+    return not llvm.get_host_cpu_features().get("avx512f", False)
+
+
 # Every CPU with AVX2 has F16C (vcvtph2ps): half -> float in one instruction.
 F16C = native_isa() in ("avx2", "vnni")
 
