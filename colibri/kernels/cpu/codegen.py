@@ -134,9 +134,12 @@ _V16B = ir.VectorType(_I8, 16)
 # 8-lane halves and emits a block row half by row half, its activations read from memory where
 # they are used (cpu/target.py, narrow_tiles): the lane-for-lane operations, so the same bits.
 PARTS = 2 if narrow_tiles() else 1
-LANES = 16 // PARTS
-_VF = ir.VectorType(_F32, LANES)
-_VI = ir.VectorType(_I32, LANES)
+
+
+def _part_types(parts: int):
+    """(lanes, float vector, int32 vector) of one part of a 16-lane vector split in `parts`."""
+    lanes = 16 // parts
+    return lanes, ir.VectorType(_F32, lanes), ir.VectorType(_I32, lanes)
 
 
 def _i64(v: int) -> ir.Constant:
@@ -172,7 +175,6 @@ def hsum(builder, v):
 # eight products belong to one group: t = sum_k n_k x'_k, then acc = fmuladd(t, s_lane, acc)
 # with the block's 1, 2 or 4 group scales spread over the lanes.
 _BLOCK_MASKS = [ir.Constant(_V16I, [15 << (4 * k)] * 16) for k in range(7)]  # nibble 7: a shift
-_PART_MASKS = [ir.Constant(_VI, [15 << (4 * k)] * LANES) for k in range(7)]
 
 
 def laundered(builder, ptr, tag: int):
@@ -185,15 +187,17 @@ def laundered(builder, ptr, tag: int):
     return builder.asm(fnty, "", "=r,0,i", [ptr, _i32(tag)], side_effect=False)
 
 
-def _int4_blocks(builder, nfull, cshift, qstep, qrows, srows, xrows, accs, fma, prefetch_next):
+def _int4_blocks(builder, nfull, cshift, qstep, qrows, srows, xrows, accs, fma, prefetch_next, parts: int):
     """Blocks 0..nfull-1 of every weight row x every activation row, into the accumulators.
     One loop per group width (cshift 0, 1, 2+), chosen here once rather than per block and
     row: the per-block branch made LLVM spill the scales and accumulators to the stack."""
-    block = _int4_block if PARTS == 1 else _int4_block_halves
-
     def loop(shift, spread: int):
         with cgutils.for_range(builder, nfull) as it:
-            block(builder, it.index, shift, spread, qstep, qrows, srows, xrows, accs, fma, prefetch_next)
+            if parts == 1:
+                _int4_block(builder, it.index, shift, spread, qstep, qrows, srows, xrows, accs, fma, prefetch_next)
+            else:
+                _int4_block_halves(builder, it.index, shift, spread, qstep, qrows, srows, xrows, accs, fma,
+                                   prefetch_next, parts)
 
     with builder.if_else(builder.icmp_unsigned("==", cshift, _i64(0))) as (four, fewer):
         with four:
@@ -229,7 +233,8 @@ def _int4_block(builder, bi, cshift, spread: int, qstep, qrows, srows, xrows, ac
             builder.store(builder.call(fma, [t, s, builder.load(acc)]), acc)
 
 
-def _int4_block_halves(builder, bi, cshift, spread: int, qstep, qrows, srows, xrows, accs, fma, prefetch_next):
+def _int4_block_halves(builder, bi, cshift, spread: int, qstep, qrows, srows, xrows, accs, fma, prefetch_next,
+                       parts: int):
     """_int4_block's operations lane for lane, for targets with 16 vector registers (PARTS 2):
     each weight row's block as two halves of 8 lanes (its bytes 0-31 and 32-63), the product
     chains of about four (row, half, activation row) triples advanced side by side, k by k,
@@ -240,30 +245,32 @@ def _int4_block_halves(builder, bi, cshift, spread: int, qstep, qrows, srows, xr
     block. And a chain (t = n0 x0, then seven dependent multiply-adds) is ~30 cycles long: one
     chain after another, the out-of-order window held two or three, so the core waited on
     them; four side by side keep its multiply-add pipes busy."""
+    lanes, vf, vi = _part_types(parts)
+    masks = [ir.Constant(vi, [15 << (4 * k)] * lanes) for k in range(7)]
     b = builder.mul(bi, qstep)
     e = builder.shl(bi, _i64(7))
     g0 = builder.lshr(builder.shl(bi, _i64(2)), cshift)
     prefetch_next(b, g0)
-    units = [(j, h) for j in range(len(qrows)) for h in range(PARTS)]
+    units = [(j, h) for j in range(len(qrows)) for h in range(parts)]
     per = max(1, 4 // len(xrows))
     for u0 in range(0, len(units), per):
         group = units[u0:u0 + per]
         raws, scales, xbs = [], [], []
         for j, h in group:
-            at = builder.gep(qrows[j], [builder.add(b, _i64(4 * LANES * h))])
-            raws.append(builder.load(builder.bitcast(at, _VI.as_pointer()), align=1))
-            scales.append(_block_scales(builder, srows[j], g0, spread, h))
-            xbs.append([laundered(builder, builder.gep(row, [e]), PARTS * j + h) for row in xrows])
+            at = builder.gep(qrows[j], [builder.add(b, _i64(4 * lanes * h))])
+            raws.append(builder.load(builder.bitcast(at, vi.as_pointer()), align=1))
+            scales.append(_block_scales(builder, srows[j], g0, spread, h, parts))
+            xbs.append([laundered(builder, builder.gep(row, [e]), parts * j + h) for row in xrows])
         ts = [[None] * len(xrows) for _ in group]
         for k in range(8):
             for u, (j, h) in enumerate(group):
                 if k < 7:
-                    n = builder.sitofp(builder.and_(raws[u], _PART_MASKS[k]), _VF)
+                    n = builder.sitofp(builder.and_(raws[u], masks[k]), vf)
                 else:
-                    n = builder.sitofp(builder.lshr(raws[u], ir.Constant(_VI, [28] * LANES)), _VF)
+                    n = builder.sitofp(builder.lshr(raws[u], ir.Constant(vi, [28] * lanes)), vf)
                 for a in range(len(xrows)):
-                    at = builder.gep(xbs[u][a], [_i64(16 * k + LANES * h)])
-                    x = builder.load(builder.bitcast(at, _VF.as_pointer()), align=4)
+                    at = builder.gep(xbs[u][a], [_i64(16 * k + lanes * h)])
+                    x = builder.load(builder.bitcast(at, vf.as_pointer()), align=4)
                     ts[u][a] = builder.fmul(n, x) if k == 0 else builder.call(fma, [n, x, ts[u][a]])
         for u, (j, h) in enumerate(group):
             for a in range(len(xrows)):
@@ -271,11 +278,11 @@ def _int4_block_halves(builder, bi, cshift, spread: int, qstep, qrows, srows, xr
                 builder.store(builder.call(fma, [ts[u][a], scales[u], builder.load(acc)]), acc)
 
 
-def _block_scales(builder, srow, g0, spread: int, part: int = 0):
+def _block_scales(builder, srow, g0, spread: int, part: int = 0, parts: int = 1):
     """Lane i's group scale in a block of `spread` groups from group g0 (four groups of 32:
-    lanes 4c..4c+3 are chunk c; two of 64; or one), for the block's lanes 16 / PARTS * part..
-    (all 16 where PARTS is 1)."""
-    lanes = 16 // PARTS
+    lanes 4c..4c+3 are chunk c; two of 64; or one), for the block's lanes 16 / parts * part..
+    (all 16 where parts is 1)."""
+    lanes = 16 // parts
     if spread == 1:
         return _splat(builder, builder.load(builder.gep(srow, [g0])), ir.VectorType(_F32, lanes))
     return _spread(builder, srow, g0, spread, range(lanes * part, lanes * (part + 1)))
@@ -307,6 +314,13 @@ def q_row_ptrs(builder, qbase, qstride, nfull, ilv, row, j):
     return builder.gep(qbase, [blocks]), builder.gep(qbase, [tails])
 
 
+def tile_parts(wrows: int, arows: int) -> int:
+    """How a tile holds its 16-lane vectors: whole (1), or on a 16-register target (PARTS 2) as
+    two 8-lane halves, for the one-token tiles. The 4 x 4 tiles of several tokens keep whole
+    vectors on every target: their 16 accumulators per half spill either way."""
+    return PARTS if arows == 1 else 1
+
+
 def tile_codegen(nibbles: bool, wrows: int, arows: int):
     """Codegen of a (q, scales, offs, r, rn, x, a0, half_or_group, cshift, ilv, out) -> None
     intrinsic over weight rows r..r+wrows-1 and activation rows a0..a0+arows-1.
@@ -320,6 +334,9 @@ def tile_codegen(nibbles: bool, wrows: int, arows: int):
     row a0 + a and weight row r + j. Rows rn.. of q, scales and offs (q4_1's mins, shaped like scales; the
     caller adds their term) are prefetched (pass rn = r on the last block); offs may be scales.
     """
+    parts = tile_parts(wrows, arows)
+    lanes, vf, vi = _part_types(parts)
+
     def codegen(context, builder, sig, args):
         qty, sty, oty_, _, _, xty, _, _, _, _, oty = sig.args
         qa = context.make_array(qty)(context, builder, args[0])
@@ -354,10 +371,10 @@ def tile_codegen(nibbles: bool, wrows: int, arows: int):
         mbase = builder.bitcast(ma.data, _F32.as_pointer())
         nmrows = [row_ptr(mbase, rn, j, ngroups) for j in range(wrows)]
         has_offs = builder.icmp_unsigned("!=", mbase, sbase)
-        accs = [[[cgutils.alloca_once_value(builder, ir.Constant(_VF, [0.0] * LANES)) for _ in range(PARTS)]
+        accs = [[[cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes)) for _ in range(parts)]
                  for _ in range(arows)] for _ in range(wrows)]
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF] * 3),
-                                             f"llvm.fmuladd.v{LANES}f32")
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3),
+                                             f"llvm.fmuladd.v{lanes}f32")
         pf = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]),
             "llvm.prefetch.p0")
@@ -368,8 +385,8 @@ def tile_codegen(nibbles: bool, wrows: int, arows: int):
         cmask = builder.sub(builder.shl(_i64(1), cshift), _i64(1))
 
         def load_x(row, offset, h):
-            at = builder.gep(row, [builder.add(offset, _i64(LANES * h))])
-            return builder.load(builder.bitcast(at, _VF.as_pointer()), align=4)
+            at = builder.gep(row, [builder.add(offset, _i64(lanes * h))])
+            return builder.load(builder.bitcast(at, vf.as_pointer()), align=4)
 
         def prefetch_next(b, g, q_next=nrows):  # the next rows: weights at q_next[j] + b, scales (and mins) at group g
             for j in range(wrows):
@@ -388,10 +405,10 @@ def tile_codegen(nibbles: bool, wrows: int, arows: int):
             if nibbles:  # low nibbles pair with x[2*g*half + c*16 ...], high ones half later
                 xo = builder.add(builder.mul(g, builder.shl(gbytes, _i64(1))),
                                  builder.shl(builder.and_(i, cmask), _i64(4)))
-                xs = [[(load_x(row, xo, h), load_x(row, builder.add(xo, gbytes), h)) for h in range(PARTS)]
+                xs = [[(load_x(row, xo, h), load_x(row, builder.add(xo, gbytes), h)) for h in range(parts)]
                       for row in xrows]
             else:
-                xs = [[(load_x(row, b, h), None) for h in range(PARTS)] for row in xrows]
+                xs = [[(load_x(row, b, h), None) for h in range(parts)] for row in xrows]
             # One prefetch per row per 64-byte line (every 4th chunk), not per chunk: a
             # prefetch is an instruction like any other, and 24 per chunk were a third of the
             # one-token tile's.
@@ -400,35 +417,35 @@ def tile_codegen(nibbles: bool, wrows: int, arows: int):
             elif prefetch_here is not False:
                 with builder.if_then(prefetch_here):
                     prefetch_next(qoff, g, q_next)
-            vb = ir.VectorType(_I8, LANES)
+            vb = ir.VectorType(_I8, lanes)
             for j in range(wrows):
-                s = _splat(builder, builder.load(builder.gep(srows[j], [g])), _VF)
-                for h in range(PARTS):
-                    at = builder.gep(q_at[j], [builder.add(qoff, _i64(LANES * h))])
+                s = _splat(builder, builder.load(builder.gep(srows[j], [g])), vf)
+                for h in range(parts):
+                    at = builder.gep(q_at[j], [builder.add(qoff, _i64(lanes * h))])
                     raw = builder.load(builder.bitcast(at, vb.as_pointer()), align=1)
                     if nibbles:
-                        w = builder.zext(raw, _VI)
-                        lo = builder.uitofp(builder.and_(w, ir.Constant(_VI, [15] * LANES)), _VF)
-                        hi = builder.uitofp(builder.lshr(w, ir.Constant(_VI, [4] * LANES)), _VF)
+                        w = builder.zext(raw, vi)
+                        lo = builder.uitofp(builder.and_(w, ir.Constant(vi, [15] * lanes)), vf)
+                        hi = builder.uitofp(builder.lshr(w, ir.Constant(vi, [4] * lanes)), vf)
                     else:
-                        lo = builder.sitofp(raw, _VF)
+                        lo = builder.sitofp(raw, vf)
                     if nibbles:
-                        for a, parts in enumerate(xs):
-                            xl, xh = parts[h]
+                        for a, xa_ in enumerate(xs):
+                            xl, xh = xa_[h]
                             t = builder.call(fma, [hi, xh, builder.fmul(lo, xl)])
                             acc = accs[j][a][h]
                             builder.store(builder.call(fma, [t, s, builder.load(acc)]), acc)
                     else:  # int8: scaled once per weight row, then one fused multiply-add per pair
                         w = builder.fmul(lo, s)
-                        for a, parts in enumerate(xs):
+                        for a, xa_ in enumerate(xs):
                             acc = accs[j][a][h]
-                            builder.store(builder.call(fma, [w, parts[h][0], builder.load(acc)]), acc)
+                            builder.store(builder.call(fma, [w, xa_[h][0], builder.load(acc)]), acc)
 
         # Whole 64-byte blocks first, at qrows[j] + k * qstep: int4 through _int4_block (x
         # prepared by prepare_x_into), int8 as four chunks; then the tail's chunks.
         c0 = builder.shl(nfull, _i64(2))
         if nibbles:
-            _int4_blocks(builder, nfull, cshift, qstep, qrows, srows, xrows, accs, fma, prefetch_next)
+            _int4_blocks(builder, nfull, cshift, qstep, qrows, srows, xrows, accs, fma, prefetch_next, parts)
         else:
             with cgutils.for_range(builder, nfull) as loop:
                 qoff = builder.mul(loop.index, qstep)
