@@ -119,3 +119,20 @@ def test_narrow_and_wide_tiles_give_the_same_bits(tmp_path):
         results[form] = np.load(f)
     assert results["wide"].size > 2000
     np.testing.assert_array_equal(results["wide"], results["narrow"])
+
+
+@pytest.mark.parametrize("name, features, narrow", [
+    ("haswell", "", True), ("znver3", "", True), ("alderlake", "", True), ("skylake-avx512", "", False),
+    ("znver4", "", False), ("znver4", "-avx512f", True), ("x86-64", "", True)])
+def test_the_tile_form_follows_the_target(monkeypatch, name, features, narrow):
+    """Read from the named target's registers, never the host's; COLIBRI_TILES forces a form."""
+    from numba.core import config
+
+    from colibri.kernels.cpu.target import narrow_tiles
+
+    monkeypatch.delenv("COLIBRI_TILES", raising=False)
+    monkeypatch.setattr(config, "CPU_NAME", name)
+    monkeypatch.setattr(config, "CPU_FEATURES", features)
+    assert narrow_tiles() is narrow
+    monkeypatch.setenv("COLIBRI_TILES", "wide" if narrow else "narrow")
+    assert narrow_tiles() is not narrow
