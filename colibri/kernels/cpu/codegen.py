@@ -130,9 +130,9 @@ _V16F = ir.VectorType(_F32, 16)
 _V16I = ir.VectorType(_I32, 16)
 _V16B = ir.VectorType(_I8, 16)
 
-# Where the target has 16 vector registers (AVX2), a tile keeps each 16-lane vector as two
-# 8-lane halves and emits a block row half by row half, its activations read from memory where
-# they are used (cpu/target.py, narrow_tiles): the lane-for-lane operations, so the same bits.
+# Where the target has 16 vector registers (AVX2; cpu/target.py, narrow_tiles), the one-token
+# tiles keep each 16-lane vector as two 8-lane halves (tile_parts, _int4_block_halves): the same
+# operations lane for lane, so the same bits.
 PARTS = 2 if narrow_tiles() else 1
 
 
