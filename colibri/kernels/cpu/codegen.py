@@ -282,9 +282,9 @@ def _block_scales(builder, srow, g0, spread: int, part: int = 0, parts: int = 1)
     """Lane i's group scale in a block of `spread` groups from group g0 (four groups of 32:
     lanes 4c..4c+3 are chunk c; two of 64; or one), for the block's lanes 16 / parts * part..
     (all 16 where parts is 1)."""
-    lanes = 16 // parts
+    lanes, vf, _ = _part_types(parts)
     if spread == 1:
-        return _splat(builder, builder.load(builder.gep(srow, [g0])), ir.VectorType(_F32, lanes))
+        return _splat(builder, builder.load(builder.gep(srow, [g0])), vf)
     return _spread(builder, srow, g0, spread, range(lanes * part, lanes * (part + 1)))
 
 
@@ -314,7 +314,7 @@ def q_row_ptrs(builder, qbase, qstride, nfull, ilv, row, j):
     return builder.gep(qbase, [blocks]), builder.gep(qbase, [tails])
 
 
-def tile_parts(wrows: int, arows: int) -> int:
+def tile_parts(arows: int) -> int:
     """How a tile holds its 16-lane vectors: whole (1), or on a 16-register target (PARTS 2) as
     two 8-lane halves, for the one-token tiles. The 4 x 4 tiles of several tokens keep whole
     vectors on every target: their 16 accumulators per half spill either way."""
@@ -334,7 +334,7 @@ def tile_codegen(nibbles: bool, wrows: int, arows: int):
     row a0 + a and weight row r + j. Rows rn.. of q, scales and offs (q4_1's mins, shaped like scales; the
     caller adds their term) are prefetched (pass rn = r on the last block); offs may be scales.
     """
-    parts = tile_parts(wrows, arows)
+    parts = tile_parts(arows)
     lanes, vf, vi = _part_types(parts)
 
     def codegen(context, builder, sig, args):

@@ -20,20 +20,33 @@ def isa_of(cpu_name: str, cpu_features: str = "") -> str:
     """The integer-dot form ("vnni", "avx2" or "generic") numba's code for the LLVM CPU
     `cpu_name` with the +/- feature list `cpu_features` (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES)
     gets: read from the name and the list, never from the host."""
-    name = cpu_name.lower()
-    flags = {f[1:]: f[0] == "+" for f in cpu_features.replace(" ", "").split(",") if f}
+    name, flags = cpu_name.lower(), _flags(cpu_features)
     vnni = all(flags.get(k, name in _VNNI_CPUS) for k in ("avx512vnni", "avx512bw", "avx512vl"))
     return "vnni" if vnni else "avx2" if flags.get("avx2", name in _AVX2_CPUS) else "generic"
+
+
+def _flags(cpu_features: str) -> dict:
+    """A +/- feature list ("+avx2,-avx512f") as {feature: wanted}."""
+    return {f[1:]: f[0] == "+" for f in cpu_features.replace(" ", "").split(",") if f}
+
+
+def _named_target() -> tuple[str, str] | None:
+    """(NUMBA_CPU_NAME, NUMBA_CPU_FEATURES) where numba compiles for a named target rather than
+    the host."""
+    from numba.core import config
+
+    if config.CPU_NAME and config.CPU_NAME != "host" or config.CPU_FEATURES:
+        return config.CPU_NAME or "", config.CPU_FEATURES or ""
+    return None
 
 
 def native_isa() -> str:
     """The integer dot instructions of the CPU numba compiles for: "vnni" (AVX-512 VNNI
     `vpdpbusd`), "avx2" (`vpmaddubsw` + `vpmaddwd`, as llama.cpp's AVX2 path) or "generic"
     (portable IR); a named target by `isa_of`."""
-    from numba.core import config
-
-    if config.CPU_NAME and config.CPU_NAME != "host" or config.CPU_FEATURES:
-        return isa_of(config.CPU_NAME or "", config.CPU_FEATURES or "")
+    named = _named_target()
+    if named:
+        return isa_of(*named)
     import llvmlite.binding as llvm
 
     f = llvm.get_host_cpu_features()
@@ -63,12 +76,10 @@ def narrow_tiles() -> bool:
     forced = os.environ.get("COLIBRI_TILES")
     if forced in ("narrow", "wide"):
         return forced == "narrow"
-    from numba.core import config
-
-    if config.CPU_NAME and config.CPU_NAME != "host" or config.CPU_FEATURES:
-        name = (config.CPU_NAME or "").lower()
-        flags = {f[1:]: f[0] == "+" for f in (config.CPU_FEATURES or "").replace(" ", "").split(",") if f}
-        return not flags.get("avx512f", name in _AVX512_CPUS)
+    named = _named_target()
+    if named:
+        name, features = named
+        return not _flags(features).get("avx512f", name.lower() in _AVX512_CPUS)
     import llvmlite.binding as llvm
 
     return not llvm.get_host_cpu_features().get("avx512f", False)
