@@ -69,6 +69,7 @@ from .cpu.block_tiles import (
     lut32_superblock,
     q4k_superblock,
     q6k_superblock,
+    row_runs,
     tile_prologue,
     valid_blocks,
 )
@@ -274,8 +275,8 @@ def _idot_codegen(kind: str, wrows: int):
     xo, d): per super-block, x's scales loaded once and each row's scales decoded, multiplied by
     them ((d * sc) * s_x per sub-block, group or block) and (Q4_K, Q5_K) the mins term added; then
     per 64-byte load of codes, x's two 64-byte pieces (and the Q6_K / MXFP4 lane starts) loaded
-    once for all rows, and per row two integer dots, each converted and added with one fmuladd;
-    d[j] = hsum(acc)."""
+    once for the rows walked side by side (block_tiles.row_runs), and per row two integer dots,
+    each converted and added with one fmuladd; d[j] = hsum(acc)."""
     nbytes, weights, superblock, codes_of, lane_scales, per_scale, mins, bb = _KINDS[kind]
     biased = _BIAS[INT8_SCHEMES.index(kind)] != 0
     nscales = weights // per_scale
@@ -301,42 +302,43 @@ def _idot_codegen(kind: str, wrows: int):
         def load(ptr, ty, align=1):
             return builder.load(builder.bitcast(ptr, ty.as_pointer()), align=align)
 
-        with cgutils.for_range(builder, nsb) as loop:
-            sb = loop.index
-            b = builder.mul(sb, _i64(nbytes))
-            e = builder.mul(sb, _i64(weights))
-            nvalid = valid_blocks(builder, nblk, sb) if bb else None
-            sx = load(builder.gep(sxbase, [builder.lshr(e, _i64(5))]), sxv, 4)
-            sx_of = builder.shuffle_vector(sx, sx, _c(ir.VectorType(_I32, nscales),  # s_x of each scale's weights
-                                                      [g * per_scale // 32 for g in range(nscales)]))
-            if mins:
-                xo16 = load(builder.gep(xobase, [builder.lshr(e, _i64(4))]), _V16F, 4)
-            scales = []
-            for j in range(wrows):  # (d * sc) * s_x per sub-block, group or block
-                sv, offs = superblock(builder, builder.gep(rows[j], [b]), load, nvalid)
-                dsc = builder.shuffle_vector(sv, sv, _c(ir.VectorType(_I32, nscales), range(nscales)))
-                scales.append(builder.fmul(dsc, sx_of))
-                if mins:  # through x's 16-sums
-                    builder.store(builder.call(fma, [offs, xo16, builder.load(accs[j])]), accs[j])
-                for off in range(0, nbytes, 64):  # the next block of rows' same super-block
-                    at = builder.gep(nexts[j], [builder.add(b, _i64(off))])  # (prefetch never faults)
-                    builder.call(pf, [at, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
-            for h in range(weights // 128):
-                xo_ = builder.add(e, _i64(128 * h))
-                xs = [load(builder.gep(xqbase, [builder.add(xo_, _i64(64 * p))]), _V64B) for p in range(2)]
-                if biased:
-                    starts = [load(builder.gep(nibase, [builder.lshr(builder.add(xo_, _i64(64 * p)), _i64(2))]), _V16I, 4)
-                              for p in range(2)]
-                else:
-                    starts = [zero, zero]
-                idx = lane_scales(h)
-                for j in range(wrows):
-                    acc = builder.load(accs[j])
-                    for p, codes in enumerate(codes_of(builder, builder.gep(rows[j], [b]), h, load, nvalid)):
-                        isum = dot_u8s8(builder, starts[p], ((codes, xs[p]),), 16)
-                        s = builder.shuffle_vector(scales[j], scales[j], _c(_V16I, idx[p]))
-                        acc = builder.call(fma, [builder.sitofp(isum, _V16F), s, acc])
-                    builder.store(acc, accs[j])
+        for run in row_runs(rows, nexts):
+            with cgutils.for_range(builder, nsb) as loop:
+                sb = loop.index
+                b = builder.mul(sb, _i64(nbytes))
+                e = builder.mul(sb, _i64(weights))
+                nvalid = valid_blocks(builder, nblk, sb) if bb else None
+                sx = load(builder.gep(sxbase, [builder.lshr(e, _i64(5))]), sxv, 4)
+                sx_of = builder.shuffle_vector(sx, sx, _c(ir.VectorType(_I32, nscales),  # s_x of each scale's weights
+                                                          [g * per_scale // 32 for g in range(nscales)]))
+                if mins:
+                    xo16 = load(builder.gep(xobase, [builder.lshr(e, _i64(4))]), _V16F, 4)
+                scales = {}
+                for j, ahead in run:  # (d * sc) * s_x per sub-block, group or block
+                    sv, offs = superblock(builder, builder.gep(rows[j], [b]), load, nvalid)
+                    dsc = builder.shuffle_vector(sv, sv, _c(ir.VectorType(_I32, nscales), range(nscales)))
+                    scales[j] = builder.fmul(dsc, sx_of)
+                    if mins:  # through x's 16-sums
+                        builder.store(builder.call(fma, [offs, xo16, builder.load(accs[j])]), accs[j])
+                    for off in range(0, nbytes, 64):  # the same super-block of the row read next
+                        at = builder.gep(ahead, [builder.add(b, _i64(off))])  # (prefetch never faults)
+                        builder.call(pf, [at, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+                for h in range(weights // 128):
+                    xo_ = builder.add(e, _i64(128 * h))
+                    xs = [load(builder.gep(xqbase, [builder.add(xo_, _i64(64 * p))]), _V64B) for p in range(2)]
+                    if biased:
+                        starts = [load(builder.gep(nibase, [builder.lshr(builder.add(xo_, _i64(64 * p)), _i64(2))]),
+                                       _V16I, 4) for p in range(2)]
+                    else:
+                        starts = [zero, zero]
+                    idx = lane_scales(h)
+                    for j, _ in run:
+                        acc = builder.load(accs[j])
+                        for p, codes in enumerate(codes_of(builder, builder.gep(rows[j], [b]), h, load, nvalid)):
+                            isum = dot_u8s8(builder, starts[p], ((codes, xs[p]),), 16)
+                            s = builder.shuffle_vector(scales[j], scales[j], _c(_V16I, idx[p]))
+                            acc = builder.call(fma, [builder.sitofp(isum, _V16F), s, acc])
+                        builder.store(acc, accs[j])
         for j in range(wrows):
             builder.store(hsum(builder, builder.load(accs[j])), builder.gep(dbase, [_i64(j)]))
         return context.get_dummy_value()

@@ -1,6 +1,8 @@
 """matvec_rows, the multi-row decode kernel: each row equals matvec of that row bit for bit (the
 promise that batching and speculation never change a token rests on it), with any number of
 rows and threads, and stays within float32 rounding of the float64 reference."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 from numba import get_num_threads, set_num_threads
@@ -82,6 +84,8 @@ def test_out_argument_and_bad_inputs():
 
 _FORMS_SCRIPT = """
 import sys
+from pathlib import Path
+
 import numpy as np
 from colibri.kernels.cpu import codegen, matvec, matvec_rows
 from colibri.formats.qtensor import interleaved, quantize
@@ -94,28 +98,44 @@ for scheme in ("int4_g64", "q4_0", "q4_1", "q8_0"):
         out += [matvec(t, x[0]), matvec_rows(t, x).ravel()]
         if scheme != "q8_0" and rows % 8 == 0:
             out.append(matvec(interleaved(t), x[1]))
+sys.path.insert(0, sys.argv[2])
+from test_blocks import random_blocks
+from colibri.formats.ggml_blocks import BLOCK_TYPES
+from colibri.formats.qtensor import QTensor
+from colibri.kernels import block_idot
+from colibri.kernels.cpu.block_tiles import FUSED, ROWS_SIDE_BY_SIDE
+for scheme in FUSED:  # the block tiles, exact and (where a type has one) int8
+    e = BLOCK_TYPES[scheme].elements
+    for rows, n in ((13, 2 * e if e == 256 else 3 * e), (16, 2048 if e == 256 else 1024)):
+        t = QTensor(scheme, (rows, n), random_blocks(scheme, rows, n, rows + n))
+        x = rng.standard_normal((3, n)).astype(np.float32)
+        out += [matvec(t, x[0]), matvec_rows(t, x).ravel()]
+        if scheme in block_idot.INT8_SCHEMES:
+            out += [block_idot.matvec_q(t, x[1]), block_idot.matmul_q(t, x).ravel()]
 np.save(sys.argv[1], np.concatenate(out))
-print(codegen.PARTS)
+print(codegen.PARTS, ROWS_SIDE_BY_SIDE)
 """
 
 
 def test_narrow_and_wide_tiles_give_the_same_bits(tmp_path):
     """The decode tiles' two forms (cpu/codegen.py: 16-lane vectors, or 8-lane halves for
-    16-register targets such as AVX2), each compiled in its own process and numba cache
-    (COLIBRI_TILES), on int4, q4_1 and q8_0 rows with and without tails, one token and tiles
-    of several: the same bits, so a model gives the same tokens on every CPU class."""
+    16-register targets such as AVX2; cpu/block_tiles.py and block_idot.py: eight rows side by
+    side, or one at a time), each compiled in its own process and numba cache (COLIBRI_TILES),
+    on int4, q4_1 and q8_0 rows with and without tails and on every block type's tile, exact
+    and int8, one token and several: the same bits, so a model gives the same tokens on every
+    CPU class."""
     import os
     import subprocess
     import sys
 
     results = {}
-    for form, parts in (("wide", "1"), ("narrow", "2")):
+    for form, shape in (("wide", "1 8"), ("narrow", "2 1")):  # (codegen.PARTS, block rows side by side)
         env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / f"cache-{form}"), "COLIBRI_TILES": form}
         f = tmp_path / f"{form}.npy"
-        p = subprocess.run([sys.executable, "-c", _FORMS_SCRIPT, str(f)], env=env, capture_output=True, text=True,
-                           timeout=900)
+        p = subprocess.run([sys.executable, "-c", _FORMS_SCRIPT, str(f), str(Path(__file__).parent)], env=env,
+                           capture_output=True, text=True, timeout=900)
         assert p.returncode == 0, p.stderr[-2000:]
-        assert p.stdout.strip() == parts
+        assert p.stdout.strip() == shape
         results[form] = np.load(f)
     assert results["wide"].size > 2000
     np.testing.assert_array_equal(results["wide"], results["narrow"])

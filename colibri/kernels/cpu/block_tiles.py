@@ -36,7 +36,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .codegen import f16_bits_f32, hsum
-from .target import F16C
+from .target import F16C, narrow_tiles
 
 Q4K_BYTES = 144  # a super-block: d, dmin, scales[12], qs[128]
 Q6K_BYTES = 210  # ql[128], qh[64], scales[16] (int8), d
@@ -84,6 +84,29 @@ def tile_prologue(builder, qa, r, rn, wrows: int):
     pf = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0")
     return rows, nexts, accs, fma, pf
+
+
+# How many of a tile's eight rows are walked side by side, super-block by super-block. Eight
+# where the target has 32 vector registers: each 128 weights' x vectors are loaded once for all
+# of them. One on 16-register targets (narrow_tiles: AVX2 and older): there eight rows'
+# accumulators and x vectors do not fit, LLVM spilled them every super-block, and the eight
+# rows of a row-major matrix are eight streams from DRAM where one row after another is a
+# single one; rows one at a time read 1.5-1.9x faster there, x coming from L1 for each row
+# (docs/benchmarks.md, Kernels: block tiles on AVX2). A row's operations are the same either
+# way, so its bits are.
+ROWS_SIDE_BY_SIDE = 1 if narrow_tiles() else 8
+
+
+def row_runs(rows, nexts):
+    """The tile's rows (tile_prologue) in runs of ROWS_SIDE_BY_SIDE, each run a list of (row
+    index, pointer of the row whose same bytes it prefetches): side by side, row j prefetches
+    row j of the next block; one at a time, the row after it (the last row: the next block's
+    first)."""
+    w, k = len(rows), ROWS_SIDE_BY_SIDE
+    if k >= w:
+        return [list(enumerate(nexts))]
+    ahead = rows[1:] + nexts[:1]
+    return [[(j, ahead[j]) for j in range(g, min(g + k, w))] for g in range(0, w, k)]
 
 
 # --- x laid out for the tile ---------------------------------------------------------------
@@ -616,9 +639,9 @@ _KINDS = {"q4_k": (Q4K_BYTES, q4k_superblock, _q4k_half), "q6_k": (Q6K_BYTES, q6
 def _fused_codegen(kind: str, wrows: int):
     """The tile over `wrows` weight rows of type `kind` x one prepared x: per super-block and
     row, its scales decoded and the offset term added (acc = fmuladd(offsets, x's 16-wide
-    sums, acc)); then per 128-weight half the 8 prepared x vectors, loaded once for all rows,
-    and per row two (t, lane scales) pairs: acc = fmuladd(t, s, acc) in that order; a row's
-    result is hsum(acc)."""
+    sums, acc)); then per 128-weight half the 8 prepared x vectors, loaded once for the rows
+    walked side by side (row_runs), and per row two (t, lane scales) pairs: acc = fmuladd(t, s,
+    acc) in that order; a row's result is hsum(acc)."""
     nbytes, superblock, half = _KINDS[kind]
     weights = int(SUPER[FUSED.index(kind)])  # a super-block's: 256, or four 32-weight blocks
     halves, bb = weights // 128, LUTS[kind][0] if kind in _BLOCKS32 else None
@@ -641,30 +664,31 @@ def _fused_codegen(kind: str, wrows: int):
         def load(ptr, ty, align):
             return builder.load(builder.bitcast(ptr, ty.as_pointer()), align=align)
 
-        with cgutils.for_range(builder, nsb) as loop:
-            sb = loop.index
-            b = builder.mul(sb, _i64(nbytes))
-            e = builder.mul(sb, _i64(weights))
-            nvalid = None  # the 32-weight types: the super-block's blocks inside the row (1..4)
-            if bb:
-                nvalid = valid_blocks(builder, nblk, sb)
-            xs16 = load(builder.gep(xsbase, [builder.lshr(e, _i64(4))]), _V16F, 4)
-            scales = []
-            for j in range(wrows):
-                sv, offs = superblock(builder, builder.gep(rows[j], [b]), load, nvalid)
-                scales.append(sv)
-                builder.store(builder.call(fma, [offs, xs16, builder.load(accs[j])]), accs[j])
-                for off in range(0, nbytes, 64):  # the next block of rows' same super-block
-                    at = builder.gep(nexts[j], [builder.add(b, _i64(off))])  # (prefetch never faults)
-                    builder.call(pf, [at, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
-            for h in range(halves):
-                xo = builder.add(e, _i64(128 * h))
-                xs = [load(builder.gep(xpbase, [builder.add(xo, _i64(16 * k))]), _V16F, 4) for k in range(8)]
-                for j in range(wrows):
-                    acc = builder.load(accs[j])
-                    for t, s in half(builder, builder.gep(rows[j], [b]), h, scales[j], xs, load, fma, nvalid):
-                        acc = builder.call(fma, [t, s, acc])
-                    builder.store(acc, accs[j])
+        for run in row_runs(rows, nexts):
+            with cgutils.for_range(builder, nsb) as loop:
+                sb = loop.index
+                b = builder.mul(sb, _i64(nbytes))
+                e = builder.mul(sb, _i64(weights))
+                nvalid = None  # the 32-weight types: the super-block's blocks inside the row (1..4)
+                if bb:
+                    nvalid = valid_blocks(builder, nblk, sb)
+                xs16 = load(builder.gep(xsbase, [builder.lshr(e, _i64(4))]), _V16F, 4)
+                scales = {}
+                for j, ahead in run:
+                    sv, offs = superblock(builder, builder.gep(rows[j], [b]), load, nvalid)
+                    scales[j] = sv
+                    builder.store(builder.call(fma, [offs, xs16, builder.load(accs[j])]), accs[j])
+                    for off in range(0, nbytes, 64):  # the same super-block of the row read next
+                        at = builder.gep(ahead, [builder.add(b, _i64(off))])  # (prefetch never faults)
+                        builder.call(pf, [at, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+                for h in range(halves):
+                    xo = builder.add(e, _i64(128 * h))
+                    xs = [load(builder.gep(xpbase, [builder.add(xo, _i64(16 * k))]), _V16F, 4) for k in range(8)]
+                    for j, _ in run:
+                        acc = builder.load(accs[j])
+                        for t, s in half(builder, builder.gep(rows[j], [b]), h, scales[j], xs, load, fma, nvalid):
+                            acc = builder.call(fma, [t, s, acc])
+                        builder.store(acc, accs[j])
         for j in range(wrows):
             builder.store(hsum(builder, builder.load(accs[j])), builder.gep(dbase, [_i64(j)]))
         return context.get_dummy_value()
