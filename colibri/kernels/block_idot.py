@@ -1,9 +1,10 @@
-"""GGUF K-quant and MXFP4 rows times int8 activations: the `--activations int8` form of
-block_tiles.py's fused tiles, for Q4_K, Q6_K, Q5_K and MXFP4 (llama.cpp's Q8_K / Q8_0 idea with
-idot.py's integer dots). Block types without an int8 tile (Q2_K, Q3_K, IQ4_XS, IQ4_NL, Q5_0,
-Q5_1) stay on the exact path in int8 mode. (IQ4_NL / IQ4_XS are not here because their table
-values made unsigned (+128, up to 241) would overflow AVX2's vpmaddubsw pair sums, 2 * 241 * 127
-> 32767, so the integer forms would disagree: they need |value| paired with sign(value) * xq.)
+"""GGUF block rows times int8 activations: the `--activations int8` form of block_tiles.py's
+fused tiles, for Q4_K, Q6_K, Q5_K, MXFP4, Q5_0, IQ4_NL and IQ4_XS (llama.cpp's Q8_K / Q8_0 idea
+with idot.py's integer dots). Block types without an int8 tile (Q2_K, Q3_K, Q5_1) stay on the
+exact path in int8 mode. The IQ4 types' table values made unsigned (+128, up to 241) would
+overflow AVX2's vpmaddubsw pair sums (2 * 241 * 127 > 32767), so on AVX2 their codes stay
+signed and each is paired with |xq| (idot.dot_s8s8: SIGNED_CODES); the VNNI and portable forms
+sum in 32 bits and take them unsigned, the same integers either way.
 
 Why: the exact tiles spend a conversion and a multiply-add per weight (~6-8 GB/s a core);
 here a row's 64 quant bytes cost two integer dot instructions (idot.dot_u8s8: AVX-512 VNNI
@@ -26,9 +27,13 @@ super-block and row, with the sub-block scales decoded as the exact tiles decode
     MXFP4, 4 blocks c of 32:     isum_c = sum(code * xq) - 12 * sum(xq)   (code: the doubled E2M1
         value + 12, 0..24, by block_tiles' byte lookup; the -12 as Q6_K's -32) ;
         acc = fmuladd(float(isum lanes), d_c * s_x[c], acc), d_c = 2^(e - 128) (the E8M0 scale halved)
+    Q5_0, IQ4_NL, as MXFP4:      code 0..31 less 16; IQ4_NL's table value (+ 128, less 128; on
+        AVX2 signed, with no bias), d_c its block's half scale
+    IQ4_XS, 8 blocks c of 32:    as IQ4_NL, d_c = d * (its 6-bit scale - 32)
 
-A lane's integer sum is exact in every form (at most 4 * 63 * 127 + 32 * 4 * 127 in magnitude;
-AVX2's vpmaddubsw sums two products of at most 63 * 127 into int16, far from its limit), so the
+A lane's integer sum is exact in every form (at most 4 * 241 * 127 + 128 * 4 * 127 in magnitude;
+AVX2's vpmaddubsw sums two products of at most 63 * 127 into int16, or 127 * 127 for the signed
+IQ4 codes, below its limit), so the
 result is the dot product of the dequantized weights with the int8-rounded x up to float32
 rounding, in an operation order fixed by the code: the same bits from matvec, matvec_rows and
 the fused MoE kernel, with any thread count and any integer form (tests/kernels/test_block_idot.py).
@@ -43,9 +48,9 @@ The layouts, per 128 weights (half a super-block) and 64-byte load h:
 - Q6_K: ql's 64 bytes and qh's 32 give codes of weights 0..63 (low nibbles, qh bits 0-1 and 2-3)
   and 64..127 (high nibbles, bits 4-5 and 6-7): xq in the natural order, lane l in group l // 4
   of its 64.
-- MXFP4, per super-block of four blocks: their 16-byte qs joined, so the low nibbles are the
-  blocks' weights 0..15 and the high ones their 16..31 (lane l in block l // 4), xq likewise
-  (_mxfp4_order). A row may end inside a super-block (gpt-oss's 2880 = 90 blocks): x is padded
+- MXFP4, Q5_0, IQ4_NL, per super-block of four blocks (IQ4_XS: each half of its 256): their
+  16-byte qs joined, so the low nibbles are the blocks' weights 0..15 and the high ones their
+  16..31 (lane l in block l // 4), xq likewise (_lut32_order). A row may end inside a super-block (gpt-oss's 2880 = 90 blocks): x is padded
   to whole super-blocks with zeros (padded_len), the missing blocks read the row's last real
   one and get scale 0, as in the exact tile.
 """
@@ -61,10 +66,12 @@ from colibri.formats.ggml_blocks import BLOCK_SCHEMES
 from colibri.formats.qtensor import QTensor
 
 from .cpu.block_tiles import (
+    IQ4XS_BYTES,
     LUTS,
     Q4K_BYTES,
     Q5K_BYTES,
     Q6K_BYTES,
+    iq4xs_superblock,
     lut32_codes,
     lut32_superblock,
     q4k_superblock,
@@ -84,13 +91,17 @@ from .cpu.blocks import (
 )
 from .cpu.checks import check_tensor, checked_x
 from .cpu.codegen import hsum
-from .idot import dot_u8s8, group_scale, to_int8
+from .idot import ISA, dot_s8s8, dot_u8s8, group_scale, to_int8
 
-INT8_SCHEMES = ("q4_k", "q6_k", "q5_k", "mxfp4")  # the block types with an int8 tile, in IDOT_KIND's order
+# the block types with an int8 tile, in IDOT_KIND's order
+INT8_SCHEMES = ("q4_k", "q6_k", "q5_k", "mxfp4", "q5_0", "iq4_nl", "iq4_xs")
 # scheme code (blocks.TYPE_CODE) -> its int8 tile's index in INT8_SCHEMES, -1: exact in int8 mode
 IDOT_KIND = np.array([INT8_SCHEMES.index(s) if s in INT8_SCHEMES else -1 for s in BLOCK_SCHEMES], np.int64)
-_Q4_K, _Q6_K, _Q5_K = TYPE_CODE["q4_k"], TYPE_CODE["q6_k"], TYPE_CODE["q5_k"]
-_MXFP4_BLOCK, _, _MXFP4_BIAS, _ = LUTS["mxfp4"]  # a block's bytes; the bias that makes its codes unsigned
+_Q4_K, _Q6_K, _Q5_K, _MXFP4, _Q5_0, _IQ4_NL = (TYPE_CODE[s] for s in INT8_SCHEMES[:6])
+# The IQ4 types' codes where the integer form is AVX2's: their table values as signed bytes,
+# dotted by idot.dot_s8s8 (no bias); elsewhere value + 128, unsigned, as the other types'.
+SIGNED_CODES = ("iq4_nl", "iq4_xs") if ISA == "avx2" else ()
+_IQ4_BIAS = 0 if SIGNED_CODES else LUTS["iq4_nl"][2]
 
 
 def _q4k_order(m: int) -> int:
@@ -100,20 +111,22 @@ def _q4k_order(m: int) -> int:
     return 64 * (i >> 5) + 32 * high + (i & 31)
 
 
-def _mxfp4_order(m: int) -> int:
-    """MXFP4: the weight (of four blocks' 128) that xq position m pairs with: block m // 16's
-    weight m % 16 (a low nibble) for m < 64, else block (m - 64) // 16's weight 16 + m % 16."""
+def _lut32_order(m: int) -> int:
+    """The 32-weight types (MXFP4, Q5_0, IQ4_NL; IQ4_XS's blocks): the weight (of four blocks'
+    128) that xq position m pairs with: block m // 16's weight m % 16 (a low nibble) for m < 64,
+    else block (m - 64) // 16's weight 16 + m % 16."""
     i, high = m & 63, m >> 6
     return 32 * (i >> 4) + 16 * high + (i & 15)
 
 
-_ORDER = [[_q4k_order(m) for m in range(128)], list(range(128)), [_q4k_order(m) for m in range(128)],
-          [_mxfp4_order(m) for m in range(128)]]
+_ORDER = [[_q4k_order(m) for m in range(128)], list(range(128)), [_q4k_order(m) for m in range(128)]] + \
+    [[_lut32_order(m) for m in range(128)]] * 4
 # each weight's position in xq, within its 128
 _AT = np.array([[order.index(w) for w in range(128)] for order in _ORDER], np.int64)
-_BIAS = np.array([0, 32, 0, _MXFP4_BIAS], np.int32)  # subtracted from every code, through the lane starts
-# x's padding unit, a super-block: MXFP4's rows end at any block, and the tile reads four
-_SUPER = np.array([256, 256, 256, 128], np.int64)
+# subtracted from every code, through the lane starts: what makes the codes unsigned bytes
+_BIAS = np.array([0, 32, 0, LUTS["mxfp4"][2], LUTS["q5_0"][2], _IQ4_BIAS, _IQ4_BIAS], np.int32)
+# x's padding unit, a super-block: the 32-weight types' rows end at any block, and the tile reads four
+_SUPER = np.array([256, 256, 256, 128, 128, 128, 256], np.int64)
 
 
 # --- x, quantized once per call --------------------------------------------------------------
@@ -234,10 +247,10 @@ def _q5k_codes(builder, blk, h, load, nvalid=None):
     return lo, hi
 
 
-# MXFP4's four blocks at blk (the row's last real one for those past its end, nvalid) as doubled
-# E2M1 values + 12 (0..24, block_tiles' table): the blocks' weights 0..15 in order, then their
-# 16..31 (_mxfp4_order)
-_mxfp4_codes = lut32_codes("mxfp4")
+# The 32-weight types' four blocks at blk (the row's last real one for those past its end,
+# nvalid) as block_tiles' codes: MXFP4's doubled E2M1 values + 12 (0..24), Q5_0's 5-bit codes,
+# the IQ4 types' table values (+ _IQ4_BIAS); the blocks' weights 0..15 in order, then their
+# 16..31 (_lut32_order)
 
 
 def _q4k_lanes(h):
@@ -251,9 +264,9 @@ def _q6k_lanes(h):
     return [8 * h + (lane >> 2) for lane in range(16)], [8 * h + 4 + (lane >> 2) for lane in range(16)]
 
 
-def _mxfp4_lanes(h):
-    """MXFP4: lane l of both 64-byte loads in block l // 4."""
-    return [lane >> 2 for lane in range(16)], [lane >> 2 for lane in range(16)]
+def _lut32_lanes(h):
+    """The 32-weight types: lane l of both of load h's 64-byte halves in block 4h + l // 4."""
+    return [4 * h + (lane >> 2) for lane in range(16)], [4 * h + (lane >> 2) for lane in range(16)]
 
 
 # kind -> (super-block bytes, its weights, scales decode, codes of a 64-byte load (nvalid: the
@@ -265,8 +278,10 @@ _KINDS = {
     "q4_k": (Q4K_BYTES, 256, q4k_superblock, _q4k_codes, _q4k_lanes, 32, True, None),
     "q6_k": (Q6K_BYTES, 256, q6k_superblock, _q6k_codes, _q6k_lanes, 16, False, None),
     "q5_k": (Q5K_BYTES, 256, q4k_superblock, _q5k_codes, _q4k_lanes, 32, True, None),  # Q4_K's header and sub-blocks
-    "mxfp4": (4 * _MXFP4_BLOCK, 128, lut32_superblock("mxfp4"), _mxfp4_codes, _mxfp4_lanes, 32, False,
-              _MXFP4_BLOCK),  # four blocks a super-block, as the exact tile
+    # four blocks a super-block, as the exact tile
+    **{k: (4 * LUTS[k][0], 128, lut32_superblock(k), lut32_codes(k, int(_BIAS[INT8_SCHEMES.index(k)])),
+           _lut32_lanes, 32, False, LUTS[k][0]) for k in ("mxfp4", "q5_0", "iq4_nl")},
+    "iq4_xs": (IQ4XS_BYTES, 256, iq4xs_superblock, lut32_codes("iq4_xs", _IQ4_BIAS), _lut32_lanes, 32, False, None),
 }
 
 
@@ -279,6 +294,7 @@ def _idot_codegen(kind: str, wrows: int):
     each converted and added with one fmuladd; d[j] = hsum(acc)."""
     nbytes, weights, superblock, codes_of, lane_scales, per_scale, mins, bb = _KINDS[kind]
     biased = _BIAS[INT8_SCHEMES.index(kind)] != 0
+    dot = dot_s8s8 if kind in SIGNED_CODES else dot_u8s8
     nscales = weights // per_scale
     sxv = ir.VectorType(_F32, weights // 32)
 
@@ -335,7 +351,7 @@ def _idot_codegen(kind: str, wrows: int):
                     for j, _ in run:
                         acc = builder.load(accs[j])
                         for p, codes in enumerate(codes_of(builder, builder.gep(rows[j], [b]), h, load, nvalid)):
-                            isum = dot_u8s8(builder, starts[p], ((codes, xs[p]),), 16)
+                            isum = dot(builder, starts[p], ((codes, xs[p]),), 16)
                             s = builder.shuffle_vector(scales[j], scales[j], _c(_V16I, idx[p]))
                             acc = builder.call(fma, [builder.sitofp(isum, _V16F), s, acc])
                         builder.store(acc, accs[j])
@@ -355,7 +371,8 @@ def _idot8_intrinsic(kind: str):
     return intrinsic(idot8)
 
 
-q4k_idot8, q6k_idot8, q5k_idot8, mxfp4_idot8 = (_idot8_intrinsic(k) for k in INT8_SCHEMES)
+q4k_idot8, q6k_idot8, q5k_idot8, mxfp4_idot8, q5_0_idot8, iq4nl_idot8, iq4xs_idot8 = (
+    _idot8_intrinsic(k) for k in INT8_SCHEMES)
 
 
 # --- rows --------------------------------------------------------------------------------
@@ -373,8 +390,14 @@ def rows8(tc, q, r, xa, d):
         q6k_idot8(q, r, r + 8, xq, ni, sx, xo, d)
     elif tc == _Q5_K:
         q5k_idot8(q, r, r + 8, xq, ni, sx, xo, d)
-    else:
+    elif tc == _MXFP4:
         mxfp4_idot8(q, r, r + 8, xq, ni, sx, xo, d)
+    elif tc == _Q5_0:
+        q5_0_idot8(q, r, r + 8, xq, ni, sx, xo, d)
+    elif tc == _IQ4_NL:
+        iq4nl_idot8(q, r, r + 8, xq, ni, sx, xo, d)
+    else:
+        iq4xs_idot8(q, r, r + 8, xq, ni, sx, xo, d)
 
 
 @njit(parallel=True, cache=True)

@@ -137,6 +137,18 @@ def dot_u8s8(builder, acc, pairs, lanes: int):
     return acc
 
 
+def dot_s8s8(builder, acc, pairs, lanes: int):
+    """dot_u8s8 for a bytes that are signed (block_idot's IQ4 codes on AVX2, the table's values
+    -127..113): each pair given to dot_u8s8 as (|b|, a negated where b < 0), the same products.
+    vpmaddubsw then sums two products of at most 127 * 127 into int16, where the values made
+    unsigned (+128, up to 241) would overflow it. b (int8 activations) is never -128."""
+    out = []
+    for a, b in pairs:
+        neg = builder.icmp_signed("<", b, ir.Constant(b.type, None))
+        out.append((builder.select(neg, builder.neg(b), b), builder.select(neg, builder.neg(a), a)))
+    return dot_u8s8(builder, acc, out, lanes)
+
+
 def _maddubs_lanes(builder, pairs, lanes: int):
     """The 4-byte lane sums of sum over pairs of a * b, in 32- or 16-byte pieces of
     `vpmaddubsw` / `vpmaddwd` (AVX2 or SSSE3 forms), the pieces joined in lane order."""

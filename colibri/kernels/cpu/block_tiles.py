@@ -555,7 +555,7 @@ def _scales_and_offsets(builder, d, nvalid, bias: int):
     return ds, offs
 
 
-def _iq4xs_superblock(builder, blk, load, nvalid=None):
+def iq4xs_superblock(builder, blk, load, nvalid=None):
     """IQ4_XS (d, scales_h (u16), scales_l[4], qs[128]): (<8 x float> d * (sc - 32) of its 8
     blocks, -128 d (sc - 32) over its 16 groups of 16: the table's bias). Block j's scale: low
     4 bits nibble j % 2 of scales_l[j // 2], high 2 bits bits 2j of scales_h."""
@@ -568,13 +568,15 @@ def _iq4xs_superblock(builder, blk, load, nvalid=None):
     return ds, builder.shuffle_vector(neg, neg, _c(_V16I, [g // 2 for g in range(16)]))
 
 
-def lut32_codes(kind: str):
+def lut32_codes(kind: str, bias: int | None = None):
     """The codes of a 32-weight type (shared with block_idot's int8 tile): codes(builder, blk,
     h, load, nvalid) -> (lows, highs), blocks 4h .. 4h+3's value + bias bytes as two 64-byte
     vectors: block c's weights 0..15 in bytes 16c .. 16c+15 of lows, its 16..31 in highs. The
     four blocks' bytes are joined before anything else, so the masks, shifts, lookups and Q5's
-    fifth bits each take one 64-byte operation (one zmm instruction on AVX-512), not four."""
-    bb, qoff, bias, values = LUTS[kind]
+    fifth bits each take one 64-byte operation (one zmm instruction on AVX-512), not four.
+    bias: the lookup types' (default LUTS'; 0: the table's values as signed bytes)."""
+    bb, qoff, lut_bias, values = LUTS[kind]
+    bias = lut_bias if bias is None else bias
     v64 = ir.VectorType(_I8, 64)
     if values is not None:
         table = _c(_V16B, [((v + bias) + 128) % 256 - 128 for v in values])  # value + bias as a byte
@@ -633,7 +635,7 @@ _KINDS = {"q4_k": (Q4K_BYTES, q4k_superblock, _q4k_half), "q6_k": (Q6K_BYTES, q6
           "q5_k": (Q5K_BYTES, q4k_superblock, _q5k_half), "q2_k": (Q2K_BYTES, _q2k_superblock, _q2k_half),
           **{k: (4 * LUTS[k][0], lut32_superblock(k), _lut32_half(k)) for k in _BLOCKS32},
           "q3_k": (Q3K_BYTES, _q3k_superblock, _q3k_half),
-          "iq4_xs": (IQ4XS_BYTES, _iq4xs_superblock, _lut32_half("iq4_xs"))}
+          "iq4_xs": (IQ4XS_BYTES, iq4xs_superblock, _lut32_half("iq4_xs"))}
 
 
 def _fused_codegen(kind: str, wrows: int):
