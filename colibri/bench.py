@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-BENCH_VERSION = 3  # 2: per-phase decode breakdown, projection for slices; 3: the measured decode's profile
+BENCH_VERSION = 4  # 2: per-phase decode breakdown, projection for slices; 3: the measured decode's profile;
+# 4: each phase's weights read per second (breakdown gb_per_s)
 
 
 def _drop_caches() -> bool:
@@ -57,7 +58,7 @@ def layer_kinds(engine) -> tuple[list[str], list[str] | None]:
 
 def _measure(engine, tokens: list[int], prompt: list[int]) -> dict:
     from colibri.engine.turn_profile import profile_between, read_counters
-    from colibri.profile import PHASES, breakdown
+    from colibri.profile import PHASES, breakdown, phase_bytes
 
     engine.reset()
     g = engine.generate(prompt, max_tokens=1, stop_at_eos=False)
@@ -93,7 +94,8 @@ def _measure(engine, tokens: list[int], prompt: list[int]) -> dict:
             asked = (s1["vram_hits"] - s0["vram_hits"]) + (s1["vram_misses"] - s0["vram_misses"])
             row["vram_hit_rate"] = (s1["vram_hits"] - s0["vram_hits"]) / asked if asked else None
     kept, full = layer_kinds(engine)
-    row["breakdown"] = breakdown(seconds, sum(phase_times), len(phase_times), wait, kept, full)
+    row["breakdown"] = breakdown(seconds, sum(phase_times), len(phase_times), wait, kept, full,
+                                 phase_bytes(engine.container))
     row["breakdown"]["path"] = "layer by layer (decoding runs every layer in one call)" if whole_token else "as decoded"
     # The timed decode as one turn, in the shape the server's `colibri` field has
     # (engine/turn_profile.py): whole seconds instead of per token, the cache per tier, bytes
@@ -163,6 +165,9 @@ def render(report: dict, console) -> None:
     for state in ("cold", "warm"):
         bd = report[state]["breakdown"]
         b.add_row(state, *(f"{1e3 * bd['per_token_s'][p]:.1f}" for p in phases), f"{1e3 * bd['total_s']:.1f}")
+    rates = report["warm"]["breakdown"].get("gb_per_s", {})
+    if rates:  # each phase's weights over its time: set against the machine's read bandwidth
+        b.add_row("warm GB/s", *(f"{rates[p]:.1f}" if p in rates else "" for p in phases), "")
     console.print(b)
     if report["warm"]["breakdown"].get("path", "as decoded") != "as decoded":
         console.print(f"(breakdown measured {report['warm']['breakdown']['path']})")

@@ -36,12 +36,39 @@ class PhaseClock:
 PHASES = PhaseClock()
 
 
+def phase_bytes(container) -> dict[str, int]:
+    """The weight bytes one decoded token reads in each of breakdown's phases, from the model's
+    tensors by name: attention (every layer's attention block, whatever its kind), routing (the
+    routers), dense_mlp (dense feed-forwards, shared experts), head (the output head, or the
+    tied embedding it reads) and routed_experts (the top-k experts of every MoE layer). Norms and
+    the embedding's one row are left out: a few KB."""
+    out = dict.fromkeys(("attention", "dense_mlp", "routing", "routed_experts", "head"), 0)
+    names = container.manifest["tensors"]
+    for name in names:
+        if "norm" in name or "embed_tokens" in name:
+            continue
+        phase = ("head" if name.startswith("lm_head") else
+                 "routing" if ".mlp.gate." in name or ".mlp.router." in name else
+                 "attention" if "attn" in name else
+                 "dense_mlp" if ".mlp." in name else None)
+        if phase:
+            out[phase] += container.tensor_bytes(name)
+    if "lm_head.weight" not in names:
+        out["head"] += container.tensor_bytes("model.embed_tokens.weight")
+    top_k = int(container.config.get("num_experts_per_tok") or 0)
+    out["routed_experts"] = top_k * sum(layout.blob_bytes for layout in container.expert_layouts.values())
+    return out
+
+
 def breakdown(seconds: dict[tuple[str, int], float], total_s: float, tokens: int, disk_wait_s: float,
-              layer_kinds: list[str], full_kinds: list[str] | None = None) -> dict:
+              layer_kinds: list[str], full_kinds: list[str] | None = None,
+              weight_bytes: dict[str, int] | None = None) -> dict:
     """Per-token seconds by phase, per-layer means by layer kind, and, when `full_kinds` (the
     whole model's layer kinds, "dense" or "moe") is longer than the measured `layer_kinds`, the
     projected seconds per token of the whole model: the embedding, head and glue once, every
-    layer at the measured mean of its kind."""
+    layer at the measured mean of its kind. With `weight_bytes` (phase_bytes), each phase's
+    weights read per second ("gb_per_s"): against the machine's read bandwidth, how far each
+    phase is from the memory roof."""
     def total(phase, layers=None):
         return sum(s for (p, l), s in seconds.items() if p == phase and (layers is None or l in layers))
 
@@ -64,6 +91,8 @@ def breakdown(seconds: dict[tuple[str, int], float], total_s: float, tokens: int
     if moe:
         layer["moe_ffn"] = total("ffn", moe) / tokens / len(moe)
     out = {"per_token_s": per_tok, "total_s": total_s / tokens, "per_layer_s": layer}
+    if weight_bytes:
+        out["gb_per_s"] = {p: n / 1e9 / per_tok[p] for p, n in weight_bytes.items() if n and per_tok.get(p)}
     if full_kinds and len(full_kinds) > len(layer_kinds):
         outside = total_s / tokens - sum(
             layer["attention"] + layer.get("dense_ffn" if k == "dense" else "moe_ffn", 0.0) for k in layer_kinds)

@@ -55,3 +55,24 @@ def test_bench_breakdown_and_projection_on_a_slice(tmp_path):
         proj = bd["projection"]
         assert proj["layers_measured"] == 4 and proj["layers_full"] == 61 and "projected" in proj["note"]
         assert proj["seconds_per_token"] > bd["total_s"]
+        # each phase's weights over its time
+        assert {"attention", "dense_mlp", "routed_experts", "head"} <= set(bd["gb_per_s"])
+        assert all(v > 0 for v in bd["gb_per_s"].values())
+
+
+def test_phase_bytes_count_every_matrix_once(tmp_path):
+    """phase_bytes puts every matrix a token reads in one phase (norms and the embedding aside)
+    and counts the top-k experts of each MoE layer."""
+    from colibri.io.container import Container
+    from colibri.profile import phase_bytes
+
+    model = synthetic_moe.write_container(tmp_path / "ds", "deepseek-v3", progress=False, layers=4,
+                                          width_divisor=16, vocab=512)
+    c = Container(model)
+    b = phase_bytes(c)
+    matrices = [n for n in c.manifest["tensors"] if "norm" not in n and "embed_tokens" not in n]
+    assert sum(b[p] for p in ("attention", "dense_mlp", "routing", "head")) == sum(map(c.tensor_bytes, matrices))
+    assert b["head"] == c.tensor_bytes("lm_head.weight") > 0
+    assert b["attention"] == sum(c.tensor_bytes(n) for n in matrices if ".self_attn." in n) > 0
+    top_k = c.config["num_experts_per_tok"]
+    assert b["routed_experts"] == top_k * sum(l.blob_bytes for l in c.expert_layouts.values()) > 0

@@ -47,7 +47,7 @@ def child_colibri(a, fused: bool, activations: str = "f32", layout: str = "inter
     from colibri import Engine
     from colibri.bench import layer_kinds
     from colibri.io.experts import ResidentExperts
-    from colibri.profile import PHASES, breakdown
+    from colibri.profile import PHASES, breakdown, phase_bytes
 
     if not fused:  # the per-expert path: every layer's experts one SwiGLU call at a time
         ResidentExperts.stacked = lambda self, prefix, ids: None
@@ -64,7 +64,7 @@ def child_colibri(a, fused: bool, activations: str = "f32", layout: str = "inter
     seconds = PHASES.stop()
     kept, _ = layer_kinds(e)
     return {"tok_s": len(times) / sum(times), "load_s": load_s,
-            "breakdown": breakdown(seconds, sum(times), len(times), 0.0, kept)}
+            "breakdown": breakdown(seconds, sum(times), len(times), 0.0, kept, weight_bytes=phase_bytes(e.container))}
 
 
 def child_llama(a) -> dict:
@@ -167,9 +167,11 @@ def main() -> None:
         vs = f"  {med / median(llama):.2f}x llama.cpp" if llama and name != "llama" else ""
         print(f"{name:20} {med:6.2f} tok/s (runs: {', '.join(f'{t:.2f}' for t in ok)})  "
               f"{100 * med / roof:3.0f}% of roof{vs}")
-        bd = runs[-1].get("breakdown")
-        if bd:
+        bd = min((r for r in runs if "tok_s" in r), key=lambda r: abs(r["tok_s"] - med)).get("breakdown")
+        if bd:  # of the run nearest the median
             print("    per token (ms): " + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in bd["per_token_s"].items()))
+            print("    weights read, GB/s (% of the read bandwidth): " + ", ".join(
+                f"{k} {v:.1f} ({100 * v / (bw / 1e9):.0f}%)" for k, v in bd.get("gb_per_s", {}).items()))
 
 
 if __name__ == "__main__":
