@@ -50,9 +50,10 @@ The layouts, per 128 weights (half a super-block) and 64-byte load h:
   of its 64.
 - MXFP4, Q5_0, IQ4_NL, per super-block of four blocks (IQ4_XS: each half of its 256): their
   16-byte qs joined, so the low nibbles are the blocks' weights 0..15 and the high ones their
-  16..31 (lane l in block l // 4), xq likewise (_lut32_order). A row may end inside a super-block (gpt-oss's 2880 = 90 blocks): x is padded
-  to whole super-blocks with zeros (padded_len), the missing blocks read the row's last real
-  one and get scale 0, as in the exact tile.
+  16..31 (lane l in block l // 4), xq likewise (_lut32_order). A row may end inside a
+  super-block (gpt-oss's 2880 = 90 blocks): x is padded to whole super-blocks with zeros
+  (padded_len), the missing blocks read the row's last real one and get scale 0, as in the
+  exact tile.
 """
 from __future__ import annotations
 
@@ -68,6 +69,7 @@ from colibri.formats.qtensor import QTensor
 from .cpu.block_tiles import (
     IQ4XS_BYTES,
     LUTS,
+    ROWS_SIDE_BY_SIDE,
     Q4K_BYTES,
     Q5K_BYTES,
     Q6K_BYTES,
@@ -285,78 +287,105 @@ _KINDS = {
 }
 
 
-def _idot_codegen(kind: str, wrows: int):
+def _idot_codegen(kind: str, wrows: int, ncols: int | None = None):
     """The tile over `wrows` weight rows of type `kind` x one quantized x (q, r, rn, xq, ni, sx,
     xo, d): per super-block, x's scales loaded once and each row's scales decoded, multiplied by
     them ((d * sc) * s_x per sub-block, group or block) and (Q4_K, Q5_K) the mins term added; then
     per 64-byte load of codes, x's two 64-byte pieces (and the Q6_K / MXFP4 lane starts) loaded
     once for the rows walked side by side (block_tiles.row_runs), and per row two integer dots,
-    each converted and added with one fmuladd; d[j] = hsum(acc)."""
+    each converted and added with one fmuladd; d[j] = hsum(acc).
+
+    ncols (a prompt's tile): the x arrays are quantize_blocks_rows' [L, ...], an argument l0
+    follows them, and the result goes to y [L, rows]: y[l0 + c, r + j] for c < ncols. The rows
+    go one at a time, each row's codes unpacked once for the ncols x rows; every (row, x row)
+    pair runs the one-x tile's operations in its order, so the same bits."""
     nbytes, weights, superblock, codes_of, lane_scales, per_scale, mins, bb = _KINDS[kind]
     biased = _BIAS[INT8_SCHEMES.index(kind)] != 0
     dot = dot_s8s8 if kind in SIGNED_CODES else dot_u8s8
     nscales = weights // per_scale
     sxv = ir.VectorType(_F32, weights // 32)
 
+    tile = ncols is not None
+    nc = ncols or 1
+
     def codegen(context, builder, sig, args):
-        qty, _, _, xqty, nity, sxty, xoty, dty = sig.args
-        qa = context.make_array(qty)(context, builder, args[0])
+        qa = context.make_array(sig.args[0])(context, builder, args[0])
         r, rn = args[1], args[2]
-        xqa, nia, sxa, xoa, da = (context.make_array(t)(context, builder, a)
-                                  for t, a in zip((xqty, nity, sxty, xoty, dty), args[3:]))
-        n = cgutils.unpack_tuple(builder, xqa.shape, 1)[0]
+        xqa, nia, sxa, xoa = (context.make_array(t)(context, builder, a) for t, a in zip(sig.args[3:7], args[3:7]))
+        l0 = args[7] if tile else None
+        oa = context.make_array(sig.args[-1])(context, builder, args[-1])
+        n = cgutils.unpack_tuple(builder, xqa.shape, 2 if tile else 1)[-1]
         nsb = builder.udiv(n, _i64(weights))
         nblk = builder.udiv(cgutils.unpack_tuple(builder, qa.shape, 2)[1], _i64(bb)) if bb else None
-        xqbase = builder.bitcast(xqa.data, _I8.as_pointer())
-        nibase = builder.bitcast(nia.data, _I32.as_pointer())
-        sxbase = builder.bitcast(sxa.data, _F32.as_pointer())
-        xobase = builder.bitcast(xoa.data, _F32.as_pointer())
-        dbase = builder.bitcast(da.data, _F32.as_pointer())
-        rows, nexts, accs, fma, pf = tile_prologue(builder, qa, r, rn, wrows)
+
+        def xrow(a, ty, c):
+            """x row c's data: the array itself, or row l0 + c of a 2-D one."""
+            if not tile:
+                return builder.bitcast(a.data, ty.as_pointer())
+            stride = cgutils.unpack_tuple(builder, a.strides, 2)[0]
+            at = builder.gep(builder.bitcast(a.data, _I8.as_pointer()), [builder.mul(builder.add(l0, _i64(c)), stride)])
+            return builder.bitcast(at, ty.as_pointer())
+        xqbase, nibase, sxbase, xobase = ([xrow(a, ty, c) for c in range(nc)]
+                                          for a, ty in ((xqa, _I8), (nia, _I32), (sxa, _F32), (xoa, _F32)))
+        rows, nexts, _, fma, pf = tile_prologue(builder, qa, r, rn, wrows)
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * 16)) for _ in range(nc)]
+                for _ in range(wrows)]
         zero = ir.Constant(_V16I, [0] * 16)
 
         def load(ptr, ty, align=1):
             return builder.load(builder.bitcast(ptr, ty.as_pointer()), align=align)
 
-        for run in row_runs(rows, nexts):
+        cols = range(nc)
+        for run in row_runs(rows, nexts, 1 if tile else ROWS_SIDE_BY_SIDE):
             with cgutils.for_range(builder, nsb) as loop:
                 sb = loop.index
                 b = builder.mul(sb, _i64(nbytes))
                 e = builder.mul(sb, _i64(weights))
                 nvalid = valid_blocks(builder, nblk, sb) if bb else None
-                sx = load(builder.gep(sxbase, [builder.lshr(e, _i64(5))]), sxv, 4)
-                sx_of = builder.shuffle_vector(sx, sx, _c(ir.VectorType(_I32, nscales),  # s_x of each scale's weights
-                                                          [g * per_scale // 32 for g in range(nscales)]))
+                sx_of = []  # per x row: s_x of each scale's weights
+                for c in cols:
+                    sx = load(builder.gep(sxbase[c], [builder.lshr(e, _i64(5))]), sxv, 4)
+                    sx_of.append(builder.shuffle_vector(sx, sx, _c(ir.VectorType(_I32, nscales),
+                                                                  [g * per_scale // 32 for g in range(nscales)])))
                 if mins:
-                    xo16 = load(builder.gep(xobase, [builder.lshr(e, _i64(4))]), _V16F, 4)
+                    xo16 = [load(builder.gep(xobase[c], [builder.lshr(e, _i64(4))]), _V16F, 4) for c in cols]
                 scales = {}
                 for j, ahead in run:  # (d * sc) * s_x per sub-block, group or block
                     sv, offs = superblock(builder, builder.gep(rows[j], [b]), load, nvalid)
                     dsc = builder.shuffle_vector(sv, sv, _c(ir.VectorType(_I32, nscales), range(nscales)))
-                    scales[j] = builder.fmul(dsc, sx_of)
-                    if mins:  # through x's 16-sums
-                        builder.store(builder.call(fma, [offs, xo16, builder.load(accs[j])]), accs[j])
+                    for c in cols:
+                        scales[j, c] = builder.fmul(dsc, sx_of[c])
+                        if mins:  # through x's 16-sums
+                            builder.store(builder.call(fma, [offs, xo16[c], builder.load(accs[j][c])]), accs[j][c])
                     for off in range(0, nbytes, 64):  # the same super-block of the row read next
                         at = builder.gep(ahead, [builder.add(b, _i64(off))])  # (prefetch never faults)
                         builder.call(pf, [at, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
                 for h in range(weights // 128):
                     xo_ = builder.add(e, _i64(128 * h))
-                    xs = [load(builder.gep(xqbase, [builder.add(xo_, _i64(64 * p))]), _V64B) for p in range(2)]
+                    xs = [[load(builder.gep(xqbase[c], [builder.add(xo_, _i64(64 * p))]), _V64B) for p in range(2)]
+                          for c in cols]
                     if biased:
-                        starts = [load(builder.gep(nibase, [builder.lshr(builder.add(xo_, _i64(64 * p)), _i64(2))]),
-                                       _V16I, 4) for p in range(2)]
+                        starts = [[load(builder.gep(nibase[c], [builder.lshr(builder.add(xo_, _i64(64 * p)), _i64(2))]),
+                                        _V16I, 4) for p in range(2)] for c in cols]
                     else:
-                        starts = [zero, zero]
+                        starts = [[zero, zero] for c in cols]
                     idx = lane_scales(h)
                     for j, _ in run:
-                        acc = builder.load(accs[j])
-                        for p, codes in enumerate(codes_of(builder, builder.gep(rows[j], [b]), h, load, nvalid)):
-                            isum = dot(builder, starts[p], ((codes, xs[p]),), 16)
-                            s = builder.shuffle_vector(scales[j], scales[j], _c(_V16I, idx[p]))
-                            acc = builder.call(fma, [builder.sitofp(isum, _V16F), s, acc])
-                        builder.store(acc, accs[j])
+                        codes = codes_of(builder, builder.gep(rows[j], [b]), h, load, nvalid)
+                        for c in cols:
+                            acc = builder.load(accs[j][c])
+                            for p, code in enumerate(codes):
+                                isum = dot(builder, starts[c][p], ((code, xs[c][p]),), 16)
+                                s = builder.shuffle_vector(scales[j, c], scales[j, c], _c(_V16I, idx[p]))
+                                acc = builder.call(fma, [builder.sitofp(isum, _V16F), s, acc])
+                            builder.store(acc, accs[j][c])
         for j in range(wrows):
-            builder.store(hsum(builder, builder.load(accs[j])), builder.gep(dbase, [_i64(j)]))
+            for c in cols:
+                total = hsum(builder, builder.load(accs[j][c]))
+                if tile:  # y[l0 + c, r + j]
+                    builder.store(total, builder.gep(xrow(oa, _F32, c), [builder.add(r, _i64(j))]))
+                else:
+                    builder.store(total, builder.gep(builder.bitcast(oa.data, _F32.as_pointer()), [_i64(j)]))
         return context.get_dummy_value()
     return codegen
 
@@ -373,6 +402,22 @@ def _idot8_intrinsic(kind: str):
 
 q4k_idot8, q6k_idot8, q5k_idot8, mxfp4_idot8, q5_0_idot8, iq4nl_idot8, iq4xs_idot8 = (
     _idot8_intrinsic(k) for k in INT8_SCHEMES)
+
+TILE_COLS = 4  # x rows of a prompt's tile: each row's codes unpacked once for four
+
+
+def _idot_tile_intrinsic(kind: str):
+    """An intrinsic (q, r, rn, xq, ni, sx, xo, l0, y): y[l0 + c, r + j] = row r + j of the
+    `kind` matrix q . x row l0 + c, for j < 8 and c < TILE_COLS, x from quantize_blocks_rows;
+    rows r .. r + 7 must exist. Rows rn.. are prefetched."""
+    def tile(typingctx, q, r, rn, xq, ni, sx, xo, l0, y):
+        return types.void(q, types.intp, types.intp, xq, ni, sx, xo, types.intp, y), _idot_codegen(kind, 8, TILE_COLS)
+    tile.__name__ = tile.__qualname__ = f"{kind}_idot8x{TILE_COLS}"
+    return intrinsic(tile)
+
+
+q4k_tile, q6k_tile, q5k_tile, mxfp4_tile, q5_0_tile, iq4nl_tile, iq4xs_tile = (
+    _idot_tile_intrinsic(k) for k in INT8_SCHEMES)
 
 
 # --- rows --------------------------------------------------------------------------------
@@ -416,10 +461,32 @@ def matvec(tc, q, x, y, nthreads):
                 y[r + j] = d[j]
 
 
+@njit(cache=True)
+def tile_rows(tc, q, r, xa, l0, y):
+    """y[l0 .. l0 + TILE_COLS - 1, r .. r + 7] for the type-tc matrix q and the quantized rows
+    xa (quantize_blocks_rows): each (row, x row) the bits rows8 gives it."""
+    xq, ni, sx, xo = xa
+    if tc == _Q4_K:
+        q4k_tile(q, r, r + 8, xq, ni, sx, xo, l0, y)
+    elif tc == _Q6_K:
+        q6k_tile(q, r, r + 8, xq, ni, sx, xo, l0, y)
+    elif tc == _Q5_K:
+        q5k_tile(q, r, r + 8, xq, ni, sx, xo, l0, y)
+    elif tc == _MXFP4:
+        mxfp4_tile(q, r, r + 8, xq, ni, sx, xo, l0, y)
+    elif tc == _Q5_0:
+        q5_0_tile(q, r, r + 8, xq, ni, sx, xo, l0, y)
+    elif tc == _IQ4_NL:
+        iq4nl_tile(q, r, r + 8, xq, ni, sx, xo, l0, y)
+    else:
+        iq4xs_tile(q, r, r + 8, xq, ni, sx, xo, l0, y)
+
+
 @njit(parallel=True, cache=True)
 def matmul_rows(tc, q, x, y, nthreads):
     """y [B, out] = x [B, n] @ dequantize(q).T, row a equal to matvec(x[a]) bit for bit: each
-    8-row block's tile runs once per token while its bytes are in cache."""
+    8-row block's bytes read once for all tokens, in tiles of TILE_COLS tokens (the codes
+    unpacked once for the four), the tokens past the last whole tile one at a time."""
     out, B = q.shape[0], x.shape[0]
     xa = quantize_blocks_rows(IDOT_KIND[tc], x)
     nblk = (out + 7) // 8
@@ -428,7 +495,12 @@ def matmul_rows(tc, q, x, y, nthreads):
         d = np.empty(8, np.float32)
         for blk in range(t * per, min(nblk, (t + 1) * per)):
             r = 8 * blk
-            for a in range(B):
+            a0 = 0
+            if r + 8 <= out:
+                while a0 + TILE_COLS <= B:
+                    tile_rows(tc, q, r, xa, a0, y)
+                    a0 += TILE_COLS
+            for a in range(a0, B):
                 rows8(tc, q, r, (xa[0][a], xa[1][a], xa[2][a], xa[3][a]), d)
                 for j in range(min(8, out - r)):
                     y[a, r + j] = d[j]

@@ -108,7 +108,7 @@ for scheme in FUSED:  # the block tiles, exact and (where a type has one) int8
     e = BLOCK_TYPES[scheme].elements
     for rows, n in ((13, 2 * e if e == 256 else 3 * e), (16, 2048 if e == 256 else 1024)):
         t = QTensor(scheme, (rows, n), random_blocks(scheme, rows, n, rows + n))
-        x = rng.standard_normal((3, n)).astype(np.float32)
+        x = rng.standard_normal((6, n)).astype(np.float32)  # int8: one tile of four x rows, two alone
         out += [matvec(t, x[0]), matvec_rows(t, x).ravel()]
         if scheme in block_idot.INT8_SCHEMES:
             out += [block_idot.matvec_q(t, x[1]), block_idot.matmul_q(t, x).ravel()]

@@ -97,12 +97,11 @@ def tile_prologue(builder, qa, r, rn, wrows: int):
 ROWS_SIDE_BY_SIDE = 1 if narrow_tiles() else 8
 
 
-def row_runs(rows, nexts):
-    """The tile's rows (tile_prologue) in runs of ROWS_SIDE_BY_SIDE, each run a list of (row
-    index, pointer of the row whose same bytes it prefetches): side by side, row j prefetches
-    row j of the next block; one at a time, the row after it (the last row: the next block's
-    first)."""
-    w, k = len(rows), ROWS_SIDE_BY_SIDE
+def row_runs(rows, nexts, k: int = ROWS_SIDE_BY_SIDE):
+    """The tile's rows (tile_prologue) in runs of k, each run a list of (row index, pointer of
+    the row whose same bytes it prefetches): side by side, row j prefetches row j of the next
+    block; one at a time, the row after it (the last row: the next block's first)."""
+    w = len(rows)
     if k >= w:
         return [list(enumerate(nexts))]
     ahead = rows[1:] + nexts[:1]
