@@ -69,10 +69,10 @@ from colibri.formats.qtensor import QTensor
 from .cpu.block_tiles import (
     IQ4XS_BYTES,
     LUTS,
-    ROWS_SIDE_BY_SIDE,
     Q4K_BYTES,
     Q5K_BYTES,
     Q6K_BYTES,
+    ROWS_SIDE_BY_SIDE,
     iq4xs_superblock,
     lut32_codes,
     lut32_superblock,
@@ -249,12 +249,6 @@ def _q5k_codes(builder, blk, h, load, nvalid=None):
     return lo, hi
 
 
-# The 32-weight types' four blocks at blk (the row's last real one for those past its end,
-# nvalid) as block_tiles' codes: MXFP4's doubled E2M1 values + 12 (0..24), Q5_0's 5-bit codes,
-# the IQ4 types' table values (+ _IQ4_BIAS); the blocks' weights 0..15 in order, then their
-# 16..31 (_lut32_order)
-
-
 def _q4k_lanes(h):
     """Q4_K / Q5_K: lanes 0-7 of load h's low nibbles in sub-block 4h, 8-15 in 4h + 2; the
     high nibbles' in 4h + 1, 4h + 3."""
@@ -280,7 +274,10 @@ _KINDS = {
     "q4_k": (Q4K_BYTES, 256, q4k_superblock, _q4k_codes, _q4k_lanes, 32, True, None),
     "q6_k": (Q6K_BYTES, 256, q6k_superblock, _q6k_codes, _q6k_lanes, 16, False, None),
     "q5_k": (Q5K_BYTES, 256, q4k_superblock, _q5k_codes, _q4k_lanes, 32, True, None),  # Q4_K's header and sub-blocks
-    # four blocks a super-block, as the exact tile
+    # The 32-weight types, four blocks a super-block as in the exact tile, their codes
+    # block_tiles.lut32_codes': MXFP4's doubled E2M1 values + 12 (0..24), Q5_0's 5-bit codes, the
+    # IQ4 types' table values (+ _IQ4_BIAS); the blocks' weights 0..15, then their 16..31
+    # (_lut32_order); the blocks past a row's end read its last real one (nvalid)
     **{k: (4 * LUTS[k][0], 128, lut32_superblock(k), lut32_codes(k, int(_BIAS[INT8_SCHEMES.index(k)])),
            _lut32_lanes, 32, False, LUTS[k][0]) for k in ("mxfp4", "q5_0", "iq4_nl")},
     "iq4_xs": (IQ4XS_BYTES, 256, iq4xs_superblock, lut32_codes("iq4_xs", _IQ4_BIAS), _lut32_lanes, 32, False, None),

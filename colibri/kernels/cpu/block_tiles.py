@@ -91,7 +91,7 @@ def tile_prologue(builder, qa, r, rn, wrows: int):
 # of them. One on 16-register targets (narrow_tiles: AVX2 and older): there eight rows'
 # accumulators and x vectors do not fit, LLVM spilled them every super-block, and the eight
 # rows of a row-major matrix are eight streams from DRAM where one row after another is a
-# single one; rows one at a time read 1.5-1.9x faster there, x coming from L1 for each row
+# single one; rows one at a time read up to 2x faster there, x coming from L1 for each row
 # (docs/benchmarks.md, Kernels: block tiles on AVX2). A row's operations are the same either
 # way, so its bits are.
 ROWS_SIDE_BY_SIDE = 1 if narrow_tiles() else 8
