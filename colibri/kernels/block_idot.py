@@ -1,7 +1,7 @@
 """GGUF block rows times int8 activations: the `--activations int8` form of block_tiles.py's
-fused tiles, for Q4_K, Q6_K, Q5_K, MXFP4, Q5_0, IQ4_NL and IQ4_XS (llama.cpp's Q8_K / Q8_0 idea
-with idot.py's integer dots). Block types without an int8 tile (Q2_K, Q3_K, Q5_1) stay on the
-exact path in int8 mode. The IQ4 types' table values made unsigned (+128, up to 241) would
+fused tiles, for Q2_K to Q6_K, MXFP4, Q5_0, IQ4_NL and IQ4_XS (llama.cpp's Q8_K / Q8_0 idea
+with idot.py's integer dots). Q5_1, the one block type without an int8 tile, stays on the exact
+path in int8 mode. The IQ4 types' table values made unsigned (+128, up to 241) would
 overflow AVX2's vpmaddubsw pair sums (2 * 241 * 127 > 32767), so on AVX2 their codes stay
 signed and each is paired with |xq| (idot.dot_s8s8: SIGNED_CODES); the VNNI and portable forms
 sum in 32 bits and take them unsigned, the same integers either way.
@@ -30,6 +30,9 @@ super-block and row, with the sub-block scales decoded as the exact tiles decode
     Q5_0, IQ4_NL, as MXFP4:      code 0..31 less 16; IQ4_NL's table value (+ 128, less 128; on
         AVX2 signed, with no bias), d_c its block's half scale
     IQ4_XS, 8 blocks c of 32:    as IQ4_NL, d_c = d * (its 6-bit scale - 32)
+    Q2_K, 16 groups g of 16:     as Q6_K with 2-bit codes and no bias, and a min per group as
+        Q4_K's: acc = fmuladd(-(dmin * m_g), s_x * sum16(xq)_g, acc)
+    Q3_K, 16 groups g of 16:     as Q6_K, codes (2 low bits | the hmask bit << 2) less 4
 
 A lane's integer sum is exact in every form (at most 4 * 241 * 127 + 128 * 4 * 127 in magnitude;
 AVX2's vpmaddubsw sums two products of at most 63 * 127 into int16, or 127 * 127 for the signed
@@ -48,6 +51,7 @@ The layouts, per 128 weights (half a super-block) and 64-byte load h:
 - Q6_K: ql's 64 bytes and qh's 32 give codes of weights 0..63 (low nibbles, qh bits 0-1 and 2-3)
   and 64..127 (high nibbles, bits 4-5 and 6-7): xq in the natural order, lane l in group l // 4
   of its 64.
+- Q2_K, Q3_K: as Q6_K's, the natural order (their 2-bit fields of 32 bytes spread to 128 bytes).
 - MXFP4, Q5_0, IQ4_NL, per super-block of four blocks (IQ4_XS: each half of its 256): their
   16-byte qs joined, so the low nibbles are the blocks' weights 0..15 and the high ones their
   16..31 (lane l in block l // 4), xq likewise (_lut32_order). A row may end inside a
@@ -69,6 +73,8 @@ from colibri.formats.qtensor import QTensor
 from .cpu.block_tiles import (
     IQ4XS_BYTES,
     LUTS,
+    Q2K_BYTES,
+    Q3K_BYTES,
     Q4K_BYTES,
     Q5K_BYTES,
     Q6K_BYTES,
@@ -76,6 +82,8 @@ from .cpu.block_tiles import (
     iq4xs_superblock,
     lut32_codes,
     lut32_superblock,
+    q2k_superblock,
+    q3k_superblock,
     q4k_superblock,
     q6k_superblock,
     row_runs,
@@ -96,10 +104,10 @@ from .cpu.codegen import hsum
 from .idot import ISA, dot_s8s8, dot_u8s8, group_scale, to_int8
 
 # the block types with an int8 tile, in IDOT_KIND's order
-INT8_SCHEMES = ("q4_k", "q6_k", "q5_k", "mxfp4", "q5_0", "iq4_nl", "iq4_xs")
+INT8_SCHEMES = ("q4_k", "q6_k", "q5_k", "mxfp4", "q5_0", "iq4_nl", "q2_k", "q3_k", "iq4_xs")
 # scheme code (blocks.TYPE_CODE) -> its int8 tile's index in INT8_SCHEMES, -1: exact in int8 mode
 IDOT_KIND = np.array([INT8_SCHEMES.index(s) if s in INT8_SCHEMES else -1 for s in BLOCK_SCHEMES], np.int64)
-_Q4_K, _Q6_K, _Q5_K, _MXFP4, _Q5_0, _IQ4_NL = (TYPE_CODE[s] for s in INT8_SCHEMES[:6])
+_Q4_K, _Q6_K, _Q5_K, _MXFP4, _Q5_0, _IQ4_NL, _Q2_K, _Q3_K = (TYPE_CODE[s] for s in INT8_SCHEMES[:8])
 # The IQ4 types' codes where the integer form is AVX2's: their table values as signed bytes,
 # dotted by idot.dot_s8s8 (no bias); elsewhere value + 128, unsigned, as the other types'.
 SIGNED_CODES = ("iq4_nl", "iq4_xs") if ISA == "avx2" else ()
@@ -122,13 +130,13 @@ def _lut32_order(m: int) -> int:
 
 
 _ORDER = [[_q4k_order(m) for m in range(128)], list(range(128)), [_q4k_order(m) for m in range(128)]] + \
-    [[_lut32_order(m) for m in range(128)]] * 4
+    [[_lut32_order(m) for m in range(128)]] * 3 + [list(range(128))] * 2 + [[_lut32_order(m) for m in range(128)]]
 # each weight's position in xq, within its 128
 _AT = np.array([[order.index(w) for w in range(128)] for order in _ORDER], np.int64)
 # subtracted from every code, through the lane starts: what makes the codes unsigned bytes
-_BIAS = np.array([0, 32, 0, LUTS["mxfp4"][2], LUTS["q5_0"][2], _IQ4_BIAS, _IQ4_BIAS], np.int32)
+_BIAS = np.array([0, 32, 0, LUTS["mxfp4"][2], LUTS["q5_0"][2], _IQ4_BIAS, 0, 4, _IQ4_BIAS], np.int32)
 # x's padding unit, a super-block: the 32-weight types' rows end at any block, and the tile reads four
-_SUPER = np.array([256, 256, 256, 128, 128, 128, 256], np.int64)
+_SUPER = np.array([256, 256, 256, 128, 128, 128, 256, 256, 256], np.int64)
 
 
 # --- x, quantized once per call --------------------------------------------------------------
@@ -249,6 +257,33 @@ def _q5k_codes(builder, blk, h, load, nvalid=None):
     return lo, hi
 
 
+def _q2k_codes(builder, blk, h, load, nvalid=None):
+    """Q2_K's weights 128h .. 128h + 127 as 2-bit codes, bytes in the natural order: byte l of
+    qs[32h:] (at 16) holds weights l, 32 + l, 64 + l, 96 + l in its bit pairs 0, 2, 4, 6."""
+    q = load(builder.gep(blk, [_i64(16 + 32 * h)]), _V32B)
+    q64 = builder.shuffle_vector(q, builder.lshr(q, _c(_V32B, [2] * 32)), _c(ir.VectorType(_I32, 64), range(64)))
+    three = _c(_V64B, [3] * 64)
+    return builder.and_(q64, three), builder.and_(builder.lshr(q64, _c(_V64B, [4] * 64)), three)
+
+
+def _q3k_codes(builder, blk, h, load, nvalid=None):
+    """Q3_K's weights 128h .. 128h + 127 as 3-bit codes (less 4: the lane starts), as Q2_K's: the
+    low two bits in qs[32h:] (at 32), the third of weight 32j + l (j < 4) in bit 4h + j of
+    hmask[l] (at 0)."""
+    q = load(builder.gep(blk, [_i64(32 + 32 * h)]), _V32B)
+    q64 = builder.shuffle_vector(q, builder.lshr(q, _c(_V32B, [2] * 32)), _c(ir.VectorType(_I32, 64), range(64)))
+    hm = load(blk, _V32B)
+
+    def high(j):  # bit 4h + j, 4h + j + 1 of hmask for weights 32j + l, 32(j + 1) + l, at bit 2
+        both = builder.shuffle_vector(builder.lshr(hm, _c(_V32B, [4 * h + j] * 32)),
+                                      builder.lshr(hm, _c(_V32B, [4 * h + j + 1] * 32)),
+                                      _c(ir.VectorType(_I32, 64), range(64)))
+        return builder.shl(builder.and_(both, _c(_V64B, [1] * 64)), _c(_V64B, [2] * 64))
+    three = _c(_V64B, [3] * 64)
+    return (builder.or_(builder.and_(q64, three), high(0)),
+            builder.or_(builder.and_(builder.lshr(q64, _c(_V64B, [4] * 64)), three), high(2)))
+
+
 def _q4k_lanes(h):
     """Q4_K / Q5_K: lanes 0-7 of load h's low nibbles in sub-block 4h, 8-15 in 4h + 2; the
     high nibbles' in 4h + 1, 4h + 3."""
@@ -256,7 +291,8 @@ def _q4k_lanes(h):
 
 
 def _q6k_lanes(h):
-    """Q6_K: lane l of load h's first 64 codes in group 8h + l // 4, of the next 64 8h + 4 + l // 4."""
+    """Q6_K (and Q2_K, Q3_K): lane l of load h's first 64 codes in group 8h + l // 4, of the next
+    64 8h + 4 + l // 4."""
     return [8 * h + (lane >> 2) for lane in range(16)], [8 * h + 4 + (lane >> 2) for lane in range(16)]
 
 
@@ -274,6 +310,8 @@ _KINDS = {
     "q4_k": (Q4K_BYTES, 256, q4k_superblock, _q4k_codes, _q4k_lanes, 32, True, None),
     "q6_k": (Q6K_BYTES, 256, q6k_superblock, _q6k_codes, _q6k_lanes, 16, False, None),
     "q5_k": (Q5K_BYTES, 256, q4k_superblock, _q5k_codes, _q4k_lanes, 32, True, None),  # Q4_K's header and sub-blocks
+    "q2_k": (Q2K_BYTES, 256, q2k_superblock, _q2k_codes, _q6k_lanes, 16, True, None),  # a min per group of 16
+    "q3_k": (Q3K_BYTES, 256, q3k_superblock, _q3k_codes, _q6k_lanes, 16, False, None),  # codes less 4
     # The 32-weight types, four blocks a super-block as in the exact tile, their codes
     # block_tiles.lut32_codes': MXFP4's doubled E2M1 values + 12 (0..24), Q5_0's 5-bit codes, the
     # IQ4 types' table values (+ _IQ4_BIAS); the blocks' weights 0..15, then their 16..31
@@ -397,7 +435,7 @@ def _idot8_intrinsic(kind: str):
     return intrinsic(idot8)
 
 
-q4k_idot8, q6k_idot8, q5k_idot8, mxfp4_idot8, q5_0_idot8, iq4nl_idot8, iq4xs_idot8 = (
+q4k_idot8, q6k_idot8, q5k_idot8, mxfp4_idot8, q5_0_idot8, iq4nl_idot8, q2k_idot8, q3k_idot8, iq4xs_idot8 = (
     _idot8_intrinsic(k) for k in INT8_SCHEMES)
 
 TILE_COLS = 4  # x rows of a prompt's tile: each row's codes unpacked once for four
@@ -413,7 +451,7 @@ def _idot_tile_intrinsic(kind: str):
     return intrinsic(tile)
 
 
-q4k_tile, q6k_tile, q5k_tile, mxfp4_tile, q5_0_tile, iq4nl_tile, iq4xs_tile = (
+q4k_tile, q6k_tile, q5k_tile, mxfp4_tile, q5_0_tile, iq4nl_tile, q2k_tile, q3k_tile, iq4xs_tile = (
     _idot_tile_intrinsic(k) for k in INT8_SCHEMES)
 
 
@@ -438,6 +476,10 @@ def rows8(tc, q, r, xa, d):
         q5_0_idot8(q, r, r + 8, xq, ni, sx, xo, d)
     elif tc == _IQ4_NL:
         iq4nl_idot8(q, r, r + 8, xq, ni, sx, xo, d)
+    elif tc == _Q2_K:
+        q2k_idot8(q, r, r + 8, xq, ni, sx, xo, d)
+    elif tc == _Q3_K:
+        q3k_idot8(q, r, r + 8, xq, ni, sx, xo, d)
     else:
         iq4xs_idot8(q, r, r + 8, xq, ni, sx, xo, d)
 
@@ -475,6 +517,10 @@ def tile_rows(tc, q, r, xa, l0, y):
         q5_0_tile(q, r, r + 8, xq, ni, sx, xo, l0, y)
     elif tc == _IQ4_NL:
         iq4nl_tile(q, r, r + 8, xq, ni, sx, xo, l0, y)
+    elif tc == _Q2_K:
+        q2k_tile(q, r, r + 8, xq, ni, sx, xo, l0, y)
+    elif tc == _Q3_K:
+        q3k_tile(q, r, r + 8, xq, ni, sx, xo, l0, y)
     else:
         iq4xs_tile(q, r, r + 8, xq, ni, sx, xo, l0, y)
 

@@ -29,9 +29,8 @@ and CI once saw 1-ulp differences between this kernel and the matvec kernel.
 int4 x int8 integer dots (`--activations int8`), x quantized once for all K experts' gate and
 up rows and each expert's activation once for its down rows. Each mode is its own compiled
 specialization, and every expert of a mode goes through it, so the rule above holds per mode.
-GGUF block experts take `act` too: the projections of block_idot.INT8_SCHEMES (Q4_K, Q6_K,
-Q5_K, MXFP4, Q5_0, IQ4_NL, IQ4_XS) get its int8 tiles, the other block types stay exact in int8
-mode.
+GGUF block experts take `act` too: the projections of block_idot.INT8_SCHEMES (every block
+type but Q5_1) get its int8 tiles, Q5_1 stays exact in int8 mode.
 
 `glu` (ExpertActivation.for_experts) says what runs between the gate/up rows and the down rows
 when it is not the plain SwiGLU: the clipped SwiGLU (DeepSeek V4, GLM-5.3-Flash) or gpt-oss's

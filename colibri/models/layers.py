@@ -52,7 +52,7 @@ def fuse_rows(*ts: QTensor) -> QTensor | None:
 
 def _int8_kernels(w: QTensor):
     """The integer-dot module for w under `--activations int8` (int4: kernels/idot.py; the GGUF
-    types of block_idot.INT8_SCHEMES, Q4_K / Q5_K / Q6_K / MXFP4: kernels/block_idot.py), or
+    types of block_idot.INT8_SCHEMES, all but Q5_1: kernels/block_idot.py), or
     None: the exact kernels (every other scheme, and any scheme in the default f32 mode)."""
     if idot.current() != "int8":
         return None

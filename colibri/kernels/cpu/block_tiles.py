@@ -367,7 +367,7 @@ def _q5k_half(builder, blk, h, sv, xs, load, fma, nvalid=None):
     return out
 
 
-def _q2k_superblock(builder, blk, load, nvalid=None):
+def q2k_superblock(builder, blk, load, nvalid=None):
     """Q2_K (scales[16] qs[64] d dmin): (d * (scale & 15), -(dmin * (scale >> 4))) of its 16
     groups of 16."""
     dd = builder.fmul(halves_f32(builder, builder.gep(blk, [_i64(80)]), 2, load), _c(ir.VectorType(_F32, 2), [1.0, -1.0]))
@@ -411,7 +411,7 @@ def _signed6(builder, raw, low, high):
     return builder.sitofp(builder.sub(sc, _c(vi, [32] * n)), ir.VectorType(_F32, n))
 
 
-def _q3k_superblock(builder, blk, load, nvalid=None):
+def q3k_superblock(builder, blk, load, nvalid=None):
     """Q3_K (hmask[32] qs[64] scales[12] d): (<16 x float> d * (sc - 32) of its 16 groups of 16,
     -4 d (sc - 32)): a weight is d (sc - 32) (low bits + 4 high bit - 4), the tile's code the
     3-bit low bits + 4 high bit, so the -4 is an offset."""
@@ -631,9 +631,9 @@ def _lut32_half(kind: str):
 
 # type -> (super-block bytes, per super-block decode, per half dot); Q5_K's header is Q4_K's
 _KINDS = {"q4_k": (Q4K_BYTES, q4k_superblock, _q4k_half), "q6_k": (Q6K_BYTES, q6k_superblock, _q6k_half),
-          "q5_k": (Q5K_BYTES, q4k_superblock, _q5k_half), "q2_k": (Q2K_BYTES, _q2k_superblock, _q2k_half),
+          "q5_k": (Q5K_BYTES, q4k_superblock, _q5k_half), "q2_k": (Q2K_BYTES, q2k_superblock, _q2k_half),
           **{k: (4 * LUTS[k][0], lut32_superblock(k), _lut32_half(k)) for k in _BLOCKS32},
-          "q3_k": (Q3K_BYTES, _q3k_superblock, _q3k_half),
+          "q3_k": (Q3K_BYTES, q3k_superblock, _q3k_half),
           "iq4_xs": (IQ4XS_BYTES, iq4xs_superblock, _lut32_half("iq4_xs"))}
 
 
