@@ -107,7 +107,6 @@ from .idot import ISA, dot_s8s8, dot_u8s8, group_scale, to_int8
 INT8_SCHEMES = ("q4_k", "q6_k", "q5_k", "mxfp4", "q5_0", "iq4_nl", "q2_k", "q3_k", "iq4_xs")
 # scheme code (blocks.TYPE_CODE) -> its int8 tile's index in INT8_SCHEMES, -1: exact in int8 mode
 IDOT_KIND = np.array([INT8_SCHEMES.index(s) if s in INT8_SCHEMES else -1 for s in BLOCK_SCHEMES], np.int64)
-_Q4_K, _Q6_K, _Q5_K, _MXFP4, _Q5_0, _IQ4_NL, _Q2_K, _Q3_K = (TYPE_CODE[s] for s in INT8_SCHEMES[:8])
 # The IQ4 types' codes where the integer form is AVX2's: their table values as signed bytes,
 # dotted by idot.dot_s8s8 (no bias); elsewhere value + 128, unsigned, as the other types'.
 SIGNED_CODES = ("iq4_nl", "iq4_xs") if ISA == "avx2" else ()
@@ -425,34 +424,45 @@ def _idot_codegen(kind: str, wrows: int, ncols: int | None = None):
     return codegen
 
 
-def _idot8_intrinsic(kind: str):
-    """An intrinsic (q, r, rn, xq, ni, sx, xo, d): d[0:8] = rows r .. r+7 of the `kind` matrix q
-    (uint8 [rows, row bytes], C order) . x, from x's quantize_blocks; rows past the end give
-    garbage. Rows rn.. are prefetched."""
-    def idot8(typingctx, q, r, rn, xq, ni, sx, xo, d):
-        return types.void(q, types.intp, types.intp, xq, ni, sx, xo, d), _idot_codegen(kind, 8)
-    idot8.__name__ = idot8.__qualname__ = f"{kind}_idot8"
-    return intrinsic(idot8)
+def _by_type(ncols: int | None = None):
+    """The codegen of one call for every type of INT8_SCHEMES: its first argument, the scheme
+    code (blocks.TYPE_CODE), picks the type's tile (_idot_codegen(kind, 8, ncols)) in an LLVM
+    switch, the others' arguments passed on. A code of no int8 type writes nothing."""
+    tiles = {TYPE_CODE[k]: _idot_codegen(k, 8, ncols) for k in INT8_SCHEMES}
+
+    def codegen(context, builder, sig, args):
+        inner = types.void(*sig.args[1:])
+        done = builder.append_basic_block("done")
+        switch = builder.switch(args[0], done)
+        for code, tile in tiles.items():
+            block = builder.append_basic_block(f"type{code}")
+            switch.add_case(ir.Constant(args[0].type, code), block)
+            builder.position_at_end(block)
+            tile(context, builder, inner, args[1:])
+            builder.branch(done)
+        builder.position_at_end(done)
+        return context.get_dummy_value()
+    return codegen
 
 
-q4k_idot8, q6k_idot8, q5k_idot8, mxfp4_idot8, q5_0_idot8, iq4nl_idot8, q2k_idot8, q3k_idot8, iq4xs_idot8 = (
-    _idot8_intrinsic(k) for k in INT8_SCHEMES)
+@intrinsic
+def idot8(typingctx, tc, q, r, rn, xq, ni, sx, xo, d):
+    """(tc, q, r, rn, xq, ni, sx, xo, d): d[0:8] = rows r .. r+7 of the type-tc matrix q (uint8
+    [rows, row bytes], C order) . x, from x's quantize_blocks; rows past the end give garbage.
+    Rows rn.. are prefetched."""
+    return types.void(types.intp, q, types.intp, types.intp, xq, ni, sx, xo, d), _by_type()
+
 
 TILE_COLS = 4  # x rows of a prompt's tile: each row's codes unpacked once for four
 
 
-def _idot_tile_intrinsic(kind: str):
-    """An intrinsic (q, r, rn, xq, ni, sx, xo, l0, y): y[l0 + c, r + j] = row r + j of the
-    `kind` matrix q . x row l0 + c, for j < 8 and c < TILE_COLS, x from quantize_blocks_rows;
-    rows r .. r + 7 must exist. Rows rn.. are prefetched."""
-    def tile(typingctx, q, r, rn, xq, ni, sx, xo, l0, y):
-        return types.void(q, types.intp, types.intp, xq, ni, sx, xo, types.intp, y), _idot_codegen(kind, 8, TILE_COLS)
-    tile.__name__ = tile.__qualname__ = f"{kind}_idot8x{TILE_COLS}"
-    return intrinsic(tile)
-
-
-q4k_tile, q6k_tile, q5k_tile, mxfp4_tile, q5_0_tile, iq4nl_tile, q2k_tile, q3k_tile, iq4xs_tile = (
-    _idot_tile_intrinsic(k) for k in INT8_SCHEMES)
+@intrinsic
+def idot8_tile(typingctx, tc, q, r, rn, xq, ni, sx, xo, l0, y):
+    """(tc, q, r, rn, xq, ni, sx, xo, l0, y): y[l0 + c, r + j] = row r + j of the type-tc
+    matrix q . x row l0 + c, for j < 8 and c < TILE_COLS, x from quantize_blocks_rows; rows
+    r .. r + 7 must exist. Rows rn.. are prefetched."""
+    return (types.void(types.intp, q, types.intp, types.intp, xq, ni, sx, xo, types.intp, y),
+            _by_type(TILE_COLS))
 
 
 # --- rows --------------------------------------------------------------------------------
@@ -464,24 +474,7 @@ def rows8(tc, q, r, xa, d):
     tc one of INT8_SCHEMES. Shared by every entry point, so a row's bits depend on its bytes
     and x only."""
     xq, ni, sx, xo = xa
-    if tc == _Q4_K:
-        q4k_idot8(q, r, r + 8, xq, ni, sx, xo, d)
-    elif tc == _Q6_K:
-        q6k_idot8(q, r, r + 8, xq, ni, sx, xo, d)
-    elif tc == _Q5_K:
-        q5k_idot8(q, r, r + 8, xq, ni, sx, xo, d)
-    elif tc == _MXFP4:
-        mxfp4_idot8(q, r, r + 8, xq, ni, sx, xo, d)
-    elif tc == _Q5_0:
-        q5_0_idot8(q, r, r + 8, xq, ni, sx, xo, d)
-    elif tc == _IQ4_NL:
-        iq4nl_idot8(q, r, r + 8, xq, ni, sx, xo, d)
-    elif tc == _Q2_K:
-        q2k_idot8(q, r, r + 8, xq, ni, sx, xo, d)
-    elif tc == _Q3_K:
-        q3k_idot8(q, r, r + 8, xq, ni, sx, xo, d)
-    else:
-        iq4xs_idot8(q, r, r + 8, xq, ni, sx, xo, d)
+    idot8(tc, q, r, r + 8, xq, ni, sx, xo, d)
 
 
 @njit(parallel=True, cache=True)
@@ -500,31 +493,6 @@ def matvec(tc, q, x, y, nthreads):
                 y[r + j] = d[j]
 
 
-@njit(cache=True)
-def tile_rows(tc, q, r, xa, l0, y):
-    """y[l0 .. l0 + TILE_COLS - 1, r .. r + 7] for the type-tc matrix q and the quantized rows
-    xa (quantize_blocks_rows): each (row, x row) the bits rows8 gives it."""
-    xq, ni, sx, xo = xa
-    if tc == _Q4_K:
-        q4k_tile(q, r, r + 8, xq, ni, sx, xo, l0, y)
-    elif tc == _Q6_K:
-        q6k_tile(q, r, r + 8, xq, ni, sx, xo, l0, y)
-    elif tc == _Q5_K:
-        q5k_tile(q, r, r + 8, xq, ni, sx, xo, l0, y)
-    elif tc == _MXFP4:
-        mxfp4_tile(q, r, r + 8, xq, ni, sx, xo, l0, y)
-    elif tc == _Q5_0:
-        q5_0_tile(q, r, r + 8, xq, ni, sx, xo, l0, y)
-    elif tc == _IQ4_NL:
-        iq4nl_tile(q, r, r + 8, xq, ni, sx, xo, l0, y)
-    elif tc == _Q2_K:
-        q2k_tile(q, r, r + 8, xq, ni, sx, xo, l0, y)
-    elif tc == _Q3_K:
-        q3k_tile(q, r, r + 8, xq, ni, sx, xo, l0, y)
-    else:
-        iq4xs_tile(q, r, r + 8, xq, ni, sx, xo, l0, y)
-
-
 @njit(parallel=True, cache=True)
 def matmul_rows(tc, q, x, y, nthreads):
     """y [B, out] = x [B, n] @ dequantize(q).T, row a equal to matvec(x[a]) bit for bit: each
@@ -541,7 +509,7 @@ def matmul_rows(tc, q, x, y, nthreads):
             a0 = 0
             if r + 8 <= out:
                 while a0 + TILE_COLS <= B:
-                    tile_rows(tc, q, r, xa, a0, y)
+                    idot8_tile(tc, q, r, r + 8, xa[0], xa[1], xa[2], xa[3], a0, y)
                     a0 += TILE_COLS
             for a in range(a0, B):
                 rows8(tc, q, r, (xa[0][a], xa[1][a], xa[2][a], xa[3][a]), d)
