@@ -128,14 +128,21 @@ def _lut32_order(m: int) -> int:
     return 32 * (i >> 4) + 16 * high + (i & 15)
 
 
-_ORDER = [[_q4k_order(m) for m in range(128)], list(range(128)), [_q4k_order(m) for m in range(128)]] + \
-    [[_lut32_order(m) for m in range(128)]] * 3 + [list(range(128))] * 2 + [[_lut32_order(m) for m in range(128)]]
-# each weight's position in xq, within its 128
-_AT = np.array([[order.index(w) for w in range(128)] for order in _ORDER], np.int64)
-# subtracted from every code, through the lane starts: what makes the codes unsigned bytes
-_BIAS = np.array([0, 32, 0, LUTS["mxfp4"][2], LUTS["q5_0"][2], _IQ4_BIAS, 0, 4, _IQ4_BIAS], np.int32)
-# x's padding unit, a super-block: the 32-weight types' rows end at any block, and the tile reads four
-_SUPER = np.array([256, 256, 256, 128, 128, 128, 256, 256, 256], np.int64)
+_Q4K_ORDER = [_q4k_order(m) for m in range(128)]
+_LUT32_ORDER = [_lut32_order(m) for m in range(128)]
+_NATURAL = list(range(128))
+# type -> (the weight each xq position of 128 pairs with; the bias subtracted from every code,
+# through the lane starts, that makes the codes unsigned bytes; the weights of a super-block,
+# x's padding unit: the 32-weight types' rows end at any block, and their tile reads four)
+_X_LAYOUT = {"q4_k": (_Q4K_ORDER, 0, 256), "q6_k": (_NATURAL, 32, 256), "q5_k": (_Q4K_ORDER, 0, 256),
+             "mxfp4": (_LUT32_ORDER, LUTS["mxfp4"][2], 128), "q5_0": (_LUT32_ORDER, LUTS["q5_0"][2], 128),
+             "iq4_nl": (_LUT32_ORDER, _IQ4_BIAS, 128), "q2_k": (_NATURAL, 0, 256), "q3_k": (_NATURAL, 4, 256),
+             "iq4_xs": (_LUT32_ORDER, _IQ4_BIAS, 256)}
+# the same, indexed by INT8_SCHEMES: each weight's position in xq within its 128, the bias, the
+# super-block
+_AT = np.array([[_X_LAYOUT[k][0].index(w) for w in range(128)] for k in INT8_SCHEMES], np.int64)
+_BIAS = np.array([_X_LAYOUT[k][1] for k in INT8_SCHEMES], np.int32)
+_SUPER = np.array([_X_LAYOUT[k][2] for k in INT8_SCHEMES], np.int64)
 
 
 # --- x, quantized once per call --------------------------------------------------------------
@@ -300,24 +307,25 @@ def _lut32_lanes(h):
     return [4 * h + (lane >> 2) for lane in range(16)], [4 * h + (lane >> 2) for lane in range(16)]
 
 
-# kind -> (super-block bytes, its weights, scales decode, codes of a 64-byte load (nvalid: the
-# super-block's blocks inside the row, for the 32-weight types; None for the K-quants), lane ->
+# kind -> (super-block bytes (its weights: _X_LAYOUT), scales decode, codes of a 64-byte load
+# (nvalid: the super-block's blocks inside the row, for the 32-weight types; None for the
+# K-quants), lane ->
 # scale index of the (low, high) codes of load h, weights a scale: a sub-block or block of 32
 # (Q4_K, Q5_K, MXFP4) or group of 16 (Q6_K), mins (Q4_K, Q5_K), block bytes (the 32-weight
 # types, whose rows may end inside a super-block))
 _KINDS = {
-    "q4_k": (Q4K_BYTES, 256, q4k_superblock, _q4k_codes, _q4k_lanes, 32, True, None),
-    "q6_k": (Q6K_BYTES, 256, q6k_superblock, _q6k_codes, _q6k_lanes, 16, False, None),
-    "q5_k": (Q5K_BYTES, 256, q4k_superblock, _q5k_codes, _q4k_lanes, 32, True, None),  # Q4_K's header and sub-blocks
-    "q2_k": (Q2K_BYTES, 256, q2k_superblock, _q2k_codes, _q6k_lanes, 16, True, None),  # a min per group of 16
-    "q3_k": (Q3K_BYTES, 256, q3k_superblock, _q3k_codes, _q6k_lanes, 16, False, None),  # codes less 4
+    "q4_k": (Q4K_BYTES, q4k_superblock, _q4k_codes, _q4k_lanes, 32, True, None),
+    "q6_k": (Q6K_BYTES, q6k_superblock, _q6k_codes, _q6k_lanes, 16, False, None),
+    "q5_k": (Q5K_BYTES, q4k_superblock, _q5k_codes, _q4k_lanes, 32, True, None),  # Q4_K's header and sub-blocks
+    "q2_k": (Q2K_BYTES, q2k_superblock, _q2k_codes, _q6k_lanes, 16, True, None),  # a min per group of 16
+    "q3_k": (Q3K_BYTES, q3k_superblock, _q3k_codes, _q6k_lanes, 16, False, None),  # codes less 4
     # The 32-weight types, four blocks a super-block as in the exact tile, their codes
     # block_tiles.lut32_codes': MXFP4's doubled E2M1 values + 12 (0..24), Q5_0's 5-bit codes, the
     # IQ4 types' table values (+ _IQ4_BIAS); the blocks' weights 0..15, then their 16..31
     # (_lut32_order); the blocks past a row's end read its last real one (nvalid)
-    **{k: (4 * LUTS[k][0], 128, lut32_superblock(k), lut32_codes(k, int(_BIAS[INT8_SCHEMES.index(k)])),
-           _lut32_lanes, 32, False, LUTS[k][0]) for k in ("mxfp4", "q5_0", "iq4_nl")},
-    "iq4_xs": (IQ4XS_BYTES, 256, iq4xs_superblock, lut32_codes("iq4_xs", _IQ4_BIAS), _lut32_lanes, 32, False, None),
+    **{k: (4 * LUTS[k][0], lut32_superblock(k), lut32_codes(k, _X_LAYOUT[k][1]), _lut32_lanes, 32, False,
+           LUTS[k][0]) for k in ("mxfp4", "q5_0", "iq4_nl")},
+    "iq4_xs": (IQ4XS_BYTES, iq4xs_superblock, lut32_codes("iq4_xs", _IQ4_BIAS), _lut32_lanes, 32, False, None),
 }
 
 
@@ -333,8 +341,9 @@ def _idot_codegen(kind: str, wrows: int, ncols: int | None = None):
     follows them, and the result goes to y [L, rows]: y[l0 + c, r + j] for c < ncols. The rows
     go one at a time, each row's codes unpacked once for the ncols x rows; every (row, x row)
     pair runs the one-x tile's operations in its order, so the same bits."""
-    nbytes, weights, superblock, codes_of, lane_scales, per_scale, mins, bb = _KINDS[kind]
-    biased = _BIAS[INT8_SCHEMES.index(kind)] != 0
+    nbytes, superblock, codes_of, lane_scales, per_scale, mins, bb = _KINDS[kind]
+    _, bias, weights = _X_LAYOUT[kind]
+    biased = bias != 0
     dot = dot_s8s8 if kind in SIGNED_CODES else dot_u8s8
     nscales = weights // per_scale
     sxv = ir.VectorType(_F32, weights // 32)
