@@ -62,6 +62,9 @@ SMOKE: dict[str, tuple] = {
         False, {}),
     "bench.kernels.int4_tiles": (
         "one 1 MB matrix", lambda c: ["--shapes", "576:1", "--repeats", "1"], False, {}),
+    "bench.kernels.idot_tiles": (
+        "two 16-row q8_0 matrices, one round", lambda c: ["--shapes", "16x576,16x2048", "--scheme", "q8_0",
+                                                          "--rounds", "1"], False, {}),
     "bench.kernels.kernels_quick": (
         "256x256, q4_1 only", lambda c: ["--n", "256", "--calls", "2", "--prefill", "4", "--schemes", "q4_1"],
         False, {}),

@@ -10,7 +10,7 @@ bytes with sane f16 scales; int4/q8: quantized normals), in enough distinct copi
 --mib MiB (past a 32 MB L3, so every call reads DRAM), cycled through by matvec calls. Each
 round times one pass over the copies per scheme, the schemes interleaved (bench.common);
 prints the median over --repeats rounds and the ratio to int4_g64's GB/s. `--activations
-f32,int8` adds a column for the int8-activation kernels (kernels/idot.py for int4,
+f32,int8` adds a column for the int8-activation kernels (kernels/idot.py for int4 and q8_0,
 kernels/block_idot.py for its INT8_SCHEMES; "-" for the schemes that run exactly in int8 mode), run
 interleaved with the exact ones, and its ratio to the scheme's exact GB/s.
 """
@@ -69,7 +69,6 @@ def main() -> None:
     a = ap.parse_args()
     import numba
 
-    from colibri.formats.qtensor import INT4_SCHEMES
     from colibri.kernels import block_idot, idot, matvec
 
     modes = [m for m in a.activations.split(",") if m]
@@ -90,7 +89,7 @@ def main() -> None:
         ts = {s: tensors(s, rows, inputs, a.mib, rng) for s in schemes}
         kernels = {(s, "f32"): lambda t: matvec(t, x, y) for s in schemes}
         if "int8" in modes:
-            kernels.update({(s, "int8"): lambda t: idot.matvec_q(t, x) for s in schemes if s in INT4_SCHEMES})
+            kernels.update({(s, "int8"): lambda t: idot.matvec_q(t, x) for s in schemes if s in idot.SCHEMES})
             kernels.update({(s, "int8"): lambda t: block_idot.matvec_q(t, x)
                             for s in schemes if s in block_idot.INT8_SCHEMES})
         for (s, _), fn in kernels.items():  # compile and warm

@@ -1,5 +1,8 @@
-"""int4 weights times int8 activations in integer arithmetic: the opt-in `--activations int8`
-path (EngineConfig.activations). The exact path (cpu/, gemm.py) stays the default.
+"""int4 (and q8_0) weights times int8 activations in integer arithmetic: the opt-in
+`--activations int8` path (EngineConfig.activations). The exact path (cpu/, gemm.py) stays the
+default. q8_0 rows go through the same tiles (their `q8` form, _idot_codegen): one int8 weight
+per byte, x rounded per 32 in order (quantize_q8_into); on AVX2 the exact q8_0 kernel is bound
+by its arithmetic on rows of 576 bytes (SmolLM2's head: 7.6 GB/s from DRAM, 14.0 this way).
 
 Why: on a machine whose cores are slower than its memory, the exact int4 matvec is compute
 bound: every 32 weights cost a widening, two int->float conversions and three float
@@ -45,11 +48,11 @@ from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from colibri.formats.qtensor import QTensor
+from colibri.formats.qtensor import INT4_SCHEMES, QTensor
 
-from .cpu.checks import checked_x
+from .cpu.checks import check_tensor, checked_x
 from .cpu.target import isa_of, target_isa  # noqa: F401 (isa_of: bench.common's report)
-from .cpu.codegen import q_row_ptrs
+from .cpu.codegen import PARTS, q_row_ptrs
 from .cpu.matvec import (
     group_sums,
     group_sums_into,
@@ -191,7 +194,8 @@ def hsum(builder, v):
     return builder.extract_element(v, _i32(0))
 
 
-def _idot_codegen(nrows: int, half: int, mins: bool, ncols: int | None = None):
+def _idot_codegen(nrows: int, half: int, mins: bool, ncols: int | None = None, parts: int = 1,
+                  q8: bool = False):
     """Codegen of (q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, out, ilv) -> None:
     out[0:nrows] = rows r..r+nrows-1 of the int4 x int8 product (q's rows interleaved in blocks
     of ilv: formats/qtensor.py, Layout, found as cpu.codegen.tile_codegen finds them). The same bytes of rows rn..
@@ -206,7 +210,17 @@ def _idot_codegen(nrows: int, half: int, mins: bool, ncols: int | None = None):
     sxl, and out (before ilv) is y [L, out_features]: y[l0 + i, r + j] for i < ncols, j < nrows.
     Each weight chunk is loaded and unpacked once for the ncols activation rows; every (row,
     activation row) pair runs the same operations in the same order as the one-row form, so the
-    same bits."""
+    same bits.
+
+    parts 2 (the 16-register form, _idot4 / _idot2 on AVX2): each 64-byte chunk as two 32-byte
+    halves, the activations of one half live at a time and each row's 16-lane accumulator as
+    two 8-lane halves, added (hsum's first step) at the end: the lanes and their order are
+    those of parts 1, so the bits are.
+
+    q8 (q8_0 weights: one int8 weight per byte, groups of 32, half = 32 bytes per group): x is
+    quantize_q8's, xlo its int8 values in order (xhi, negc and xsl unused), each 4-byte lane
+    4 weights; a lane's sum is sum(w * xq) over its bytes, through dot_s8s8 (|w| with xq
+    negated where w < 0: |w| <= 128 fits the unsigned side, and xq is never -128)."""
     tile = ncols is not None
     nc = ncols or 1
 
@@ -281,50 +295,65 @@ def _idot_codegen(nrows: int, half: int, mins: bool, ncols: int | None = None):
             vals = load(base, g0, _vec(_F32, ng))
             return builder.shuffle_vector(vals, vals, ir.Constant(_vec(_I32, lanes), [i // per for i in range(lanes)]))
 
-        def chunk_loop(start, stop, width, accs):
+        def chunk_loop(start, stop, width, accs, pieces=1):
+            """The chunks start..stop-1 of `width` bytes, each in `pieces` pieces (halves of a
+            64-byte chunk on a 16-register target: see the docstring's parts) into accs[j][c][h]."""
+            step = width
+            width //= pieces
             lanes = width // 4
             vb, vi, vf = _vec(_I8, width), _vec(_I32, lanes), _vec(_F32, lanes)
-            q_at, q_next = (qrows, nrows_q) if width == 64 else (qtails, ntails)
+            q_at, q_next = (qrows, nrows_q) if step == 64 else (qtails, ntails)
             with cgutils.for_range_slice(builder, start, stop, _i64(1)) as (i, _):
-                b = builder.mul(i, _i64(width))
-                qb = builder.mul(i, qstep) if width == 64 else b  # where the chunk sits in q
-                lane0 = builder.udiv(b, _i64(4))
-                xl = [load(xlob[c], b, vb) for c in range(nc)]
-                xh = [load(xhib[c], b, vb) for c in range(nc)]
-                sx = [load(sxlb[c], lane0, vf) for c in range(nc)]
-                init = [ir.Constant(vi, [0] * lanes) if mins else load(ncb[c], lane0, vi) for c in range(nc)]
-                xs = [load(xslb[c], lane0, vf) for c in range(nc)] if mins else None
+                b0 = builder.mul(i, _i64(step))
+                qb0 = builder.mul(i, qstep) if step == 64 else b0  # where the chunk sits in q
                 for j in range(nrows):
-                    prefetch(q_next[j], qb)
-                    if width == 64:  # and their scales (and mins), which come from memory as well
-                        g = builder.udiv(b, _i64(half))
+                    prefetch(q_next[j], qb0)
+                    if step == 64:  # and their scales (and mins), which come from memory as well
+                        g = builder.udiv(b0, _i64(half))
                         prefetch(builder.bitcast(builder.gep(nsrows[j], [g]), _I8.as_pointer()), _i64(0))
                         if mins:
                             prefetch(builder.bitcast(builder.gep(nmrows[j], [g]), _I8.as_pointer()), _i64(0))
-                    w = load(q_at[j], qb, vb)
-                    lo = builder.and_(w, ir.Constant(vb, [15] * width))
-                    hi = builder.lshr(w, ir.Constant(vb, [4] * width))
-                    sw = group_lanes(srows[j], b, lanes)
-                    m = group_lanes(mrows[j], b, lanes) if mins else None
-                    for c in range(nc):
-                        iacc = dot_u8s8(builder, init[c], ((lo, xl[c]), (hi, xh[c])), lanes)
-                        scale = builder.fmul(sw, sx[c])
-                        acc = fma(builder.sitofp(iacc, vf), scale, builder.load(accs[j][c]))
-                        if mins:
-                            acc = fma(m, xs[c], acc)
-                        builder.store(acc, accs[j][c])
+                for h in range(pieces):
+                    b = builder.add(b0, _i64(width * h))
+                    qb = builder.add(qb0, _i64(width * h))
+                    lane0 = builder.udiv(b, _i64(4))
+                    xl = [load(xlob[c], b, vb) for c in range(nc)]
+                    xh = None if q8 else [load(xhib[c], b, vb) for c in range(nc)]
+                    sx = [load(sxlb[c], lane0, vf) for c in range(nc)]
+                    init = [ir.Constant(vi, [0] * lanes) if mins or q8 else load(ncb[c], lane0, vi)
+                            for c in range(nc)]
+                    xs = [load(xslb[c], lane0, vf) for c in range(nc)] if mins else None
+                    for j in range(nrows):
+                        w = load(q_at[j], qb, vb)
+                        if not q8:
+                            lo = builder.and_(w, ir.Constant(vb, [15] * width))
+                            hi = builder.lshr(w, ir.Constant(vb, [4] * width))
+                        sw = group_lanes(srows[j], b, lanes)
+                        m = group_lanes(mrows[j], b, lanes) if mins else None
+                        for c in range(nc):
+                            if q8:
+                                iacc = dot_s8s8(builder, init[c], ((xl[c], w),), lanes)
+                            else:
+                                iacc = dot_u8s8(builder, init[c], ((lo, xl[c]), (hi, xh[c])), lanes)
+                            scale = builder.fmul(sw, sx[c])
+                            acc = fma(builder.sitofp(iacc, vf), scale, builder.load(accs[j][c][h]))
+                            if mins:
+                                acc = fma(m, xs[c], acc)
+                            builder.store(acc, accs[j][c][h])
 
-        def zeros(lanes):
-            return [[cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, lanes), [0.0] * lanes))
-                     for _ in range(nc)] for _ in range(nrows)]
+        def zeros(lanes, pieces=1):
+            return [[[cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, lanes), [0.0] * lanes))
+                      for _ in range(pieces)] for _ in range(nc)] for _ in range(nrows)]
 
-        acc64, acc16 = zeros(16), zeros(4)
-        chunk_loop(_i64(0), nfull, 64, acc64)
+        acc64, acc16 = zeros(16 // parts, parts), zeros(4)
+        chunk_loop(_i64(0), nfull, 64, acc64, parts)
         chunk_loop(builder.mul(nfull, _i64(4)), builder.udiv(nbytes, _i64(16)), 16, acc16)
         for j in range(nrows):
             for c in range(nc):
-                total = builder.fadd(hsum(builder, builder.load(acc64[j][c])),
-                                     hsum(builder, builder.load(acc16[j][c])))
+                whole = builder.load(acc64[j][c][0])
+                if parts == 2:  # hsum's first step on the 16 lanes: low half + high half
+                    whole = builder.fadd(whole, builder.load(acc64[j][c][1]))
+                total = builder.fadd(hsum(builder, whole), hsum(builder, builder.load(acc16[j][c][0])))
                 if tile:
                     base = xrow(oa, _F32, c)
                     dst = builder.gep(base, [builder.add(r, _i64(j))])
@@ -341,24 +370,33 @@ def _splat(builder, value, lanes):
     return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(_vec(_I32, lanes), [0] * lanes))
 
 
-def _variants_codegen(nrows: int, ncols: int | None = None):
+Q8_COEF = 0.0  # the `coef` that marks q8_0 weights (int4: -8 symmetric, 1 for q4_1's mins)
+
+
+def _variants_codegen(nrows: int, ncols: int | None = None, parts: int = 1):
     """Codegen of one intrinsic taking the weights' (coef, half, ilv) last: it branches, once per
-    call, to the body for symmetric or q4_1 weights and 16- or 32-byte groups (the bodies need
-    them as constants)."""
-    bodies = {(h, m): _idot_codegen(nrows, h, m, ncols) for h in (16, 32) for m in (False, True)}
+    call, to the body for q8_0 weights (coef Q8_COEF), or symmetric or q4_1 int4 weights and
+    16- or 32-byte groups (the bodies need them as constants)."""
+    bodies = {(h, m): _idot_codegen(nrows, h, m, ncols, parts) for h in (16, 32) for m in (False, True)}
+    q8_body = _idot_codegen(nrows, 32, False, ncols, parts, q8=True)
 
     def codegen(context, builder, sig, args):
         inner_sig, inner = types.void(*sig.args[:-3], sig.args[-1]), [*args[:-3], args[-1]]
         coef, half = args[-3], args[-2]
+        q8 = builder.fcmp_ordered("==", coef, ir.Constant(coef.type, Q8_COEF))
         q4_1 = builder.fcmp_ordered("==", coef, ir.Constant(coef.type, 1.0))  # symmetric: -8
         h16 = builder.icmp_signed("==", half, ir.Constant(half.type, 16))
-        with builder.if_else(h16) as (then16, then32):
-            for h, block in ((16, then16), (32, then32)):
-                with block:
-                    with builder.if_else(q4_1) as (with_mins, symmetric):
-                        for m, inner_block in ((True, with_mins), (False, symmetric)):
-                            with inner_block:
-                                bodies[h, m](context, builder, inner_sig, inner)
+        with builder.if_else(q8) as (bytes8, nibbles):
+            with bytes8:
+                q8_body(context, builder, inner_sig, inner)
+            with nibbles:
+                with builder.if_else(h16) as (then16, then32):
+                    for h, block in ((16, then16), (32, then32)):
+                        with block:
+                            with builder.if_else(q4_1) as (with_mins, symmetric):
+                                for m, inner_block in ((True, with_mins), (False, symmetric)):
+                                    with inner_block:
+                                        bodies[h, m](context, builder, inner_sig, inner)
         return context.get_dummy_value()
     return codegen
 
@@ -373,10 +411,25 @@ def _idot8(typingctx, q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, out, coe
 
 @intrinsic
 def _idot2(typingctx, q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, out, coef, half, ilv):
-    """out[0:2] = rows r, r + 1 (see rows8: rows interleaved in pairs)."""
+    """out[0:2] = rows r, r + 1 (see rows8: rows interleaved in pairs); on a 16-register target
+    each 64-byte chunk as two halves as _idot4 does (1.1-1.3x the whole chunks' GB/s from L2 on
+    a znver3 core, 2048- and 4096-input rows; the same bits)."""
     sig = types.void(q, scales, offs, types.intp, types.intp, xlo, xhi, negc, xsl, sxl, out, coef, types.intp,
                      types.intp)
-    return sig, _variants_codegen(2)
+    return sig, _variants_codegen(2, parts=PARTS)
+
+
+@intrinsic
+def _idot4(typingctx, q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, out, coef, half, ilv):
+    """out[0:4] = rows r..r+3, each 64-byte chunk as two 32-byte halves: rows8's form on a
+    16-register target (AVX2). The 8-row tile holds a 64-byte chunk's activations (xlo, xhi, the
+    lanes' scales and sums: eight ymm registers) and sixteen accumulators at once, and LLVM
+    spilled and reloaded them every chunk (~400 stack moves in the tile); four rows by halves
+    hold four and eight, and ran 1.1-1.45x the 8-row tile's GB/s from L2 on a znver3 core
+    (2048- and 768-input rows). The lanes and their order are the 8-row tile's: the same bits."""
+    sig = types.void(q, scales, offs, types.intp, types.intp, xlo, xhi, negc, xsl, sxl, out, coef, types.intp,
+                     types.intp)
+    return sig, _variants_codegen(4, parts=2)
 
 
 @intrinsic
@@ -519,6 +572,44 @@ def quantize_rows(x, half):
     return xlo, xhi, negc, xsl, sxl
 
 
+@njit(cache=True)
+def quantize_q8_into(x, xq, sxl):
+    """x float32 [n] -> the int8 activations q8_0 rows take (the q8 form of _idot_codegen): xq
+    in order, rounded per group of 32 by quantize_into's rule, and sxl the scale of each 4-byte
+    lane's group."""
+    for g in range(x.shape[0] // 32):
+        s, inv, finite = group_scale(x, 32 * g, 32)
+        for k in range(32 * g, 32 * g + 32):
+            xq[k] = to_int8(x[k], inv, finite)
+        for lane in range(8 * g, 8 * g + 8):
+            sxl[lane] = s
+
+
+@njit(cache=True)
+def quantize_for(x, coef, half):
+    """The int8 activations rows of weights (coef, half) take: quantize(x, half) for int4
+    weights; for q8_0 (coef Q8_COEF) quantize_q8_into's, in the same five slots (xlo: xq;
+    xhi: xq again; negc and xsl empty: the q8 rows read neither)."""
+    if coef == Q8_COEF:
+        n = x.shape[0]
+        xq, sxl = np.empty(n, np.int8), np.empty(n // 4, np.float32)
+        quantize_q8_into(x, xq, sxl)
+        return xq, xq, np.empty(0, np.int32), np.empty(0, np.float32), sxl
+    return quantize(x, half)
+
+
+@njit(cache=True)
+def quantize_rows_for(x, coef, half):
+    """quantize_for of each activation row [L, n], with a leading L axis."""
+    if coef == Q8_COEF:
+        L, n = x.shape
+        xq, sxl = np.empty((L, n), np.int8), np.empty((L, n // 4), np.float32)
+        for r in range(L):
+            quantize_q8_into(x[r], xq[r], sxl[r])
+        return xq, xq, np.empty((L, 0), np.int32), np.empty((L, 0), np.float32), sxl
+    return quantize_rows(x, half)
+
+
 # --- rows -------------------------------------------------------------------------------
 
 
@@ -543,6 +634,10 @@ def rows8(q, scales, offs, coef, half, ilv, xa, r, d):
                    d[j:], coef, half, ilv)
         return
     rn = r + 8 if r + 16 <= q.shape[0] else r
+    if PARTS == 2:  # 16 registers: two runs of four rows (see _idot4)
+        _idot4(q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, d, coef, half, ilv)
+        _idot4(q, scales, offs, r + 4, rn + 4, xlo, xhi, negc, xsl, sxl, d[4:], coef, half, ilv)
+        return
     _idot8(q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, d, coef, half, ilv)
 
 
@@ -581,8 +676,9 @@ def matvec_prepared(q, scales, offs, coef, half, ilv, xa, y, nthreads):
 
 @njit(cache=True)
 def matvec(q, scales, offs, coef, half, ilv, x, y, nthreads):
-    """y = W @ x, x float32 [n] quantized here (the weight tuple of cpu.int4_weight)."""
-    matvec_prepared(q, scales, offs, coef, half, ilv, quantize(x, half), y, nthreads)
+    """y = W @ x, x float32 [n] quantized here (the weight tuple of weight_of: cpu.int4_weight's,
+    or q8_0's)."""
+    matvec_prepared(q, scales, offs, coef, half, ilv, quantize_for(x, coef, half), y, nthreads)
 
 
 @njit(parallel=True, cache=True)
@@ -590,7 +686,7 @@ def matmul(q, scales, offs, coef, half, ilv, x, y, nthreads):
     """y [L, out] = x [L, n] @ W.T: tiles of 4 weight rows x 4 activation rows, each weight
     chunk unpacked once per tile; the rows and activation rows past the last whole tile one at
     a time. Row l of y equals matvec(x[l]) bit for bit (the same operations per pair)."""
-    xlo, xhi, negc, xsl, sxl = quantize_rows(x, half)
+    xlo, xhi, negc, xsl, sxl = quantize_rows_for(x, coef, half)
     out, L = q.shape[0], x.shape[0]
     nblk = (out + TILE_ROWS - 1) // TILE_ROWS
     per = (nblk + nthreads - 1) // nthreads
@@ -746,17 +842,25 @@ def _tail_rows_into(q, scales, offs, coef, half, x, xp, y, act):
 # --- QTensor entry points (the model's linear() calls these in int8 mode) ----------------
 
 
-def _int4_only(t: QTensor) -> tuple:
+SCHEMES = INT4_SCHEMES + ("q8_0",)  # what the QTensor entry points take
+
+
+def weight_of(t: QTensor) -> tuple:
+    """The row code's weight tuple (q, scales, offs, coef, half, _, ilv) for t: cpu.int4_weight's,
+    or for q8_0 its int8 rows and group scales, coef Q8_COEF, 32 bytes a group."""
+    if t.scheme == "q8_0":
+        check_tensor(t)
+        return t.q, t.scales, t.scales, np.float32(Q8_COEF), 32, 0, t.interleave
     w = int4_weight(t)
     if w is None:
-        raise ValueError(f"int8 activations take int4 weights (int4_g64, q4_0, q4_1), not {t.scheme}; "
+        raise ValueError(f"int8 activations take int4 or q8_0 weights ({', '.join(SCHEMES)}), not {t.scheme}; "
                          "other schemes run with --activations f32")
     return w
 
 
 def matvec_q(t: QTensor, x: np.ndarray) -> np.ndarray:
-    """dequantize(t) @ x with x rounded to int8 per group; t an int4 scheme."""
-    q, scales, offs, coef, half, _, ilv = _int4_only(t)
+    """dequantize(t) @ x with x rounded to int8 per group; t an int4 scheme or q8_0."""
+    q, scales, offs, coef, half, _, ilv = weight_of(t)
     x = checked_x(x, 1, t.shape[1], "matvec")
     y = np.empty(t.shape[0], np.float32)
     if y.size:
@@ -767,7 +871,7 @@ def matvec_q(t: QTensor, x: np.ndarray) -> np.ndarray:
 def matmul_q(t: QTensor, x: np.ndarray) -> np.ndarray:
     """x @ dequantize(t).T with each row of x rounded to int8 per group; row l equals
     matvec_q(t, x[l]) bit for bit."""
-    q, scales, offs, coef, half, _, ilv = _int4_only(t)
+    q, scales, offs, coef, half, _, ilv = weight_of(t)
     x = checked_x(x, 2, t.shape[1], "matmul")
     y = np.empty((x.shape[0], t.shape[0]), np.float32)
     if y.size:

@@ -12,7 +12,7 @@ from colibri.memory import WEIGHTS
 from colibri.kernels import block_idot, idot, matmul, matvec, ops
 from colibri.kernels.tasks import over_rows
 from colibri.kernels.cpu import matvec_rows
-from colibri.formats.qtensor import INT4_SCHEMES, QTensor
+from colibri.formats.qtensor import QTensor
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -51,12 +51,12 @@ def fuse_rows(*ts: QTensor) -> QTensor | None:
 
 
 def _int8_kernels(w: QTensor):
-    """The integer-dot module for w under `--activations int8` (int4: kernels/idot.py; the GGUF
-    types of block_idot.INT8_SCHEMES, all but Q5_1: kernels/block_idot.py), or
+    """The integer-dot module for w under `--activations int8` (int4 and q8_0: kernels/idot.py;
+    the GGUF types of block_idot.INT8_SCHEMES, all but Q5_1: kernels/block_idot.py), or
     None: the exact kernels (every other scheme, and any scheme in the default f32 mode)."""
     if idot.current() != "int8":
         return None
-    if w.scheme in INT4_SCHEMES:
+    if w.scheme in idot.SCHEMES:
         return idot
     return block_idot if w.scheme in block_idot.INT8_SCHEMES else None
 

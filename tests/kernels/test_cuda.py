@@ -121,7 +121,7 @@ def test_linear_matches_reference_and_cpu(scheme, L):
 def _int8_reference(t, x):
     """x rounded to int8 per weight group (idot.quantize_into's rule) times the dequantized
     weights, in float64."""
-    g = {"int4_g64": 64, "q4_0": 32, "q4_1": 32}[t.scheme]
+    g = {"int4_g64": 64, "q4_0": 32, "q4_1": 32, "q8_0": 32}[t.scheme]
     xg = x.reshape(x.shape[0], -1, g)
     amax = np.abs(xg).max(axis=2, keepdims=True)
     inv = np.where(amax > 0, np.float32(127.0) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
@@ -131,7 +131,7 @@ def _int8_reference(t, x):
 
 
 @on_device
-@pytest.mark.parametrize("scheme", ["int4_g64", "q4_0", "q4_1"])
+@pytest.mark.parametrize("scheme", ["int4_g64", "q4_0", "q4_1", "q8_0"])
 @pytest.mark.parametrize("L", [1, 6])
 def test_int8_activations_match_reference_and_cpu(scheme, L):
     rng = np.random.default_rng(L + len(scheme))

@@ -1,4 +1,4 @@
-"""int4 weights x int8 activations (colibri/kernels/idot.py, `--activations int8`): the integer
+"""int4 and q8_0 weights x int8 activations (colibri/kernels/idot.py, `--activations int8`): the integer
 dot equals the dot of the weights with the int8-rounded activations (a float64 reference)
 within float32 rounding; a row's bits never depend on the caller (matvec, matmul, the fused
 MoE kernel), the thread split or the instruction set (VNNI, AVX2 pairs, the portable IR)."""
@@ -13,10 +13,10 @@ import pytest
 
 from colibri.io.container import pack_expert
 from colibri.kernels import idot
-from colibri.kernels.cpu import int4_weight, matvec as exact_matvec
+from colibri.kernels.cpu import matvec as exact_matvec
 from colibri.formats.expert_blob import StackedExperts
 from colibri.kernels.moe import one_expert, stacked_experts
-from colibri.formats.qtensor import GROUP_SIZE, dequantize, quantize
+from colibri.formats.qtensor import GROUP_SIZE, dequantize, interleaved, quantize
 
 SHAPES = [(64, 576), (37, 576), (24, 2048), (130, 768), (8, 224)]  # 576: 64-byte chunks + a 16-byte tail
 
@@ -36,7 +36,7 @@ def _case(scheme, out, n, seed=0):
     return t, rng.standard_normal(n).astype(np.float32) * 3
 
 
-@pytest.mark.parametrize("scheme", ["int4_g64", "q4_0", "q4_1"])
+@pytest.mark.parametrize("scheme", ["int4_g64", "q4_0", "q4_1", "q8_0"])
 @pytest.mark.parametrize("out, n", SHAPES)
 def test_matvec_is_the_dot_with_rounded_activations(scheme, out, n):
     if n % GROUP_SIZE[scheme]:
@@ -49,14 +49,32 @@ def test_matvec_is_the_dot_with_rounded_activations(scheme, out, n):
     exact = exact_matvec(t, x)
     rel = np.abs(got - exact).max() / np.abs(exact).max()
     assert 1e-6 < rel < 0.03
+    if scheme != "q4_1" and out % 8 == 0:  # rows interleaved as the engine loads them: the same bits
+        np.testing.assert_array_equal(idot.matvec_q(interleaved(t), x), got)
 
 
-@pytest.mark.parametrize("scheme", ["int4_g64", "q4_1"])
+def test_q8_weights_of_minus_128():
+    """q8_0 bytes of -128 (colibri's quantizer never writes them; another tool's file may) go
+    through the AVX2 sign trick as |w| = 128 on the unsigned side: exact, no int16 overflow
+    even where a pair of products is 2 * 128 * 127."""
+    rng = np.random.default_rng(7)
+    t = quantize(rng.standard_normal((16, 256)).astype(np.float32), "q8_0")
+    t.q[:, :] = -128
+    t.q[3, ::3] = 127
+    x = np.full(256, 5.0, np.float32)
+    x[1::2] = -5.0
+    x[:4] = 5.0
+    got = idot.matvec_q(t, x)
+    ref = dequantize(t).astype(np.float64) @ _rounded(x, 16)
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("scheme", ["int4_g64", "q4_1", "q8_0"])
 def test_rows_do_not_depend_on_caller_or_threads(scheme):
     t, _ = _case(scheme, 77, 576 if scheme == "q4_1" else 640, seed=3)
     rng = np.random.default_rng(4)
     X = rng.standard_normal((5, t.shape[1])).astype(np.float32)
-    q, scales, offs, coef, half, _, ilv = int4_weight(t)
+    q, scales, offs, coef, half, _, ilv = idot.weight_of(t)
     for nthreads in (1, 2):
         Y = np.empty((5, t.shape[0]), np.float32)
         idot.matmul(q, scales, offs, coef, half, ilv, X, Y, nthreads)
@@ -102,7 +120,7 @@ from colibri.kernels import idot
 from colibri.formats.qtensor import quantize
 rng = np.random.default_rng(5)
 out = []
-for scheme, n in (("int4_g64", 640), ("q4_0", 576), ("q4_1", 576)):
+for scheme, n in (("int4_g64", 640), ("q4_0", 576), ("q4_1", 576), ("q8_0", 576)):
     t = quantize(rng.standard_normal((45, n)).astype(np.float32), scheme)
     out.append(idot.matvec_q(t, rng.standard_normal(n).astype(np.float32)))
 np.save(__import__("sys").argv[1], np.concatenate(out))

@@ -98,6 +98,10 @@ for scheme in ("int4_g64", "q4_0", "q4_1", "q8_0"):
         out += [matvec(t, x[0]), matvec_rows(t, x).ravel()]
         if scheme != "q8_0" and rows % 8 == 0:
             out.append(matvec(interleaved(t), x[1]))
+        from colibri.kernels import idot  # int8 activations: 8 rows, or 4 (or 2) by halves
+        out += [idot.matvec_q(t, x[2]), idot.matmul_q(t, x).ravel()]
+        if rows % 8 == 0:
+            out.append(idot.matvec_q(interleaved(t), x[3]))
 sys.path.insert(0, sys.argv[2])
 from test_blocks import random_blocks
 from colibri.formats.ggml_blocks import BLOCK_TYPES
@@ -121,8 +125,9 @@ def test_narrow_and_wide_tiles_give_the_same_bits(tmp_path):
     """The decode tiles' two forms (cpu/codegen.py: 16-lane vectors, or 8-lane halves for
     16-register targets such as AVX2; cpu/block_tiles.py and block_idot.py: eight rows side by
     side, or one at a time), each compiled in its own process and numba cache (COLIBRI_TILES),
-    on int4, q4_1 and q8_0 rows with and without tails and on every block type's tile, exact
-    and int8, one token and several: the same bits, so a model gives the same tokens on every
+    on int4, q4_1 and q8_0 rows with and without tails (also times int8 activations:
+    kernels/idot.py) and on every block type's tile, exact and int8, one token and
+    several: the same bits, so a model gives the same tokens on every
     CPU class."""
     import os
     import subprocess

@@ -205,7 +205,8 @@ def upload_vector(a: np.ndarray | None):
 
 def linear(w: DeviceMatrix, x, out=None, bias=None, activations: str = "f32"):
     """x [L, in] (device, float32) -> x @ W.T [L, out] (+ bias) on the device. activations
-    "int8" takes the integer-dot kernel for int4 weights (idot.py's opt-in path)."""
+    "int8" takes the integer-dot kernel for int4 weights and x rounded to int8 per group for
+    q8_0 ones (idot.py's opt-in path)."""
     L = x.shape[0]
     rows, n = w.shape
     y = empty((L, rows)) if out is None else out
@@ -225,7 +226,13 @@ def linear(w: DeviceMatrix, x, out=None, bias=None, activations: str = "f32"):
             offs, coef = (w.offs, 1.0) if s == "q4_1" else (w.scales, -8.0)
             k.int4_rows[grid, block](w.q, w.scales, offs, np.float32(coef), half, x, y)
     elif s == "q8_0":
-        k.q8_rows[grid, block](w.q, w.scales, GROUP_SIZE[s], x, y)
+        group = GROUP_SIZE[s]
+        if activations == "int8":  # x rounded to int8 per group, as idot.quantize_q8_into does
+            xq, sx, xr = empty((L, n), np.int8), empty((L, n // group)), empty((L, n))
+            k.quantize_groups[_threads(L * n // group)](x, group, xq, sx)
+            k.rounded_groups[_threads(L * n)](xq, sx, group, xr)
+            x = xr
+        k.q8_rows[grid, block](w.q, w.scales, group, x, y)
     elif s == "f32":
         k.f32_rows[grid, block](w.q, w.q, 0, x, y)
     else:

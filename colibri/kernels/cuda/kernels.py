@@ -268,6 +268,19 @@ def quantize_groups(x, group, xq, sx):
 
 
 @cuda.jit
+def rounded_groups(xq, sx, group, out):
+    """out [L, n] = xq * the group's sx: the activations as quantize_groups rounded them, for
+    the weights whose int8-activation product is the float kernel on them (q8_0: the q8_0
+    rows of the CPU's idot path are the dot with these values). One thread per element."""
+    i = cuda.grid(1)
+    n = xq.shape[1]
+    if i < xq.shape[0] * n:
+        l = i // n
+        c = i - l * n
+        out[l, c] = float32(xq[l, c]) * sx[l, c // group]
+
+
+@cuda.jit
 def int4_idot_rows(q, scales, offs, symmetric, half, xq, sx, y):
     """int4 weights times int8 activations, integer sums per 4-byte word: symmetric schemes
     sum (nib - 8) * xq, q4_1 sums nib * xq plus min * sum(xq); one float scale per word
