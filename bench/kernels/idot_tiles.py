@@ -25,55 +25,41 @@ from bench.common import machine_line, median
 def _kernels():
     from colibri.kernels import idot
 
-    @intrinsic
-    def pair_whole(typingctx, q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, out, coef, half, ilv):
-        sig = types.void(q, scales, offs, types.intp, types.intp, xlo, xhi, negc, xsl, sxl, out, coef,
-                         types.intp, types.intp)
-        return sig, idot._variants_codegen(2, parts=1)
-
-    @intrinsic
-    def pair_halves(typingctx, q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, out, coef, half, ilv):
-        sig = types.void(q, scales, offs, types.intp, types.intp, xlo, xhi, negc, xsl, sxl, out, coef,
-                         types.intp, types.intp)
-        return sig, idot._variants_codegen(2, parts=2)
+    def pair_tile(parts: int):
+        """_idot2 with its 64-byte chunks whole (parts 1) or by halves (2), whatever the target."""
+        @intrinsic
+        def tile(typingctx, q, scales, offs, r, rn, xlo, xhi, negc, xsl, sxl, out, coef, half, ilv):
+            sig = types.void(q, scales, offs, types.intp, types.intp, xlo, xhi, negc, xsl, sxl, out, coef,
+                             types.intp, types.intp)
+            return sig, idot._variants_codegen(2, parts=parts)
+        return tile
 
     tile8, tile4 = idot._idot8, idot._idot4
 
-    @njit(cache=False)
-    def eights(q, s, o, coef, half, ilv, xa, y, reps):
-        xlo, xhi, negc, xsl, sxl = xa
-        d = np.empty(8, np.float32)
-        for _ in range(reps):
-            for r in range(0, q.shape[0], 8):
-                rn = r + 8 if r + 16 <= q.shape[0] else r
-                tile8(q, s, o, r, rn, xlo, xhi, negc, xsl, sxl, d, coef, half, ilv)
-                y[r:r + 8] = d
+    def runner(form: str, pair=pair_tile(1)):
+        """Every row of q through one form, `reps` times: "8" (_idot8), "4h" (_idot4 twice) or
+        "pair" (the given pair tile, rows interleaved in pairs)."""
+        step = 2 if form == "pair" else 8
 
-    @njit(cache=False)
-    def fours(q, s, o, coef, half, ilv, xa, y, reps):
-        xlo, xhi, negc, xsl, sxl = xa
-        d = np.empty(8, np.float32)
-        for _ in range(reps):
-            for r in range(0, q.shape[0], 8):
-                rn = r + 8 if r + 16 <= q.shape[0] else r
-                tile4(q, s, o, r, rn, xlo, xhi, negc, xsl, sxl, d, coef, half, ilv)
-                tile4(q, s, o, r + 4, rn + 4, xlo, xhi, negc, xsl, sxl, d[4:], coef, half, ilv)
-                y[r:r + 8] = d
-
-    def pairs(tile):
         @njit(cache=False)
         def run(q, s, o, coef, half, ilv, xa, y, reps):
             xlo, xhi, negc, xsl, sxl = xa
             d = np.empty(8, np.float32)
             for _ in range(reps):
-                for r in range(0, q.shape[0], 2):
-                    tile(q, s, o, r, r + 2 if r + 4 <= q.shape[0] else r, xlo, xhi, negc, xsl, sxl, d, coef, half,
-                         ilv)
-                    y[r:r + 2] = d[:2]
+                for r in range(0, q.shape[0], step):
+                    rn = r + step if r + 2 * step <= q.shape[0] else r
+                    if form == "pair":
+                        pair(q, s, o, r, rn, xlo, xhi, negc, xsl, sxl, d, coef, half, ilv)
+                    elif form == "4h":
+                        tile4(q, s, o, r, rn, xlo, xhi, negc, xsl, sxl, d, coef, half, ilv)
+                        tile4(q, s, o, r + 4, rn + 4, xlo, xhi, negc, xsl, sxl, d[4:], coef, half, ilv)
+                    else:
+                        tile8(q, s, o, r, rn, xlo, xhi, negc, xsl, sxl, d, coef, half, ilv)
+                    y[r:r + step] = d[:step]
         return run
 
-    return {"8 rows, whole chunks": eights, "4 rows, halves": fours,
-            "pairs, whole chunks": pairs(pair_whole), "pairs, halves": pairs(pair_halves)}
+    return {"8 rows, whole chunks": runner("8"), "4 rows, halves": runner("4h"),
+            "pairs, whole chunks": runner("pair", pair_tile(1)), "pairs, halves": runner("pair", pair_tile(2))}
 
 
 def main() -> None:
