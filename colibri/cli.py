@@ -84,7 +84,7 @@ def checked(name: str):
 
 def activations_option(**kw):
     """--activations for every command that loads a model."""
-    return typer.Option("f32", "--activations", callback=checked("activations"), help="int4 matrices' activations: "
+    return typer.Option("f32", "--activations", callback=checked("activations"), help="the quantized matrices' activations: "
                         "f32 (exact, the default) or int8 (integer dot products: faster where the CPU is the "
                         "bottleneck, not exact; docs/benchmarks.md: Quality).", **kw)
 

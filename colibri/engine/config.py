@@ -57,9 +57,10 @@ class EngineConfig:
     # "auto". Never changes the output; stream(speculative=...) overrides it per request.
     speculative: str = "off"
     draft_tokens: int = spec.DEFAULT_DRAFT_TOKENS
-    # int4 matrices' activations: "f32" (exact: the reference's function) or "int8" (rounded to
-    # int8 per weight group and dotted in integer arithmetic: faster where the CPU is the
-    # bottleneck, at a fidelity cost; colibri/kernels/idot.py).
+    # The quantized matrices' activations (int4, q8_0, GGUF blocks but Q5_1): "f32" (exact: the
+    # reference's function) or "int8" (rounded to int8 per weight group and dotted in integer
+    # arithmetic: faster where the CPU is the bottleneck, at a fidelity cost;
+    # colibri/kernels/idot.py, block_idot.py).
     activations: str = "f32"
     # int4 and q8_0 matrices' layout in RAM: "interleaved" (each block of 2 or 8 rows read as
     # one run of bytes by the decode kernels, which streams faster from DRAM; formats/qtensor.py, Layout)

@@ -55,7 +55,7 @@ class ServeOptions:
     experts: dict = field(default_factory=dict)
     speculative: str = "off"          # draft tokens and check them in one pass: off | ngram | mtp | auto
     draft_tokens: int = 6             # drafts per pass
-    activations: str = "f32"          # int4 matrices' activations: f32 (exact) | int8
+    activations: str = "f32"          # the quantized matrices' activations: f32 (exact) | int8
     kv_cache: str = "f32"             # KV cache element type: f32 (exact) | f16
     max_batch: int | None = None      # generations at once, sharing forward passes (each needs a KV slot); None: sized here
     device: str = "cpu"               # where the dense forward runs: cpu | cuda | auto
