@@ -63,7 +63,7 @@ def _int8_kernels(w: QTensor):
 
 def linear(x: np.ndarray, w: QTensor, bias: np.ndarray | None = None) -> np.ndarray:
     """x [L, in] -> [L, out]. Decode (L == 1) takes the matvec kernel, prefill the matmul one;
-    int4 and block_idot.INT8_SCHEMES weights under `--activations int8` take the integer-dot
+    int4, q8_0 and block_idot.INT8_SCHEMES weights under `--activations int8` take the integer-dot
     kernels, whose prompt rows equal decoding each token (_int8_kernels)."""
     int8 = _int8_kernels(w)
     if int8 is not None:
