@@ -114,7 +114,7 @@ def test_paths_without_block_kernels_say_so():
     from colibri.kernels import cuda, idot
 
     t = make("q4_k", (8, 256))
-    with pytest.raises(ValueError, match="int8 activations take int4 weights"):
+    with pytest.raises(ValueError, match="int8 activations take int4 or q8_0 weights"):
         idot.matvec_q(t, np.ones(256, np.float32))
     with pytest.raises(ValueError, match="no CUDA kernel for GGUF Q4_K"):
         cuda.upload(t)
