@@ -200,7 +200,7 @@ def in_activation_mode(method):
 class DecoderModel:
     """Embedding -> decoder layers -> final norm -> lm_head. Families build the layers."""
 
-    activations = "f32"  # or "int8" (EngineConfig.activations): int4 matrices' activations
+    activations = "f32"  # or "int8" (EngineConfig.activations): the quantized matrices' activations
     kv_cache = "f32"     # or "f16" (EngineConfig.kv_cache): the KV cache's element type
     build_mtp = None     # () -> the first multi-token-prediction layer, where the family has one (models/mtp.py)
     rows_hidden = None   # forward_rows' final hidden states (after the final norm) [B, D]: MTP drafts read them
