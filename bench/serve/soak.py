@@ -517,13 +517,17 @@ def probe(server: Server) -> dict:
 
 class SlowlorisWave(threading.Thread):
     """`per_address` header drippers from each of `sources` (each under the per-address cap),
-    every one reopened as soon as the server closes it; what each close said is counted."""
+    every one reopened as soon as the server closes it; what each close said is counted.
+    Once `stop` is set none is reopened, and those still open keep dripping until the server
+    cuts them off or `drain_s` passes (`uncut`: how many it never closed). So every dripper of
+    the wave meets the header deadline, however late a busy machine fires it."""
 
-    def __init__(self, port: int, sources: list[str], per_address: int, every: float = 0.5):
+    def __init__(self, port: int, sources: list[str], per_address: int, drain_s: float, every: float = 0.5):
         super().__init__(daemon=True, name="slowloris")
         self.port, self.sources, self.per_address, self.every = port, sources, per_address, every
+        self.drain_s = drain_s
         self.stop = threading.Event()
-        self.opened, self.closes = 0, Counter()
+        self.opened, self.closes, self.uncut = 0, Counter(), 0
         self.sel = selectors.DefaultSelector()
 
     def _open(self, source: str) -> None:
@@ -543,8 +547,12 @@ class SlowlorisWave(threading.Thread):
         for source in self.sources:
             for _ in range(self.per_address):
                 self._open(source)
-        last = time.monotonic()
-        while not self.stop.is_set():
+        last, drain_until = time.monotonic(), None
+        while self.sel.get_map():
+            if self.stop.is_set():
+                drain_until = drain_until or time.monotonic() + self.drain_s
+                if time.monotonic() >= drain_until:
+                    break
             for key, _ in self.sel.select(timeout=0.05):
                 try:
                     data = key.fileobj.recv(64)
@@ -563,6 +571,7 @@ class SlowlorisWave(threading.Thread):
                         key.fileobj.send(b"x-drip: 1\r\n")
                     except OSError:
                         pass
+        self.uncut = len(self.sel.get_map())
         for key in list(self.sel.get_map().values()):
             key.fileobj.close()
         self.sel.close()
@@ -741,15 +750,14 @@ def soak(a, servers: dict[str, Server], say) -> dict:
     wave_info: dict = {}
     kill: dict = {}
 
-    def end_wave() -> None:
+    def end_wave() -> None:  # no dripper reopened from here; those open drain while the run goes on
         wave.stop.set()
-        wave.join(30)
-        wave_info.update(end_s=time.monotonic() - t0, opened=wave.opened, closes=dict(wave.closes))
+        wave_info.update(end_s=time.monotonic() - t0)
 
     while (now := time.monotonic() - t0) < duration and not died:
         if wave is None and now >= wave_at and local:
             sources = [f"127.0.1.{i}" for i in range(1, a.wave_addresses + 1)]
-            wave = SlowlorisWave(main_srv.port, sources, a.wave_per_address)
+            wave = SlowlorisWave(main_srv.port, sources, a.wave_per_address, drain_s=2 * a.header_timeout + 10)
             wave.start()
             wave_info = {"start_s": now, "drippers": len(sources) * a.wave_per_address, "addresses": len(sources)}
         if wave is not None and "end_s" not in wave_info and now >= wave_at + wave_len:
@@ -763,8 +771,11 @@ def soak(a, servers: dict[str, Server], say) -> dict:
     traffic_s = time.monotonic() - t0
     stop.set()
     ticking.set()
-    if wave is not None and "end_s" not in wave_info:
-        end_wave()
+    if wave is not None:
+        if "end_s" not in wave_info:
+            end_wave()
+        wave.join(wave.drain_s + 30)
+        wave_info.update(opened=wave.opened, closes=dict(wave.closes), uncut=wave.uncut)
     for t in clients + tickers:
         t.join(TIMEOUT_S + 30)
     deadline = time.monotonic() + 60
@@ -878,6 +889,8 @@ def summarize(a, servers, record: Record, probes, samples, died, wave_info, kill
         wave_info.update(served=len(in_wave), p50_ms=quantile([r.seconds * 1e3 for r in in_wave], 0.5),
                          p99_ms=quantile([r.seconds * 1e3 for r in in_wave], 0.99),
                          p99_outside_ms=quantile([r.seconds * 1e3 for r in outside], 0.99))
+    if wave_info and (wave_info["uncut"] or not wave_info["closes"].get("408")):
+        unexpected["slowloris drippers not cut off with 408 at the header deadline"] += max(1, wave_info["uncut"])
     resources = {n: {key: summary_of(samples[n], key) for key in ("rss_mb", "fds", "threads")} for n in names}
     ok = probe_ok and not unexpected and not died
 
@@ -913,7 +926,8 @@ def summarize(a, servers, record: Record, probes, samples, died, wave_info, kill
     if wave_info:
         say(f"\nslowloris wave: {wave_info['drippers']} drippers from {wave_info['addresses']} addresses, "
             f"{wave_info['start_s'] / 60:.1f}-{wave_info.get('end_s', 0) / 60:.1f} min, opened "
-            f"{wave_info.get('opened')} times, closed with {wave_info.get('closes')}; meanwhile {len(in_wave)} "
+            f"{wave_info.get('opened')} times, closed with {wave_info.get('closes')} ({wave_info['uncut']} never "
+            f"cut off); meanwhile {len(in_wave)} "
             f"requests served, p99 {wave_info['p99_ms']:.0f} ms (outside the wave {wave_info['p99_outside_ms']:.0f} ms); "
             f"evicted {finals.get('streamed', {}).get('evicted')}, refused {finals.get('streamed', {}).get('refused')}")
     if kill:
