@@ -775,7 +775,8 @@ def soak(a, servers: dict[str, Server], say) -> dict:
         if "end_s" not in wave_info:
             end_wave()
         wave.join(wave.drain_s + 30)
-        wave_info.update(opened=wave.opened, closes=dict(wave.closes), uncut=wave.uncut)
+        # uncut -1: the wave's thread had not finished draining (its counts are not final)
+        wave_info.update(opened=wave.opened, closes=dict(wave.closes), uncut=-1 if wave.is_alive() else wave.uncut)
     for t in clients + tickers:
         t.join(TIMEOUT_S + 30)
     deadline = time.monotonic() + 60
@@ -881,6 +882,8 @@ def summarize(a, servers, record: Record, probes, samples, died, wave_info, kill
             unexpected[f"generations still running at the end ({n})"] += left
     if kill and (kill.get("error") or finals.get("cluster", {}).get("worker_faults", 0) < 1):
         unexpected["worker kill not seen by the head"] += 1
+    if "cluster" in servers and not kill and "cluster" not in died:
+        unexpected["no worker was killed (the run ended before its midpoint was reached)"] += 1
     normal = [r for r in rows if r.server == "streamed" and r.outcome == "ok" and r.kind != "malformed"]
     during = (lambda r: wave_info["start_s"] <= r.t <= wave_info.get("end_s", 1e18)) if wave_info else (lambda r: False)
     in_wave = [r for r in normal if during(r)]
@@ -889,7 +892,7 @@ def summarize(a, servers, record: Record, probes, samples, died, wave_info, kill
         wave_info.update(served=len(in_wave), p50_ms=quantile([r.seconds * 1e3 for r in in_wave], 0.5),
                          p99_ms=quantile([r.seconds * 1e3 for r in in_wave], 0.99),
                          p99_outside_ms=quantile([r.seconds * 1e3 for r in outside], 0.99))
-    if wave_info and (wave_info["uncut"] or not wave_info["closes"].get("408")):
+    if wave_info and (wave_info["uncut"] != 0 or not wave_info["closes"].get("408")):
         unexpected["slowloris drippers not cut off with 408 at the header deadline"] += max(1, wave_info["uncut"])
     resources = {n: {key: summary_of(samples[n], key) for key in ("rss_mb", "fds", "threads")} for n in names}
     ok = probe_ok and not unexpected and not died
