@@ -4,10 +4,6 @@ within float32 rounding; a row's bits never depend on the caller (matvec, matmul
 MoE kernel), the thread split or the instruction set (VNNI, AVX2 pairs, the portable IR)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
@@ -17,6 +13,8 @@ from colibri.kernels.cpu import matvec as exact_matvec
 from colibri.formats.expert_blob import StackedExperts
 from colibri.kernels.moe import one_expert, stacked_experts
 from colibri.formats.qtensor import GROUP_SIZE, dequantize, interleaved, quantize
+
+from compiled_forms import run_in_forms
 
 SHAPES = [(64, 576), (37, 576), (24, 2048), (130, 768), (8, 224)]  # 576: 64-byte chunks + a 16-byte tail
 
@@ -138,19 +136,12 @@ def test_every_integer_form_gives_the_same_bits(tmp_path):
 def assert_same_bits_in_every_form(tmp_path, script: str, *args: str) -> None:
     """Run `script` (python -c; argv[1]: the .npy to save its result to, then `args`; it prints
     idot.ISA) once per integer-dot form this CPU can run, each in its own process and numba
-    cache (COLIBRI_IDOT), and check the forms' results are the same bits."""
+    cache (COLIBRI_IDOT; compiled_forms.py), and check the forms' results are the same bits."""
     forms = {"vnni": ("vnni", "avx2", "generic"), "avx2": ("avx2", "generic")}[idot.ISA]
-    results = {}
+    results = run_in_forms(tmp_path, script, args, "COLIBRI_IDOT", forms, own=idot.ISA, timeout=600)
     for mode in forms:
-        env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / f"cache-{mode}"), "COLIBRI_IDOT": mode}
-        f = tmp_path / f"{mode}.npy"
-        p = subprocess.run([sys.executable, "-c", script, str(f), *args], env=env, capture_output=True, text=True,
-                           timeout=600)
-        assert p.returncode == 0, p.stderr[-2000:]
-        assert p.stdout.strip() == mode
-        results[mode] = np.load(f)
-    for mode in forms[1:]:
-        np.testing.assert_array_equal(results[forms[0]], results[mode])
+        assert results[mode][0] == mode
+        np.testing.assert_array_equal(results[forms[0]][1], results[mode][1])
 
 
 def test_mode_is_scoped_and_checked():

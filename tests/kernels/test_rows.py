@@ -124,26 +124,18 @@ print(codegen.PARTS, ROWS_SIDE_BY_SIDE)
 def test_narrow_and_wide_tiles_give_the_same_bits(tmp_path):
     """The decode tiles' two forms (cpu/codegen.py: 16-lane vectors, or 8-lane halves for
     16-register targets such as AVX2; cpu/block_tiles.py and block_idot.py: eight rows side by
-    side, or one at a time), each compiled in its own process and numba cache (COLIBRI_TILES),
-    on int4, q4_1 and q8_0 rows with and without tails (also times int8 activations:
-    kernels/idot.py) and on every block type's tile, exact and int8, one token and
-    several: the same bits, so a model gives the same tokens on every
-    CPU class."""
-    import os
-    import subprocess
-    import sys
+    side, or one at a time), each compiled in its own process and numba cache (COLIBRI_TILES;
+    compiled_forms.py), on int4, q4_1 and q8_0 rows with and without tails (also times int8
+    activations: kernels/idot.py) and on every block type's tile, exact and int8, one token and
+    several: the same bits, so a model gives the same tokens on every CPU class."""
+    from colibri.kernels.cpu.target import narrow_tiles
+    from compiled_forms import run_in_forms
 
-    results = {}
-    for form, shape in (("wide", "1 8"), ("narrow", "2 1")):  # (codegen.PARTS, block rows side by side)
-        env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / f"cache-{form}"), "COLIBRI_TILES": form}
-        f = tmp_path / f"{form}.npy"
-        p = subprocess.run([sys.executable, "-c", _FORMS_SCRIPT, str(f), str(Path(__file__).parent)], env=env,
-                           capture_output=True, text=True, timeout=900)
-        assert p.returncode == 0, p.stderr[-2000:]
-        assert p.stdout.strip() == shape
-        results[form] = np.load(f)
-    assert results["wide"].size > 2000
-    np.testing.assert_array_equal(results["wide"], results["narrow"])
+    results = run_in_forms(tmp_path, _FORMS_SCRIPT, (str(Path(__file__).parent),), "COLIBRI_TILES",
+                           ("wide", "narrow"), own="narrow" if narrow_tiles() else "wide")
+    assert results["wide"][0] == "1 8" and results["narrow"][0] == "2 1"  # (codegen.PARTS, block rows side by side)
+    assert results["wide"][1].size > 2000
+    np.testing.assert_array_equal(results["wide"][1], results["narrow"][1])
 
 
 @pytest.mark.parametrize("name, features, narrow", [
