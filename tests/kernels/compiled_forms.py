@@ -5,8 +5,8 @@ what each printed and saved: the tests compare the forms' bits.
 Each form compiles into its own numba cache without being told: colibri's cache directory ends
 in a digest of the kernel sources and of those variables (colibri/kernels/__init__.py). The form
 this process runs gets this process's environment unchanged, so it loads the kernels the suite
-has compiled already instead of compiling them again (the forms' compiles took ~8 of CI's
-minutes). Where NUMBA_CACHE_DIR is set, colibri uses it as it is, without the digest; then each
+has compiled already instead of compiling them again (compiling every form afresh, one after
+the other, took ~9 of CI's minutes). Where NUMBA_CACHE_DIR is set, colibri uses it as it is, without the digest; then each
 form gets a directory of its own under tmp_path.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ def run_in_forms(tmp_path: Path, script: str, args: tuple[str, ...], variable: s
     procs = {}
     for form in forms:
         env = dict(os.environ)
-        if form != own or env.get(variable, form) != form:
+        if env.get(variable, own) != form:  # this process's own form keeps its environment, so its cache
             env[variable] = form
         if "NUMBA_CACHE_DIR" in os.environ:
             env["NUMBA_CACHE_DIR"] = str(tmp_path / f"cache-{form}")

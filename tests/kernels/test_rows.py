@@ -10,6 +10,9 @@ from numba import get_num_threads, set_num_threads
 from colibri.kernels.cpu import TILE_A, matvec, matvec_rows
 from colibri.formats.ggml_blocks import BLOCK_TYPES
 from colibri.formats.qtensor import SCHEMES, dequantize, quantize
+from colibri.kernels.cpu.target import narrow_tiles
+
+from compiled_forms import run_in_forms
 
 
 def make(scheme, shape, seed):
@@ -128,9 +131,6 @@ def test_narrow_and_wide_tiles_give_the_same_bits(tmp_path):
     compiled_forms.py), on int4, q4_1 and q8_0 rows with and without tails (also times int8
     activations: kernels/idot.py) and on every block type's tile, exact and int8, one token and
     several: the same bits, so a model gives the same tokens on every CPU class."""
-    from colibri.kernels.cpu.target import narrow_tiles
-    from compiled_forms import run_in_forms
-
     results = run_in_forms(tmp_path, _FORMS_SCRIPT, (str(Path(__file__).parent),), "COLIBRI_TILES",
                            ("wide", "narrow"), own="narrow" if narrow_tiles() else "wide")
     assert results["wide"][0] == "1 8" and results["narrow"][0] == "2 1"  # (codegen.PARTS, block rows side by side)
@@ -144,8 +144,6 @@ def test_narrow_and_wide_tiles_give_the_same_bits(tmp_path):
 def test_the_tile_form_follows_the_target(monkeypatch, name, features, narrow):
     """Read from the named target's registers, never the host's; COLIBRI_TILES forces a form."""
     from numba.core import config
-
-    from colibri.kernels.cpu.target import narrow_tiles
 
     monkeypatch.delenv("COLIBRI_TILES", raising=False)
     monkeypatch.setattr(config, "CPU_NAME", name)
