@@ -1,12 +1,24 @@
 """pytest plugin for the runs under numba's CUDA simulator (`-p cuda_simulator`, see
-tests/kernels/test_cuda.py): a faster block runner, the same semantics.
+tests/kernels/test_cuda.py): a faster simulator, the same semantics.
 
-The simulator runs each GPU thread of a block as a Python thread, and its BlockManager polls
-every thread in a busy loop to see which ones wait in syncthreads(); under the GIL that loop
-took most of the time (a tiny model's decode step: ~13 s). Here a block's threads share a
-barrier on a condition variable instead: syncthreads() returns once every thread of the block
-that has not returned has reached it, which is what the polling loop decided too. Only the
-runner changes; kernels, arrays and the thread API are numba's own.
+The simulator runs each GPU thread of a block as a Python thread. These costs dominated a tiny
+model's decode step, and each is replaced here without changing what a kernel sees:
+- numba's BlockManager polls every thread in a busy loop to see which ones wait in
+  syncthreads(); under the GIL that loop took most of the time (~13 s a step). A block's
+  threads share a barrier on a condition variable instead: syncthreads() returns once every
+  thread of the block that has not returned has reached it, which is what the polling decided.
+- a new OS thread per GPU thread per block (~150 us each on a VM: most of an elementwise
+  kernel's time). A pool of threads is reused; each takes on the thread identity
+  (threadIdx, blockIdx, thread_id) the API reads from threading.current_thread().
+- cuda.shared.array() finding its allocation by the caller's file and line through
+  traceback.extract_stack(), which walks (and reads the source of) the whole stack on every
+  call in every thread: the caller's frame gives the same key.
+- numba's scalar types called as casts (`float32(0.0)`, all through the kernels) import the
+  signature machinery on every call before casting: the cast comes first here.
+- kernel array arguments wrapped for recarray-style field access, whose every index and
+  `.shape` went through extra Python calls (`.shape` through dir()): plain-dtype arrays reach
+  the kernel as the ndarray the wrapper held, the same memory.
+Kernels, arrays and the thread API are numba's own.
 """
 import os
 import re
@@ -16,7 +28,8 @@ import threading
 from pathlib import Path
 
 import numpy as np
-from numba.core import config
+from numba.core import config, types as _types
+from numba.np import numpy_support as _numpy_support
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,6 +71,14 @@ class _Barrier:
             self.live -= 1
             if self.waiting and self.waiting == self.live:
                 self._release()
+            if not self.live:
+                self.cond.notify_all()
+
+    def join(self):
+        """Wait until every thread of the block has returned."""
+        with self.cond:
+            while self.live:
+                self.cond.wait()
 
     def _release(self):
         self.waiting = 0
@@ -65,29 +86,59 @@ class _Barrier:
         self.cond.notify_all()
 
 
+class _PoolThread(threading.Thread):
+    """A simulator thread that runs one GPU thread after another: the attributes numba's
+    kernel API and BlockThread's syncthreads_* read are set for each job."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.ready = threading.Semaphore(0)
+        self.job = None
+        self.start()
+
+    def run(self):
+        while True:
+            self.ready.acquire()
+            f, args, barrier = self.job
+            try:
+                f(*args)
+            except Exception as e:  # reported by the block's runner, as BlockThread.run words it
+                where = f"tid={list(self.threadIdx)} ctaid={list(self.blockIdx)}"
+                self.exception = (type(e)(f"{where}: {e}" if str(e) else where), sys.exc_info()[2])
+            finally:
+                barrier.leave()
+
+
+_idle: list[_PoolThread] = []
+_idle_lock = threading.Lock()
+
+
 def _run_block(self, grid_point, *args):
     from numba.cuda.simulator.kernel import BlockThread
+    from numba.cuda.simulator.kernelapi import Dim3
 
-    barrier = _Barrier(int(np.prod(self._block_dim)))
-
-    def target():
-        try:
-            self._f(*args)
-        finally:
-            barrier.leave()
-
-    threads = []
-    for block_point in np.ndindex(*self._block_dim):
-        t = BlockThread(target, self, grid_point, block_point, self._debug)
-        t.syncthreads = barrier.wait  # syncthreads_count/and/or call it too
-        threads.append(t)
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for t in threads:
-        if t.exception:
-            raise t.exception[0].with_traceback(t.exception[1])
+    points = list(np.ndindex(*self._block_dim))
+    with _idle_lock:
+        workers = [_idle.pop() if _idle else None for _ in points]
+    workers = [w or _PoolThread() for w in workers]
+    barrier = _Barrier(len(points))
+    block_dim = Dim3(*self._block_dim)
+    block_idx = Dim3(*grid_point)
+    for w, point in zip(workers, points):
+        w.blockIdx, w.threadIdx = block_idx, Dim3(*point)
+        w.thread_id = point[0] + block_dim.x * (point[1] + block_dim.y * point[2])
+        w._manager, w.exception, w.abort = self, None, False
+        w.syncthreads = barrier.wait
+        for name in ("syncthreads_count", "syncthreads_and", "syncthreads_or"):
+            setattr(w, name, getattr(BlockThread, name).__get__(w))
+        w.job = (self._f, args, barrier)
+        w.ready.release()
+    barrier.join()
+    with _idle_lock:
+        _idle.extend(workers)
+    for w in workers:
+        if w.exception:
+            raise w.exception[0].with_traceback(w.exception[1])
 
 
 if config.ENABLE_CUDASIM:
@@ -95,3 +146,47 @@ if config.ENABLE_CUDASIM:
 
     if hasattr(_kernel, "BlockManager") and hasattr(_kernel, "BlockThread"):
         _kernel.BlockManager.run = _run_block
+    if hasattr(_kernel, "FakeWithinKernelCUDAArray"):
+        _wrap_array = _kernel.FakeWithinKernelCUDAArray
+
+        def _plain_array(item):
+            """A kernel's array argument as the ndarray it wraps: the wrapper only adds
+            recarray-style field access (kept for structured dtypes), and each index or
+            `.shape` through it cost microseconds (`.shape` calls dir() on the array)."""
+            ary = getattr(item, "_ary", None)
+            if isinstance(ary, np.ndarray) and ary.dtype.fields is None:
+                return ary
+            return _wrap_array(item)
+
+        _kernel.FakeWithinKernelCUDAArray = _plain_array
+
+    _type_call = _types.Type.__call__
+
+    def _cast_first(self, *args):
+        """numba's Type.__call__ with its cast case (one non-type argument) before the import it
+        needs only for signatures."""
+        if len(args) == 1 and isinstance(args[0], (int, float, np.generic)):  # not a Type: a cast
+            return self.cast_python_value(args[0])
+        return _type_call(self, *args)
+
+    _types.Type.__call__ = _cast_first
+
+    from numba.cuda.simulator import kernelapi as _kernelapi
+
+    if hasattr(_kernelapi, "FakeCUDAShared"):
+        _shared_array = _kernelapi.FakeCUDAShared.array
+
+        def _shared_array_by_caller(self, shape, dtype):
+            """numba's FakeCUDAShared.array, keyed by the caller's (file, line) as it is there."""
+            if shape == 0 or not isinstance(getattr(self, "_allocations", None), dict):
+                return _shared_array(self, shape, dtype)  # dynamic shared memory
+            caller = sys._getframe(1)
+            key = (caller.f_code.co_filename, caller.f_lineno)
+            res = self._allocations.get(key)
+            if res is None:
+                if isinstance(dtype, _types.Type):
+                    dtype = _numpy_support.as_dtype(dtype)
+                res = self._allocations[key] = np.empty(shape, dtype)
+            return res
+
+        _kernelapi.FakeCUDAShared.array = _shared_array_by_caller

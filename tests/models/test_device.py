@@ -36,7 +36,7 @@ def tiny(tmp_path_factory) -> Path:
     return make_hf_model(LlamaForCausalLM, cfg, 21, d / "hf")
 
 
-@pytest.mark.slow  # the CUDA simulator run: ~9 min on 2 shared cores
+@pytest.mark.slow  # the CUDA simulator run: ~3.5 min on 2 cores
 def test_under_the_simulator():
     if cuda.simulated():
         pytest.skip("this process is the simulator run")
