@@ -12,8 +12,9 @@ arithmetic is float32 multiply-adds. Two ways to do that arithmetic:
   on an AMD EPYC (1.2-1.4x on SmolLM2's and OLMoE's shapes), 207-248 against 150-180 on a
   Xeon; the two are even at 128 (AMD) to 192 rows (Xeon), below that the per-tile
   dequantization dominates (bench/kernels/prefill_gemm.py).
-- Fewer rows (an expert's handful of tokens in a chunk, a short prompt): the numba 4x4
-  register-blocked kernel below, one parallel call, nothing dequantized twice.
+- Fewer rows (an expert's handful of tokens in a chunk, a short prompt): the numba
+  register-blocked kernel below (4 weight rows x 4 activation rows, 3 x 4 on 16-register
+  targets), one parallel call, nothing dequantized twice.
 
 Both sum in an order fixed by the tile shapes, never by the thread count (tiles are dealt to
 threads, not cut by them), so the same prompt gives the same bits with any number of threads.
@@ -36,10 +37,18 @@ from .cpu.checks import check_tensor, checked_x, int4_args, result_array
 from .cpu.codegen import FASTMATH
 from .cpu.dequant import deq_int4_row_at, deq_q8_row_at, deq_u16_row
 from .cpu.matvec import f32_row_dot, f32_rows_dot4
+from .cpu.target import narrow_tiles
 from .tasks import run_tasks
 
-# Rows dequantized per numba matmul tile: 16 rows x 4096 inputs x 4 B = 256 KB, L2-resident.
-_TILE = 16
+# Weight rows per register block of the numba kernel (_tile_matmul), times 4 activation rows. On
+# AVX-512's 32 vector registers 4 x 4: 16 accumulators and their 8 operands fit. On a
+# 16-register target (AVX2, cpu/target.narrow_tiles) they spilled: 3 x 4 ran 53-58 GFLOP/s
+# against 43-45 for 4 x 4 on one core of the AVX2 EPYC (a 16-row tile, 2048 inputs, 16 and 48
+# activation rows). The bits of a row follow the form, as the vector width already makes them.
+_WROWS = 3 if narrow_tiles() else 4
+# Rows dequantized per numba matmul tile, a multiple of _WROWS: 16 (or 15) rows x 4096 inputs x
+# 4 B = 256 KB, L2-resident.
+_TILE = 16 - 16 % _WROWS
 BLAS_MIN_ROWS = 192  # activation rows from which BLAS wins (bench/kernels/prefill_gemm.py: 128 on an AMD EPYC, ~192 on a Xeon)
 
 
@@ -105,19 +114,61 @@ def _dot4x4(w, j, x, l, y, y0):
 
 
 @njit(cache=True, fastmath=FASTMATH)
+def _dot3x4(w, j, x, l, y, y0):
+    """_dot4x4 for three weight rows (16-register targets: _WROWS)."""
+    a00 = a01 = a02 = np.float32(0.0)
+    a10 = a11 = a12 = np.float32(0.0)
+    a20 = a21 = a22 = np.float32(0.0)
+    a30 = a31 = a32 = np.float32(0.0)
+    for k in range(x.shape[1]):
+        w0 = w[j, k]
+        w1 = w[j + 1, k]
+        w2 = w[j + 2, k]
+        x0 = x[l, k]
+        x1 = x[l + 1, k]
+        x2 = x[l + 2, k]
+        x3 = x[l + 3, k]
+        a00 += w0 * x0
+        a01 += w1 * x0
+        a02 += w2 * x0
+        a10 += w0 * x1
+        a11 += w1 * x1
+        a12 += w2 * x1
+        a20 += w0 * x2
+        a21 += w1 * x2
+        a22 += w2 * x2
+        a30 += w0 * x3
+        a31 += w1 * x3
+        a32 += w2 * x3
+    c = y0 + j
+    y[l, c], y[l, c + 1], y[l, c + 2] = a00, a01, a02
+    y[l + 1, c], y[l + 1, c + 1], y[l + 1, c + 2] = a10, a11, a12
+    y[l + 2, c], y[l + 2, c + 1], y[l + 2, c + 2] = a20, a21, a22
+    y[l + 3, c], y[l + 3, c + 1], y[l + 3, c + 2] = a30, a31, a32
+
+
+@njit(cache=True, fastmath=FASTMATH)
 def _tile_matmul(w, nr, x, y, y0):
-    """y[:, y0 : y0+nr] = x @ w[:nr].T for a dequantized tile w."""
+    """y[:, y0 : y0+nr] = x @ w[:nr].T for a dequantized tile w: register blocks of _WROWS
+    weight rows x 4 activation rows, then the rows past them."""
     L = x.shape[0]
     l4 = L - L % 4
+    jw = nr - nr % _WROWS
     j4 = nr - nr % 4
     for l in range(0, l4, 4):
-        for j in range(0, j4, 4):
-            _dot4x4(w, j, x, l, y, y0)
+        for j in range(0, jw, _WROWS):
+            if _WROWS == 3:
+                _dot3x4(w, j, x, l, y, y0)
+            else:
+                _dot4x4(w, j, x, l, y, y0)
     for l in range(L):
         xl = x[l]
-        if l >= l4:
-            for j in range(0, j4, 4):
-                f32_rows_dot4(w, j, xl, y, l, y0 + j)
+        if l < l4:  # the weight rows past the register blocks
+            for j in range(jw, nr):
+                y[l, y0 + j] = f32_row_dot(w, j, xl)
+            continue
+        for j in range(0, j4, 4):  # the activation rows past them
+            f32_rows_dot4(w, j, xl, y, l, y0 + j)
         for j in range(j4, nr):
             y[l, y0 + j] = f32_row_dot(w, j, xl)
 
