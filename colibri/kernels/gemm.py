@@ -73,10 +73,14 @@ TILE_BYTES = max(1 << 19, _l2_bytes() * 3 // 4)
 # --- few rows: a dequantized tile of weight rows against all L activation rows, in numba ---
 
 
-# Four weight rows x four activation rows per pass over k: 8 loads feed 16 FMAs. Measured on
-# a 16-row tile, L=64: 4x4 ~160 GFLOP/s per core, 4x2 ~85, 4x1 ~50.
+# Register blocks of _WROWS weight rows x four activation rows per pass over k. Measured on
+# a 16-row tile, L=64, AVX-512: 4x4 ~160 GFLOP/s per core, 4x2 ~85, 4x1 ~50.
 @njit(cache=True, fastmath=FASTMATH)
-def _dot4x4(w, j, x, l, y, y0):
+def _dot_block(w, j, x, l, y, y0):
+    """y[l:l+4, y0+j : y0+j+_WROWS] = x[l:l+4] @ w[j:j+_WROWS].T. The fourth weight row's
+    lines run only where _WROWS is 4, a constant when this compiles: the 3-row form has no
+    trace of them."""
+    four = _WROWS == 4
     a00 = a01 = a02 = a03 = np.float32(0.0)
     a10 = a11 = a12 = a13 = np.float32(0.0)
     a20 = a21 = a22 = a23 = np.float32(0.0)
@@ -85,45 +89,6 @@ def _dot4x4(w, j, x, l, y, y0):
         w0 = w[j, k]
         w1 = w[j + 1, k]
         w2 = w[j + 2, k]
-        w3 = w[j + 3, k]
-        x0 = x[l, k]
-        x1 = x[l + 1, k]
-        x2 = x[l + 2, k]
-        x3 = x[l + 3, k]
-        a00 += w0 * x0
-        a01 += w1 * x0
-        a02 += w2 * x0
-        a03 += w3 * x0
-        a10 += w0 * x1
-        a11 += w1 * x1
-        a12 += w2 * x1
-        a13 += w3 * x1
-        a20 += w0 * x2
-        a21 += w1 * x2
-        a22 += w2 * x2
-        a23 += w3 * x2
-        a30 += w0 * x3
-        a31 += w1 * x3
-        a32 += w2 * x3
-        a33 += w3 * x3
-    c = y0 + j
-    y[l, c], y[l, c + 1], y[l, c + 2], y[l, c + 3] = a00, a01, a02, a03
-    y[l + 1, c], y[l + 1, c + 1], y[l + 1, c + 2], y[l + 1, c + 3] = a10, a11, a12, a13
-    y[l + 2, c], y[l + 2, c + 1], y[l + 2, c + 2], y[l + 2, c + 3] = a20, a21, a22, a23
-    y[l + 3, c], y[l + 3, c + 1], y[l + 3, c + 2], y[l + 3, c + 3] = a30, a31, a32, a33
-
-
-@njit(cache=True, fastmath=FASTMATH)
-def _dot3x4(w, j, x, l, y, y0):
-    """_dot4x4 for three weight rows (16-register targets: _WROWS)."""
-    a00 = a01 = a02 = np.float32(0.0)
-    a10 = a11 = a12 = np.float32(0.0)
-    a20 = a21 = a22 = np.float32(0.0)
-    a30 = a31 = a32 = np.float32(0.0)
-    for k in range(x.shape[1]):
-        w0 = w[j, k]
-        w1 = w[j + 1, k]
-        w2 = w[j + 2, k]
         x0 = x[l, k]
         x1 = x[l + 1, k]
         x2 = x[l + 2, k]
@@ -140,11 +105,19 @@ def _dot3x4(w, j, x, l, y, y0):
         a30 += w0 * x3
         a31 += w1 * x3
         a32 += w2 * x3
+        if four:
+            w3 = w[j + 3, k]
+            a03 += w3 * x0
+            a13 += w3 * x1
+            a23 += w3 * x2
+            a33 += w3 * x3
     c = y0 + j
     y[l, c], y[l, c + 1], y[l, c + 2] = a00, a01, a02
     y[l + 1, c], y[l + 1, c + 1], y[l + 1, c + 2] = a10, a11, a12
     y[l + 2, c], y[l + 2, c + 1], y[l + 2, c + 2] = a20, a21, a22
     y[l + 3, c], y[l + 3, c + 1], y[l + 3, c + 2] = a30, a31, a32
+    if four:
+        y[l, c + 3], y[l + 1, c + 3], y[l + 2, c + 3], y[l + 3, c + 3] = a03, a13, a23, a33
 
 
 @njit(cache=True, fastmath=FASTMATH)
@@ -157,10 +130,7 @@ def _tile_matmul(w, nr, x, y, y0):
     j4 = nr - nr % 4
     for l in range(0, l4, 4):
         for j in range(0, jw, _WROWS):
-            if _WROWS == 3:
-                _dot3x4(w, j, x, l, y, y0)
-            else:
-                _dot4x4(w, j, x, l, y, y0)
+            _dot_block(w, j, x, l, y, y0)
     for l in range(L):
         xl = x[l]
         if l < l4:  # the weight rows past the register blocks
