@@ -296,7 +296,7 @@ def main() -> None:
         engines.append(("llama", a.llama_python))
     if not a.no_transformers and not a.contexts:
         engines.append(("transformers", sys.executable))
-    common = ["--gguf", a.gguf, "--container", a.container, "--threads", str(a.threads), "--tokens", str(a.tokens),
+    common = ["--gguf", str(Path(a.gguf).resolve()), "--container", str(Path(a.container).resolve()), "--threads", str(a.threads), "--tokens", str(a.tokens),
               "--prompt-words", str(a.prompt_words)]
     if a.contexts:
         common += ["--contexts", a.contexts]
@@ -304,15 +304,18 @@ def main() -> None:
     def once(engine):
         name, py = engine
         t_spawn = time.time()
-        cmd, child_env_ = [*module_command(__spec__.name, py), "--child", name], env
-        if name == "colibri-base":  # the other tree's script imports that tree's colibri
-            base = Path(a.baseline_tree)
+        cmd, child_env_, cwd = [*module_command(__spec__.name, py), "--child", name], env, None
+        if name == "colibri-base":
+            # The other tree's script, importing that tree's colibri: PYTHONPATH names only it, and
+            # it is the working directory too, since `python -m` puts the working directory on
+            # sys.path ahead of PYTHONPATH (run from this checkout, the "baseline" was this tree).
+            base = Path(a.baseline_tree).resolve()
+            child_env_, cwd = {**env, "PYTHONPATH": str(base)}, base
             if (base / "bench" / "peers" / "decode_vs_peers.py").exists():
-                cmd, child_env_ = [py, "-m", "bench.peers.decode_vs_peers", "--child", "colibri"], {
-                    **env, "PYTHONPATH": str(base.resolve())}
+                cmd = [py, "-m", "bench.peers.decode_vs_peers", "--child", "colibri"]
             else:  # a tree from before bench/ was grouped
                 cmd = [py, str(base / "bench" / "decode_vs_peers.py"), "--child", "colibri"]
-        p = subprocess.run([*cmd, *common], capture_output=True, text=True, env=child_env_)
+        p = subprocess.run([*cmd, *common], capture_output=True, text=True, env=child_env_, cwd=cwd)
         if p.returncode != 0:
             print(f"{name} failed: {p.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
             return None
