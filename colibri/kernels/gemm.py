@@ -42,9 +42,10 @@ from .tasks import run_tasks
 
 # Weight rows per register block of the numba kernel (_tile_matmul), times 4 activation rows. On
 # AVX-512's 32 vector registers 4 x 4: 16 accumulators and their 8 operands fit. On a
-# 16-register target (AVX2, cpu/target.narrow_tiles) they spilled: 3 x 4 ran 53-58 GFLOP/s
-# against 43-45 for 4 x 4 on one core of the AVX2 EPYC (a 16-row tile, 2048 inputs, 16 and 48
-# activation rows). The bits of a row follow the form, as the vector width already makes them.
+# 16-register target (AVX2, cpu/target.narrow_tiles) they spilled: on one core of the AVX2 EPYC
+# the matmul of a 1024x2048 int4 matrix with 16 rows ran 45-48 GFLOP/s in 3 x 4 against 32-36
+# (`COLIBRI_TILES=narrow|wide python -m bench.kernels.prefill_gemm --threads 1`). Each output's
+# sum over k is the same loop either way: the two forms give the same bits.
 _WROWS = 3 if narrow_tiles() else 4
 # Rows dequantized per numba matmul tile, a multiple of _WROWS: 16 (or 15) rows x 4096 inputs x
 # 4 B = 256 KB, L2-resident.
