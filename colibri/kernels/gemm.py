@@ -44,8 +44,11 @@ from .tasks import run_tasks
 # AVX-512's 32 vector registers 4 x 4: 16 accumulators and their 8 operands fit. On a
 # 16-register target (AVX2, cpu/target.narrow_tiles) they spilled: on one core of the AVX2 EPYC
 # the matmul of a 1024x2048 int4 matrix with 16 rows ran 45-48 GFLOP/s in 3 x 4 against 32-36
-# (`COLIBRI_TILES=narrow|wide python -m bench.kernels.prefill_gemm --threads 1`). Each output's
-# sum over k is the same loop either way: the two forms give the same bits.
+# (`COLIBRI_TILES=narrow|wide python -m bench.kernels.prefill_gemm --threads 1`). The forms cut
+# a tile's edges differently (the rows past the blocks take f32_rows_dot4 / f32_row_dot), so a
+# few outputs differ between them in float32 rounding, as prefill's outputs already differ
+# between vector widths (fast-math sums); decode's tiles are the ones kept bit-equal across
+# CPU classes (tests/kernels/test_rows.py).
 _WROWS = 3 if narrow_tiles() else 4
 # Rows dequantized per numba matmul tile, a multiple of _WROWS: 16 (or 15) rows x 4096 inputs x
 # 4 B = 256 KB, L2-resident.
