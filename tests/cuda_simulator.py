@@ -91,9 +91,13 @@ class _PoolThread(threading.Thread):
     kernel API and BlockThread's syncthreads_* read are set for each job."""
 
     def __init__(self):
+        from numba.cuda.simulator.kernel import BlockThread
+
         super().__init__(daemon=True)
         self.ready = threading.Semaphore(0)
         self.job = None
+        for name in ("syncthreads_count", "syncthreads_and", "syncthreads_or"):  # they call self.syncthreads
+            setattr(self, name, getattr(BlockThread, name).__get__(self))
         self.start()
 
     def run(self):
@@ -114,7 +118,6 @@ _idle_lock = threading.Lock()
 
 
 def _run_block(self, grid_point, *args):
-    from numba.cuda.simulator.kernel import BlockThread
     from numba.cuda.simulator.kernelapi import Dim3
 
     points = list(np.ndindex(*self._block_dim))
@@ -127,10 +130,8 @@ def _run_block(self, grid_point, *args):
     for w, point in zip(workers, points):
         w.blockIdx, w.threadIdx = block_idx, Dim3(*point)
         w.thread_id = point[0] + block_dim.x * (point[1] + block_dim.y * point[2])
-        w._manager, w.exception, w.abort = self, None, False
+        w._manager, w.exception = self, None  # _manager: the syncthreads_* block state
         w.syncthreads = barrier.wait
-        for name in ("syncthreads_count", "syncthreads_and", "syncthreads_or"):
-            setattr(w, name, getattr(BlockThread, name).__get__(w))
         w.job = (self._f, args, barrier)
         w.ready.release()
     barrier.join()

@@ -209,11 +209,12 @@ def main() -> None:
     ram_gb = a.ram_gb if a.ram_gb is not None else a.limit_gb - (0.45 if a.limit_gb < 4 else 1.5)
     per_tok_expert = sum(l.blob_bytes * int(c.config.get("num_experts_per_tok", 8))
                          for l in c.expert_layouts.values())
+    streams = max(1, a.read_threads)
     drop_caches()
-    bw_one = disk_bandwidth(gguf_file or a.model)
-    drop_caches()
-    # The bound uses the better of one stream and the engine's reader count (the disk's best).
-    bw = max(bw_one, disk_bandwidth(gguf_file or a.model, streams=max(1, a.read_threads)))
+    bw = bw_one = disk_bandwidth(gguf_file or a.model)
+    if streams > 1:  # the bound uses the better of one stream and the engine's reader count
+        drop_caches()
+        bw = max(bw_one, disk_bandwidth(gguf_file or a.model, streams=streams))
     env = child_env({"NUMBA_NUM_THREADS": str(a.threads), "OMP_NUM_THREADS": str(a.threads)})
     common = ["--model", str(a.model), "--tokens", str(a.tokens),
               "--threads", str(a.threads), "--expert-io", a.expert_io, "--ram-gb", str(ram_gb)]
@@ -260,8 +261,8 @@ def main() -> None:
 
     interleaved(engines, a.repeats, once, on_result=record)  # A B A B
     report = {"model": str(a.model), "dense_bytes": c.dense_bytes, "expert_bytes": c.expert_bytes,
-              "routed_bytes_per_token": per_tok_expert, "disk_bw": bw, "disk_bw_one_stream": bw_one, "limit_gb": a.limit_gb,
-              "colibri_ram_gb": ram_gb, "tokens": a.tokens, "rows": rows}
+              "routed_bytes_per_token": per_tok_expert, "disk_bw": bw, "disk_bw_one_stream": bw_one,
+              "limit_gb": a.limit_gb, "colibri_ram_gb": ram_gb, "tokens": a.tokens, "rows": rows}
     summary = {}
     for r in rows:
         if "error" not in r:
@@ -272,7 +273,7 @@ def main() -> None:
             return
     print(machine_line())
     print(f"disk (O_DIRECT 4 MiB reads, cold): {bw_one / 1e9:.2f} GB/s one stream, {bw / 1e9:.2f} GB/s the "
-          f"better of that and {max(1, a.read_threads)}; routed expert bytes per token "
+          f"better of that and {streams}; routed expert bytes per token "
           f"{per_tok_expert / 1e9:.3f} GB; no-hit disk-bound limit {bw / per_tok_expert:.2f} tok/s; "
           f"memory limit {a.limit_gb} GiB, colibri budget {ram_gb:.2f} GiB")
     print(f"{'engine':25} {'state':5} {'tok/s':>7} {'hit':>5} {'GB/tok':>7} {'limit tok/s':>11} {'% limit':>7} "
