@@ -181,6 +181,7 @@ def _decide_over(seconds: float) -> ThreadPolicy:
     return p
 
 
+@pytest.mark.alone  # the idle half needs the other worker quiet
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or th.usable_cores() < 2, reason="needs 2 usable cores")
 def test_a_busy_process_takes_a_thread_and_an_idle_machine_gets_them_all():
     cores = min(th.usable_cores(), th.pool_size())
