@@ -45,7 +45,7 @@ def test_a_cut_back_cache_decodes_as_one_that_never_went_further(engine):
     cut = model.new_cache(64)
     model.forward(np.asarray(ids), cut)            # 41 positions: CSA entries of 10 windows
     cut.truncate(22)                               # mid-window: CSA keeps 5 entries, HCA 2
-    assert [len(v) for v in cut._entries.values()] == [5, 5, 2, 5, 5]
+    assert list(cut._counts.values()) == [5, 5, 2, 5, 5]
     plain = model.new_cache(64)
     model.forward(np.asarray(ids[:22]), plain)
     for t in ids[22:30]:  # (prefills of 41 and 22 rows may round differently: close, not equal)

@@ -1,18 +1,21 @@
 """One decode step of an MLA model at long contexts: DeepSeek-V3 / Kimi-K2 (dense MLA), GLM-5
 (MLA over the DSA indexer's top-k tokens) and GLM-5.3-Flash (NoPE MLA over the pooled
-indexer's pools, between KDA layers), each a slice of its real shapes.
+indexer's pools, between KDA layers), each a slice of its real shapes; likewise DeepSeek V4's
+compressed attention (a sliding window, plus the 4:1 entries its indexer picks from or the
+128:1 entries).
 
     python -m bench.engine.mla_decode --model SLICE [--contexts 2048,8192,32768] [--repeats 5]
 
 SLICE: `python -m tools.synthetic_moe DIR --preset P --layers N` (deepseek-v3 --layers 3, glm-5
 --layers 3: their leading dense layers; glm-5.3-flash --layers 4: three KDA layers and the first
-indexed one); `--shrink N` instead builds a glm-5.3-flash slice at 1/N of the width in a
-temporary directory (the tests' smoke run).
+indexed one; deepseek-v4-flash --layers 4: three HCA layers, then a CSA one); `--shrink N`
+instead builds a glm-5.3-flash slice at 1/N of the width in a temporary directory (the tests'
+smoke run).
 
-The cache's rows (latents, rope keys, indexer keys) are filled with random values up to the
-context rather than by a prefill (an 8k prompt takes minutes on 2 cores at these widths): the
-work of a step depends on the context's length, not on what the rows hold. Each step is one
-forward of one token (the whole slice: its attention, FFNs and head); the time printed is the
+The cache's rows (latents, rope keys, indexer keys; V4's key=value rows, compressor rows and
+compressed entries) are filled with random values up to the context rather than by a prefill
+(an 8k prompt takes minutes on 2 cores at these widths): the work of a step depends on the
+context's length, not on what the rows hold. Each step is one forward of one token (the whole slice: its attention, FFNs and head); the time printed is the
 median over --repeats steps. Where the cache keeps the pooled indexer's pool keys between steps
 (GLM-5.3-Flash), a second column clears them before each step: every complete pool's key
 recomputed, as each step did before they were kept.
@@ -29,11 +32,28 @@ import numpy as np
 from bench.common import add_json_arg, machine_line, write_json
 
 
-def fill(cache, n: int, rng) -> None:
+def fill(cache, n: int, rng, args) -> None:
     """Random rows for the cache's first n positions, in every attention layer's arrays."""
+    from colibri.models.deepseek_v4 import CSA, V4Cache
+
     cache.reserve(n)
-    for a in list(cache.k) + list(cache.v):
-        a[:, :n] = rng.standard_normal(a[:, :n].shape, dtype=np.float32).astype(a.dtype)
+    if not isinstance(cache, V4Cache):
+        for a in list(cache.k) + list(cache.v):
+            a[:, :n] = rng.standard_normal(a[:, :n].shape, dtype=np.float32).astype(a.dtype)
+        cache.length = n
+        return
+    # DeepSeek V4: every position's key=value row, each compressed layer's ring of compressor
+    # rows (the last RING positions) and the entries of every window the n positions finish
+    for a in cache.k:
+        a[:, :n] = rng.standard_normal(a[:, :n].shape, dtype=np.float32)
+    for layer in range(args.num_hidden_layers):
+        if not args.rate(layer):
+            continue
+        held = min(n, cache.ring)
+        cache.write_rows(layer, n - held, rng.standard_normal((held, args.row_width(layer)), dtype=np.float32))
+        cache.entries(layer, "kv", n, lambda w: rng.standard_normal(args.head_dim, dtype=np.float32))
+        if args.layer_types[layer] == CSA:
+            cache.entries(layer, "index", n, lambda w: rng.standard_normal(args.index_head_dim, dtype=np.float32))
     cache.length = n
 
 
@@ -66,7 +86,7 @@ def main() -> None:
     rows = []
     for n in (int(c) for c in a.contexts.split(",")):
         cache = model.new_cache(n + 2 * a.repeats + 2)
-        fill(cache, n, rng)
+        fill(cache, n, rng, model.args)
         ways = ["kept", "recomputed"] if hasattr(cache, "pool_keys") else ["step"]
         times = {w: [] for w in ways}
         model.forward(np.asarray([1]), cache)  # first use: compiles, and fills what a cache keeps

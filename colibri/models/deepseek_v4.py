@@ -248,7 +248,10 @@ class V4Cache(KVCache):
         self.ring = 2 * max(self._rates.values(), default=0) + (ROW_SLACK if slack is None else slack)
         super().__init__(n, 1, args.head_dim, max_tokens)
         self._low = {i: 0 for i in self._rates}  # per compressed layer: the oldest position whose rows the ring holds
-        self._entries: dict[tuple[int, str], list] = {}  # (layer, "kv" | "index") -> window entries [C]
+        # (layer, "kv" | "index") -> [capacity, C] rows, the first _counts[key] of them the
+        # entries of the windows finished so far (grown by doubling: a step appends one)
+        self._entries: dict[tuple[int, str], np.ndarray] = {}
+        self._counts: dict[tuple[int, str], int] = {}
 
     def _arrays(self, num_layers: int, cap: int) -> tuple[list, list]:
         """K arrays [1, cap, Dh] and the rings [1, RING, W] (a fixed size, whatever cap)."""
@@ -294,10 +297,19 @@ class V4Cache(KVCache):
         """Layer `layer`'s `name` entries of every window the first n positions finish
         [n // m, C] (n: the positions whose rows this layer has); `make(w)` computes window w's
         entry, once per window."""
-        kept = self._entries.setdefault((layer, name), [])
-        for w in range(len(kept), n // self._rates[layer]):
-            kept.append(make(w))
-        return np.stack(kept) if kept else np.zeros((0, 1), np.float32)
+        key = (layer, name)
+        rows, count = self._entries.get(key), self._counts.get(key, 0)
+        for w in range(count, n // self._rates[layer]):
+            entry = make(w)
+            if rows is None or w == rows.shape[0]:
+                grown = np.empty((max(16, 2 * w, n // self._rates[layer]), entry.shape[0]), np.float32)
+                if rows is not None:
+                    grown[:w] = rows[:w]
+                self._entries[key] = rows = grown
+            rows[w] = entry
+            count = self._counts[key] = w + 1
+        # a view, valid until the next pass appends: the callers use it within the layer
+        return rows[:count] if count else np.zeros((0, 1), np.float32)
 
     # -- cutting back ----------------------------------------------------------------------
     def truncate(self, n: int) -> None:
@@ -310,8 +322,8 @@ class V4Cache(KVCache):
         super().truncate(n)
         if self.length == 0:
             self._low = {i: 0 for i in self._rates}
-        for (layer, _), kept in self._entries.items():
-            del kept[self.length // self._rates[layer]:]
+        for key in self._counts:
+            self._counts[key] = min(self._counts[key], self.length // self._rates[key[0]])
 
     def rewind(self, n: int) -> int:
         """Keep the first n positions where that is exact, else none; returns how many."""
@@ -326,20 +338,22 @@ class V4Cache(KVCache):
     # -- persistence (io/kv_store.py: K and the rings are saved as the K / V arrays) --------
     def saved_state(self) -> dict[str, np.ndarray]:
         arrays = {"low": np.asarray([self._low[i] for i in sorted(self._rates)], np.int64)}
-        for (layer, name), kept in self._entries.items():
-            if kept:
-                arrays[f"entries{layer}_{name}"] = np.stack(kept[: self.length // self._rates[layer]])
+        for (layer, name), rows in self._entries.items():
+            count = min(self._counts[layer, name], self.length // self._rates[layer])
+            if count:
+                arrays[f"entries{layer}_{name}"] = rows[:count].copy()
         return arrays
 
     def restore_state(self, arrays) -> None:
         if "low" not in arrays:
             raise ValueError("no deepseek_v4 compressor state in the file")
         self._low = dict(zip(sorted(self._rates), np.asarray(arrays["low"]).tolist()))
-        self._entries = {}
+        self._entries, self._counts = {}, {}
         for key in arrays:
             if key.startswith("entries"):
                 layer, name = key[len("entries"):].split("_", 1)
-                self._entries[(int(layer), name)] = list(np.array(arrays[key], np.float32))
+                rows = np.array(arrays[key], np.float32)
+                self._entries[int(layer), name], self._counts[int(layer), name] = rows, rows.shape[0]
 
     @property
     def bytes_per_token(self) -> int:
@@ -432,6 +446,18 @@ class Indexer:
 
 
 # ----------------------------------------------------------------------------- attention
+def _seen_of_two(visible: np.ndarray, window: np.ndarray, entries: np.ndarray) -> tuple:
+    """seen_rows(visible, window's rows then the entries) for one query, without joining the two
+    first (that copied every entry a token: 16 MB a CSA layer at 32k): the same rows in the
+    same order, so the same bits."""
+    seen = np.flatnonzero(visible[0])
+    if 2 * seen.size > visible.shape[1]:
+        return visible, np.concatenate([window, entries])
+    nw = window.shape[0]
+    rows = np.concatenate([window[seen[seen < nw]], entries[seen[seen >= nw] - nw]])
+    return np.ones((1, seen.size), bool), rows
+
+
 def v4_attention(q: np.ndarray, keys: np.ndarray, pos0: int, window: int, scale: np.float32, sinks: np.ndarray,
                  entries: np.ndarray | None = None, entry_mask: np.ndarray | None = None) -> np.ndarray:
     """Queries q [L, H, Dh] at positions pos0.. over the shared key=value rows keys [N, Dh]
@@ -448,12 +474,14 @@ def v4_attention(q: np.ndarray, keys: np.ndarray, pos0: int, window: int, scale:
         kpos = np.arange(first, pos0 + b)
         seen = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - window)  # [l, n]
         kv = keys[first:pos0 + b]
-        if entries is not None and entries.shape[0]:
-            kv = np.concatenate([kv, entries])
-            seen = np.concatenate([seen, entry_mask[a:b]], axis=1)
         nq = b - a
+        joined = entries is not None and entries.shape[0] > 0
+        if joined:
+            seen = np.concatenate([seen, entry_mask[a:b]], axis=1)
         if nq == 1:  # one query (decode, and each row of a batch or a draft): only the rows it sees
-            seen, kv = seen_rows(seen, kv)
+            seen, kv = _seen_of_two(seen, kv, entries) if joined else seen_rows(seen, kv)
+        elif joined:
+            kv = np.concatenate([kv, entries])
         # every head against the same rows: [nq H, Dh] @ [Dh, n], one GEMM
         s = (q[a:b].reshape(nq * H, Dh) @ kv.T).reshape(nq, H, -1) * scale  # [nq, H, n]
         s = np.where(seen[:, None, :], s, np.float32(-np.inf))
