@@ -8,9 +8,11 @@ Benchmark only: no asserts.
     python -m bench.kernels.int4_tiles --versions /tmp/before/colibri/kernels/cpu [--shapes 576:4,1536:4,576:400]
 
 Each --shapes item is INPUTS:MB (SmolLM2's rows have 576 and 1536 inputs; 4 MB stays in the
-L3, 400 MB does not). The copies run alternately, each first in turn (the second of two runs
-was up to ~10% faster), and their outputs are compared bit for bit: a change that
-only reorders work must print "same bits". Medians and best of --repeats runs.
+L3, 400 MB does not, 0.4 MB stays in two cores' L2). One core's arithmetic alone:
+NUMBA_NUM_THREADS=1, a matrix in L2 and --calls 200, so that a run lasts milliseconds. The
+copies run alternately, each first in turn (the second of two runs was up to ~10% faster), and
+their outputs are compared bit for bit: a change that only reorders work must print "same
+bits". Medians and best of --repeats runs.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from numba import get_num_threads
 
 from bench.common import REPO, machine_line, median
 from bench.common import interleaved as interleaved_runs  # (colibri.formats.qtensor has an `interleaved` too)
@@ -67,6 +70,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="576:4,1536:4,576:400,1536:400", help="INPUTS:MB, comma-separated")
     ap.add_argument("--scheme", default="q4_1", choices=["q4_1", "q4_0", "int4_g64"])
     ap.add_argument("--repeats", type=int, default=12)
+    ap.add_argument("--calls", type=int, default=1, help="back-to-back passes per timed run (a matrix in L2 takes\n"
+                    "tens of microseconds a pass: time many)")
     a = ap.parse_args()
 
     from colibri.kernels import quantize
@@ -77,9 +82,10 @@ def main() -> None:
     modules = [load(p, f"cpu_copy{i}") for i, p in enumerate(paths)]
     rng = np.random.default_rng(0)
     print(machine_line())
-    print(f"{a.scheme}, 2 threads, {a.repeats} alternated runs: median (best) GB/s of q, scales and mins")
+    print(f"{a.scheme}, {min(2, get_num_threads())} threads, {a.repeats} alternated runs of {a.calls} passes: "
+          "median (best) GB/s of q, scales and mins")
     for item in a.shapes.split(","):
-        cols, mb = (int(v) for v in item.split(":"))
+        cols, mb = int(item.split(":")[0]), float(item.split(":")[1])
         rows = int(mb * 1e6 / (cols * 0.5625)) // 64 * 64
         w = np.empty((rows, cols), np.float32)
         for r in range(0, rows, 4096):
@@ -95,15 +101,16 @@ def main() -> None:
         def once(i):
             modules[i].run(*args[i], *prepared[i], outs[i])  # compiled, and the matrix touched
             t0 = time.perf_counter()
-            modules[i].run(*args[i], *prepared[i], outs[i])
-            return nbytes / (time.perf_counter() - t0) / 1e9
+            for _ in range(a.calls):
+                modules[i].run(*args[i], *prepared[i], outs[i])
+            return a.calls * nbytes / (time.perf_counter() - t0) / 1e9
 
         runs = interleaved_runs(range(len(modules)), a.repeats, once, alternate=True)
         rates = [runs[i] for i in range(len(modules))]
         same = all(np.array_equal(outs[0], o) for o in outs[1:])
         cells = "  ".join(f"{n} {median(r):5.1f} ({max(r):5.1f})" for n, r in zip(names, rates))
         bits = "" if len(modules) == 1 else ("  same bits" if same else "  outputs DIFFER")
-        print(f"{rows:>8} x {cols:<5} {nbytes / 1e6:5.0f} MB  {cells}{bits}")
+        print(f"{rows:>8} x {cols:<5} {nbytes / 1e6:6.1f} MB  {cells}{bits}")
 
 
 if __name__ == "__main__":
