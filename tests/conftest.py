@@ -32,7 +32,8 @@ def pytest_collection_modifyitems(config, items):
     """The suite runs on two pytest-xdist workers (pyproject.toml: `-n 2 --dist loadgroup`): a
     file's tests stay on one worker, so its module fixtures (a converted model, a running
     server) are built once. Everything that starts a Ray cluster shares one group: the network
-    namespace clusters (tools/netns_cluster.py) take one fixed subnet, so two at once would collide."""
+    namespace clusters (tools/netns_cluster.py) take one fixed subnet, so two at once would
+    collide."""
     for item in items:
         path = item.path.as_posix()
         cluster = "/tests/cluster/" in path or (item.path.name == "test_bench_scripts.py" and "cluster" in item.name)
@@ -45,10 +46,11 @@ def pytest_runtest_protocol(item, nextitem):
     that checks what an idle machine does cannot run beside another test). Every test holds a
     shared lock while it runs, fixtures included; an `alone` test holds it exclusively, and the
     gate held while it waits keeps the other worker from starting a test meanwhile."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run is None:  # one process: every test is alone
+    worker = getattr(item.config, "workerinput", None)  # only in an xdist worker (a pytest a test
+    if worker is None:  # starts inherits the worker's environment, not this): every test is alone
         yield
         return
+    run = worker["testrunuid"]
     import fcntl
 
     base = os.path.join(tempfile.gettempdir(), f"colibri-pytest-{run}")

@@ -15,10 +15,11 @@ smoke run).
 The cache's rows (latents, rope keys, indexer keys; V4's key=value rows, compressor rows and
 compressed entries) are filled with random values up to the context rather than by a prefill
 (an 8k prompt takes minutes on 2 cores at these widths): the work of a step depends on the
-context's length, not on what the rows hold. Each step is one forward of one token (the whole slice: its attention, FFNs and head); the time printed is the
-median over --repeats steps. Where the cache keeps the pooled indexer's pool keys between steps
-(GLM-5.3-Flash), a second column clears them before each step: every complete pool's key
-recomputed, as each step did before they were kept.
+context's length, not on what the rows hold. Each step is one forward of one token (the whole
+slice: its attention, FFNs and head); the time printed is the median over --repeats steps.
+Where the cache keeps the pooled indexer's pool keys between steps (GLM-5.3-Flash), a second
+column clears them before each step: every complete pool's key recomputed, as each step did
+before they were kept.
 """
 from __future__ import annotations
 
