@@ -276,3 +276,20 @@ def test_deepseek_names_without_transformers_prefix_convert_the_same(v4, tmp_pat
     assert set(bare.manifest["tensors"]) == set(Container(v4).manifest["tensors"])
     ids = prompt(21, 9)
     assert fresh(bare.dir, ids, 6) == fresh(v4, ids, 6)
+
+
+def test_one_query_gathers_the_rows_the_joined_mask_keeps():
+    """_seen_of_two: the rows and mask seen_rows gives over the window's rows joined with the
+    entries, without the join: the same arrays, so decode keeps its bits."""
+    from colibri.kernels.attention import seen_rows
+    from colibri.models.deepseek_v4 import _seen_of_two
+
+    rng = np.random.default_rng(3)
+    window, entries = rng.standard_normal((8, 4), dtype=np.float32), rng.standard_normal((40, 4), dtype=np.float32)
+    for kept in (5, 30):  # a sparse pick (rows gathered), and most rows (all kept, masked)
+        visible = np.zeros((1, 48), bool)
+        visible[0, :8] = True
+        visible[0, 8 + rng.choice(40, kept, replace=False)] = True
+        want_mask, want_rows = seen_rows(visible, np.concatenate([window, entries]))
+        mask, rows = _seen_of_two(visible, window, entries)
+        assert np.array_equal(mask, want_mask) and np.array_equal(rows, want_rows)

@@ -33,10 +33,17 @@ def seen_rows(visible: np.ndarray, *rows: np.ndarray) -> tuple:
     masked row weighs exp(-inf) = 0) for N / k times less work, which is what a sparse layer
     is for. The models take this path for every one-query pass alike (decode, and each row of
     a batch or a draft, which they run one by one), so those keep giving the same bits."""
-    seen = np.flatnonzero(visible[0])
-    if 2 * seen.size > visible.shape[1]:
+    seen = seen_index(visible)
+    if seen is None:
         return (visible, *rows)
     return (np.ones((1, seen.size), bool), *(r[seen] for r in rows))
+
+
+def seen_index(visible: np.ndarray) -> np.ndarray | None:
+    """seen_rows' rule: the indices of the rows one query sees (visible [1, N]) where they are at
+    most half of them, else None (the rows stay as they are)."""
+    seen = np.flatnonzero(visible[0])
+    return seen if 2 * seen.size <= visible.shape[1] else None
 
 
 class OnlineSoftmax:

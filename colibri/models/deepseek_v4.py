@@ -42,7 +42,7 @@ import numpy as np
 from colibri.errors import ColibriError
 from colibri.formats.qtensor import dequantize
 from colibri.kernels import embedding, ops
-from colibri.kernels.attention import seen_rows
+from colibri.kernels.attention import seen_index, seen_rows
 from colibri.kernels.moe import ExpertActivation
 from colibri.models.args import ModelArgs as BaseModelArgs
 from colibri.models.cache import KVCache
@@ -298,11 +298,11 @@ class V4Cache(KVCache):
         [n // m, C] (n: the positions whose rows this layer has); `make(w)` computes window w's
         entry, once per window."""
         key = (layer, name)
-        rows, count = self._entries.get(key), self._counts.get(key, 0)
-        for w in range(count, n // self._rates[layer]):
+        rows, count, finished = self._entries.get(key), self._counts.get(key, 0), n // self._rates[layer]
+        for w in range(count, finished):
             entry = make(w)
             if rows is None or w == rows.shape[0]:
-                grown = np.empty((max(16, 2 * w, n // self._rates[layer]), entry.shape[0]), np.float32)
+                grown = np.empty((max(16, 2 * w, finished), entry.shape[0]), np.float32)
                 if rows is not None:
                     grown[:w] = rows[:w]
                 self._entries[key] = rows = grown
@@ -450,8 +450,8 @@ def _seen_of_two(visible: np.ndarray, window: np.ndarray, entries: np.ndarray) -
     """seen_rows(visible, window's rows then the entries) for one query, without joining the two
     first (that copied every entry a token: 16 MB a CSA layer at 32k): the same rows in the
     same order, so the same bits."""
-    seen = np.flatnonzero(visible[0])
-    if 2 * seen.size > visible.shape[1]:
+    seen = seen_index(visible)
+    if seen is None:
         return visible, np.concatenate([window, entries])
     nw = window.shape[0]
     rows = np.concatenate([window[seen[seen < nw]], entries[seen[seen >= nw] - nw]])
